@@ -1,0 +1,131 @@
+"""The plan format (schema_version 1): a split of a profile into pipeline stages.
+
+Written by ``pipeplan plan``; read by ``show``, ``run``, ``export`` and ``check``.
+See docs/formats.md.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "SCHEDULES",
+    "PlanProfileRef",
+    "PlanSettings",
+    "PlanStage",
+    "Predicted",
+    "RankSummary",
+    "Alternative",
+    "SolverInfo",
+    "Plan",
+]
+
+#: Schedule names, one per torch.distributed.pipelining class.
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PlanProfileRef(_Strict):
+    """Which profile the plan was made from."""
+
+    model: str
+    sha256: str = Field(description="sha256 of the profile file's bytes.")
+
+
+class PlanSettings(_Strict):
+    """Every input that shaped the plan, so that it can be re-planned (``pipeplan check``)."""
+
+    stages: int = Field(gt=0, description="Pipeline ranks (GPUs).")
+    global_batch: int = Field(gt=0, description="Samples per iteration.")
+    microbatch_size: Optional[int] = Field(default=None, description="Fixed micro-batch size, or null to search.")
+    memory_cap_bytes: Optional[int] = Field(default=None, description="Per-GPU memory cap, or null for none.")
+    optimizer: Literal["adam", "sgd", "none"] = "adam"
+    bandwidth_bytes_per_s: Optional[float] = Field(
+        default=None, description="Point-to-point bandwidth; null means infinite (transfers ignored)."
+    )
+    schedule: str = Field(default="1f1b", description="Requested schedule, or 'auto'.")
+    virtual_stages: Optional[int] = Field(default=None, description="Requested stages per rank, or null to search.")
+    recompute: Literal["auto", "none", "all"] = "none"
+    solver: Literal["auto", "dp", "ilp"] = "auto"
+
+
+class PlanStage(_Strict):
+    """One pipeline stage: a run of layers placed on one rank."""
+
+    index: int = Field(ge=0, description="Stage number in pipeline order.")
+    rank: int = Field(ge=0, description="The rank (GPU) that runs it.")
+    layers: list[str] = Field(min_length=1, description="Layer names, in order.")
+    forward_ms: float = Field(description="Forward time of one micro-batch.")
+    backward_ms: float = Field(description="Backward time of one micro-batch (recompute included).")
+    transfer_ms: float = Field(default=0.0, description="Receive time per micro-batch at the bandwidth.")
+    send_bytes: int = Field(description="Bytes sent to later stages per micro-batch.")
+    param_bytes: int = Field(default=0, description="Bytes of the stage's parameters.")
+    activation_bytes: int = Field(default=0, description="Bytes kept for backward per micro-batch in flight.")
+    in_flight: int = Field(default=1, description="Micro-batches whose activations it holds at its peak.")
+    recompute: bool = Field(default=False, description="Keeps only its input and recomputes the forward.")
+    peak_memory_bytes: int = Field(description="Predicted peak memory of the stage.")
+
+
+class Predicted(_Strict):
+    """Predicted performance; the named parts add up to ``iteration_ms``."""
+
+    iteration_ms: float
+    bubble_fraction: float = Field(description="Idle share of all ranks' time.")
+    samples_per_second: float
+    bottleneck_stage: int
+    compute_ms: float = Field(default=0.0, description="Busy time of the bottleneck rank.")
+    bubble_ms: float = Field(default=0.0, description="Idle time of the bottleneck rank.")
+    transfer_ms: float = Field(default=0.0, description="Exposed transfer time of the bottleneck rank.")
+
+
+class RankSummary(_Strict):
+    """What one rank does in an iteration."""
+
+    rank: int
+    stages: list[int]
+    busy_ms: float
+    idle_ms: float
+    peak_memory_bytes: int
+
+
+class Alternative(_Strict):
+    """A runner-up configuration and why it lost."""
+
+    schedule: str
+    virtual_stages: int
+    microbatch_size: int
+    recompute: str
+    iteration_ms: Optional[float] = None
+    peak_memory_bytes: Optional[int] = None
+    reason: str
+
+
+class SolverInfo(_Strict):
+    """How the split was found."""
+
+    method: str = Field(description="dp-chain, dp-ideals, ilp-highs, ilp-cbc.")
+    optimal: bool = Field(description="Whether the split is proven optimal.")
+    seconds: float = Field(description="Solver time; 0 unless recorded with --record-time, so plans are reproducible.")
+
+
+class Plan(_Strict):
+    """A pipeline plan."""
+
+    schema_version: Literal[1]
+    profile: PlanProfileRef
+    settings: PlanSettings
+    schedule: str
+    virtual_stages: int = Field(default=1, ge=1, description="Stages per rank.")
+    microbatch_size: int = Field(gt=0)
+    num_microbatches: int = Field(gt=0)
+    stages: list[PlanStage] = Field(min_length=1)
+    predicted: Predicted
+    ranks: list[RankSummary] = Field(default_factory=list)
+    alternatives: list[Alternative] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list, description="Assumptions the planner made.")
+    solver: SolverInfo

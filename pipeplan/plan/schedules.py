@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 from pipeplan.errors import BadInputError
@@ -277,7 +278,12 @@ def rank_actions(
     ['0F0 0F1 0B0 0F2 0B1 0B2', '1F0 1B0 1F1 1B1 1F2 1B2']
     """
     check_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
-    p, m, v = num_ranks, num_microbatches, virtual_stages
+    return [list(actions) for actions in _rank_actions_cached(schedule, num_ranks, num_microbatches, virtual_stages)]
+
+
+@lru_cache(maxsize=256)
+def _rank_actions_cached(schedule: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+    # The planner simulates the same (schedule, p, m, v) for many splits; Actions are immutable.
     builder = {
         "gpipe": _gpipe,
         "1f1b": _one_f_one_b,
@@ -287,8 +293,8 @@ def rank_actions(
         "dualpipev": lambda r: _dualpipev(r, p, m),
     }[schedule]
     if schedule in ("gpipe", "1f1b"):
-        return [builder(r, p, m) for r in range(p)]
-    return [builder(r) for r in range(p)]
+        return tuple(tuple(builder(r, p, m)) for r in range(p))
+    return tuple(tuple(builder(r)) for r in range(p))
 
 
 def _gpipe(rank: int, p: int, m: int) -> list[Action]:

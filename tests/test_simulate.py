@@ -1,0 +1,324 @@
+"""The schedule simulator: known figures as equations, and properties of every simulation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from pipeplan.errors import BadInputError
+from pipeplan.plan.schedules import (
+    SCHEDULES,
+    TORCH_SCHEDULE_CLASS,
+    Action,
+    check_schedule,
+    rank_actions,
+    stage_ranks,
+    valid_virtual_stages,
+)
+from pipeplan.plan.simulate import StageCost, simulate
+
+F_MS, B_MS, W_MS = 1.0, 1.5, 0.5  # per rank and micro-batch; W is a real share of backward
+
+
+def uniform(p: int, v: int, f=F_MS, b=B_MS, w=W_MS, act=1, static=0, send=0.0):
+    """Equal stages; a rank's v stages together cost f, b, w (as if one stage had been cut in v)."""
+    return [
+        StageCost(f / v, b / v, w / v, send_ms=send, static_memory_bytes=static, activation_bytes=act)
+    ] * (p * v)
+
+
+def accepted(schedule, p, m, v) -> bool:
+    try:
+        check_schedule(schedule, p, m, v)
+    except BadInputError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------- known figures
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_uniform_bubble_is_p_minus_1_over_m_plus_p_minus_1(schedule):
+    for p in range(1, 9):
+        for m in range(1, 4 * p + 2):
+            if not accepted(schedule, p, m, 1):
+                continue
+            sim = simulate(uniform(p, 1), schedule, p, m)
+            assert sim.iteration_ms == pytest.approx((m + p - 1) * (F_MS + B_MS + W_MS))
+            assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_interleaved_cuts_fill_and_drain_by_v():
+    """m (f+b+w) of work, plus a fill/drain of (p-1)(f+b+w)/v instead of (p-1)(f+b+w)."""
+    for p in range(1, 9):
+        for m in range(p, 4 * p + 1):
+            for v in valid_virtual_stages("interleaved"):
+                if not accepted("interleaved", p, m, v):
+                    continue
+                sim = simulate(uniform(p, v), "interleaved", p, m, v)
+                work = F_MS + B_MS + W_MS
+                assert sim.iteration_ms == pytest.approx(m * work + (p - 1) * work / v), (p, m, v)
+                assert sim.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+def test_gpipe_holds_all_m_micro_batches():
+    for p in (1, 2, 4, 8):
+        for m in (1, 3, 8, 13):
+            sim = simulate(uniform(p, 1, act=7, static=100), "gpipe", p, m)
+            assert sim.stage_peak_in_flight == (m,) * p
+            assert sim.rank_peak_memory_bytes == (100 + 7 * m,) * p
+
+
+def test_1f1b_holds_min_m_p_minus_s_at_stage_s():
+    for p in (1, 2, 3, 4, 8):
+        for m in range(p, 3 * p + 1):
+            sim = simulate(uniform(p, 1, act=7, static=100), "1f1b", p, m)
+            assert sim.stage_peak_in_flight == tuple(min(m, p - s) for s in range(p))
+            assert sim.rank_peak_memory_bytes == tuple(100 + 7 * min(m, p - s) for s in range(p))
+
+
+def test_zb_with_one_stage_per_rank_peaks_like_1f1b():
+    """ZB-H1: the largest per-rank peak is 1F1B's (p micro-batches on rank 0).
+
+    Later ranks delay their weight gradients, so each holds p micro-batches at
+    its peak (1F1B: p - s); none holds more than 1F1B's first rank.
+    """
+    for p in (1, 2, 3, 4, 8):
+        for m in range(p, 3 * p + 1):
+            if not accepted("zb", p, m, 1):
+                continue
+            zb = simulate(uniform(p, 1, act=7, static=100), "zb", p, m, 1)
+            one_f_one_b = simulate(uniform(p, 1, act=7, static=100), "1f1b", p, m)
+            assert max(zb.rank_peak_memory_bytes) == max(one_f_one_b.rank_peak_memory_bytes)
+            assert max(zb.stage_peak_in_flight) == min(m, p)
+
+
+def test_zb_h1_bubble_is_p_minus_1_times_f_plus_b_minus_w():
+    """ZB-H1 (zb, v = 1) with w <= min(f, b): iteration = m (f+b+w) + (p-1)(f+b-w)."""
+    for f, b, w in ((1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (2.0, 1.0, 1.0), (1.0, 2.0, 0.25)):
+        for p in range(1, 9):
+            for m in range(p, 3 * p + 1):
+                if not accepted("zb", p, m, 1):
+                    continue
+                sim = simulate(uniform(p, 1, f, b, w), "zb", p, m, 1)
+                assert sim.iteration_ms == pytest.approx(m * (f + b + w) + (p - 1) * (f + b - w))
+
+
+@pytest.mark.parametrize("schedule,v", [("zb", 1), ("zb", 2), ("zbv", 2), ("dualpipev", 2)])
+def test_zero_bubble_schedules_beat_1f1b_when_w_is_real(schedule, v):
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            if not accepted(schedule, p, m, v):
+                continue
+            ours = simulate(uniform(p, v), schedule, p, m, v)
+            base = simulate(uniform(p, 1), "1f1b", p, m)
+            assert ours.bubble_fraction < base.bubble_fraction, (p, m)
+            assert ours.iteration_ms < base.iteration_ms
+
+
+def test_zero_bubble_gains_nothing_without_w():
+    """With w = 0 the B/W split has nothing to move: ZB-H1 is 1F1B."""
+    for p in (2, 4):
+        for m in (p, 2 * p):
+            zb = simulate(uniform(p, 1, w=0.0), "zb", p, m, 1)
+            base = simulate(uniform(p, 1, w=0.0), "1f1b", p, m)
+            assert zb.iteration_ms == pytest.approx(base.iteration_ms)
+
+
+def test_transfer_breakdown_on_two_ranks():
+    """GPipe, one micro-batch, two ranks: f0 + s + f1 + b1 + s + b0; both sends exposed."""
+    f, b, s = 1.0, 2.0, 0.5
+    sim = simulate([StageCost(f, b, 0.0, send_ms=s)] * 2, "gpipe", 2, 1)
+    assert sim.iteration_ms == pytest.approx(2 * f + 2 * b + 2 * s)
+    assert sim.transfer_ms == pytest.approx(2 * s)
+    assert sim.compute_ms == pytest.approx(f + b)
+    assert sim.bubble_ms == pytest.approx(f + b)
+
+
+def test_v_placement_sends_nothing_between_a_ranks_two_stages():
+    """zbv: stages p-1 and p share rank p-1, so their send_ms never counts."""
+    p, m = 2, 4
+    base = uniform(p, 2)
+    slow_middle = list(base)
+    slow_middle[p - 1] = StageCost(
+        base[0].forward_ms, base[0].backward_input_ms, base[0].backward_weight_ms, send_ms=100.0,
+        activation_bytes=1,
+    )
+    assert simulate(slow_middle, "zbv", p, m, 2).iteration_ms == simulate(base, "zbv", p, m, 2).iteration_ms
+
+
+# --------------------------------------------------------------------- inputs
+
+
+def test_check_schedule_rules():
+    with pytest.raises(BadInputError, match="micro-batches >= ranks"):
+        check_schedule("1f1b", 4, 3, 1)
+    with pytest.raises(BadInputError, match="multiple of the 2 rounds"):
+        check_schedule("interleaved", 2, 5, 2)
+    with pytest.raises(BadInputError, match="virtual stages = 3"):
+        check_schedule("zbv", 2, 4, 3)
+    with pytest.raises(BadInputError, match="virtual stages = 1"):
+        check_schedule("interleaved", 2, 4, 1)
+    with pytest.raises(BadInputError, match="virtual stages = 2"):
+        check_schedule("gpipe", 2, 4, 2)
+    with pytest.raises(BadInputError, match="at least 8 micro-batches"):
+        check_schedule("dualpipev", 4, 7, 2)
+    with pytest.raises(BadInputError, match="unknown"):
+        check_schedule("pipedream", 2, 4, 1)
+    check_schedule("interleaved", 4, 3, 2)  # one round of 3
+    check_schedule("zbv", 4, 1, 2)
+
+
+def test_simulate_rejects_wrong_number_of_costs():
+    with pytest.raises(BadInputError, match="one StageCost per stage"):
+        simulate(uniform(2, 1), "interleaved", 2, 4, 2)
+
+
+def test_stage_cost_rejects_negative_and_nan():
+    with pytest.raises(BadInputError, match="forward_ms"):
+        StageCost(-1.0, 1.0, 1.0)
+    with pytest.raises(BadInputError, match="send_ms"):
+        StageCost(1.0, 1.0, 1.0, send_ms=math.nan)
+    with pytest.raises(BadInputError, match="activation_bytes"):
+        StageCost(1.0, 1.0, 1.0, activation_bytes=-1)
+
+
+def test_action_strings_use_torch_letters():
+    assert [str(Action(1, 0, k)) for k in ("F", "B", "W", "FULL_B")] == ["1F0", "1I0", "1W0", "1B0"]
+    for text in ("0F0", "12B3", "2I1", "2W10"):
+        assert str(Action.from_str(text)) == text
+    with pytest.raises(BadInputError):
+        Action.from_str("0X0")
+
+
+def test_stage_ranks_loop_and_v():
+    assert stage_ranks("interleaved", 3, 2) == [0, 1, 2, 0, 1, 2]
+    assert stage_ranks("dualpipev", 3, 2) == [0, 1, 2, 2, 1, 0]
+    assert set(TORCH_SCHEDULE_CLASS) == set(SCHEDULES)
+
+
+# --------------------------------------------------------------------- properties
+
+
+@st.composite
+def cases(draw):
+    schedule = draw(st.sampled_from(SCHEDULES))
+    v = draw(st.sampled_from(valid_virtual_stages(schedule)))
+    p = draw(st.integers(1, 5))
+    m = draw(st.integers(1, 12))
+    assume(accepted(schedule, p, m, v))
+    ms = st.floats(0.0, 5.0, allow_nan=False, allow_infinity=False)
+    costs = [
+        StageCost(
+            draw(ms), draw(ms), draw(ms),
+            send_ms=draw(st.floats(0.0, 2.0)),
+            static_memory_bytes=draw(st.integers(0, 1000)),
+            activation_bytes=draw(st.integers(0, 100)),
+        )
+        for _ in range(p * v)
+    ]
+    return schedule, p, m, v, costs
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(cases())
+def test_simulation_properties(case):
+    schedule, p, m, v, costs = case
+    sim = simulate(costs, schedule, p, m, v)
+    placement = sim.stage_ranks
+    eps = 1e-9
+
+    # Each rank runs exactly its listed actions, in order, one at a time.
+    by_rank = [[e for e in sim.events if e.rank == r] for r in range(p)]
+    for r, (events, actions) in enumerate(zip(by_rank, rank_actions(schedule, p, m, v))):
+        assert [(e.stage, e.microbatch, e.kind) for e in events] == [
+            (a.stage, a.microbatch, a.kind) for a in actions
+        ]
+        for before, after in zip(events, events[1:]):
+            assert after.start_ms >= before.end_ms - eps
+        assert all(placement[e.stage] == r for e in events)
+
+    # Dependencies: forward chain, backward chain with transfers, F before B before W.
+    ends = {}
+    for e in sim.events:
+        key = ("B" if e.kind == "FULL_B" else e.kind, e.stage, e.microbatch)
+        assert key not in ends
+        ends[key] = e
+    n = p * v
+    for s in range(n):
+        for i in range(m):
+            forward = ends[("F", s, i)]
+            backward = ends[("B", s, i)]
+            assert backward.start_ms >= forward.end_ms - eps
+            if backward.kind == "B":
+                assert ends[("W", s, i)].start_ms >= backward.end_ms - eps
+            else:
+                assert ("W", s, i) not in ends
+            if s > 0:
+                hop = costs[s - 1].send_ms if placement[s - 1] != placement[s] else 0.0
+                assert forward.start_ms >= ends[("F", s - 1, i)].end_ms + hop - eps
+            if s < n - 1:
+                hop = costs[s].send_ms if placement[s + 1] != placement[s] else 0.0
+                assert backward.start_ms >= ends[("B", s + 1, i)].end_ms + hop - eps
+
+    # Time accounting.
+    assert sim.iteration_ms >= max(sim.rank_busy_ms) - eps
+    for r in range(p):
+        assert sim.rank_busy_ms[r] + sim.rank_idle_ms[r] == pytest.approx(sim.iteration_ms)
+    assert sim.compute_ms + sim.bubble_ms + sim.transfer_ms == pytest.approx(sim.iteration_ms)
+    assert min(sim.bubble_ms, sim.transfer_ms) >= 0
+    assert 0.0 <= sim.bubble_fraction < 1.0 or sim.iteration_ms == 0
+    total = sum(c.forward_ms + c.backward_ms for c in costs) * m
+    assert sum(sim.rank_busy_ms) == pytest.approx(total)
+
+    # Memory: starts and ends at the static bytes, peak is the timeline's maximum.
+    for r in range(p):
+        static = sum(c.static_memory_bytes for s, c in enumerate(costs) if placement[s] == r)
+        timeline = sim.rank_memory_timeline[r]
+        assert timeline[0] == (0.0, static)
+        assert timeline[-1][1] == static
+        assert sim.rank_peak_memory_bytes[r] == max(b for _, b in timeline)
+        assert all(t2 >= t1 - eps for (t1, _), (t2, _) in zip(timeline, timeline[1:]))
+    assert all(1 <= k <= m for k in sim.stage_peak_in_flight)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(cases(), st.floats(0.0, 3.0))
+def test_slower_transfers_never_speed_up_and_free_ones_cost_nothing(case, extra_ms):
+    schedule, p, m, v, costs = case
+    base = simulate(costs, schedule, p, m, v)
+    slower = [
+        StageCost(c.forward_ms, c.backward_input_ms, c.backward_weight_ms, c.send_ms + extra_ms,
+                  c.static_memory_bytes, c.activation_bytes)
+        for c in costs
+    ]
+    assert simulate(slower, schedule, p, m, v).iteration_ms >= base.iteration_ms - 1e-9
+    free = [
+        StageCost(c.forward_ms, c.backward_input_ms, c.backward_weight_ms, 0.0,
+                  c.static_memory_bytes, c.activation_bytes)
+        for c in costs
+    ]
+    free_sim = simulate(free, schedule, p, m, v)
+    assert free_sim.transfer_ms == 0.0
+    assert base.iteration_ms - base.transfer_ms == pytest.approx(free_sim.iteration_ms)
+
+
+def test_every_accepted_configuration_simulates():
+    """No accepted (schedule, p, m, v) deadlocks, and each action appears once."""
+    for schedule in SCHEDULES:
+        for v in valid_virtual_stages(schedule):
+            for p in range(1, 7):
+                for m in range(1, 3 * p + 3):
+                    if not accepted(schedule, p, m, v):
+                        continue
+                    sim = simulate(uniform(p, v), schedule, p, m, v)
+                    kinds = {}
+                    for e in sim.events:
+                        kinds[e.kind] = kinds.get(e.kind, 0) + 1
+                    assert kinds.get("F") == p * v * m
+                    assert kinds.get("FULL_B", 0) + kinds.get("B", 0) == p * v * m
+                    assert kinds.get("W", 0) == kinds.get("B", 0)

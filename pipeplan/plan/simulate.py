@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple, Sequence
 
 from pipeplan.errors import BadInputError
@@ -199,7 +200,7 @@ def simulate(
             raise BadInputError(f"stage_costs[{index}] is a {type(cost).__name__}, not a StageCost")
 
     placement = stage_ranks(schedule, p, v)
-    orders = _rank_actions_cached(schedule, p, m, v)
+    orders = _compiled(schedule, p, m, v)
 
     # Transfer time into stage s (forward) and back out of it (backward), 0 on the same rank.
     forward_in_ms = [0.0] * num_stages
@@ -209,7 +210,15 @@ def simulate(
             forward_in_ms[s] = costs[s - 1].send_ms
             backward_in_ms[s - 1] = costs[s - 1].send_ms
 
-    rank_events = _run(orders, costs, forward_in_ms, backward_in_ms, p, m)
+    duration_ms = [
+        (c.forward_ms, c.backward_input_ms, c.backward_weight_ms, c.backward_input_ms + c.backward_weight_ms)
+        for c in costs
+    ]
+    times = _run(orders, duration_ms, forward_in_ms, backward_in_ms, p, m)
+    rank_events = [
+        [Event(r, a[1], a[2], _KINDS[a[0]], start, end) for a, (start, end) in zip(orders[r], times[r])]
+        for r in range(p)
+    ]
     iteration_ms = max((events[-1].end_ms for events in rank_events if events), default=0.0)
     busy = tuple(sum(e.end_ms - e.start_ms for e in rank_events[r]) for r in range(p))
     idle = tuple(max(0.0, iteration_ms - busy[r]) for r in range(p))
@@ -221,8 +230,8 @@ def simulate(
     transfer_ms = 0.0
     if any(forward_in_ms) or any(backward_in_ms):
         zeros = [0.0] * num_stages
-        free_events = _run(orders, costs, zeros, zeros, p, m)
-        free_iteration_ms = max((events[-1].end_ms for events in free_events if events), default=0.0)
+        free_times = _run(orders, duration_ms, zeros, zeros, p, m)
+        free_iteration_ms = max((row[-1][1] for row in free_times if row), default=0.0)
         transfer_ms = min(max(0.0, iteration_ms - free_iteration_ms), idle[critical])
 
     peaks, timelines, in_flight_peak = _memory(rank_events, costs, placement, p, num_stages)
@@ -248,84 +257,98 @@ def simulate(
     )
 
 
+_KIND_CODE = {"F": 0, "B": 1, "W": 2, "FULL_B": 3}
+_KINDS = ("F", "B", "W", "FULL_B")
+
+
+@lru_cache(maxsize=256)
+def _compiled(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, int, int, int, int, int], ...], ...]:
+    """Per rank, each action as (kind code, stage, micro-batch, own slot, local input slot, cross input slot).
+
+    Slots index one table of end times: ``2 * (stage * m + micro-batch)`` for the
+    forward, ``+ 1`` for the input-gradient backward; -1 for none.
+    """
+    last = p * v - 1
+    out = []
+    for actions in _rank_actions_cached(schedule, p, m, v):
+        row = []
+        for action in actions:
+            s, i, code = action.stage, action.microbatch, _KIND_CODE[action.kind]
+            slot = 2 * (s * m + i)
+            if code == 0:
+                row.append((0, s, i, slot, -1, slot - 2 * m if s > 0 else -1))
+            elif code == 2:
+                row.append((2, s, i, -1, slot + 1, -1))
+            else:
+                row.append((code, s, i, slot + 1, slot, slot + 2 * m + 1 if s < last else -1))
+        out.append(tuple(row))
+    return tuple(out)
+
+
 def _run(
-    orders: tuple[tuple, ...],
-    costs: list[StageCost],
+    orders: tuple[tuple[tuple[int, int, int, int, int, int], ...], ...],
+    duration_ms: list[tuple[float, float, float, float]],
     forward_in_ms: list[float],
     backward_in_ms: list[float],
     p: int,
     m: int,
-) -> list[list[Event]]:
-    """Start and end of every action: each rank in order, each action once its inputs are in."""
-    num_stages = len(costs)
-    last = num_stages - 1
-    # End times, indexed by stage * m + micro-batch; None until simulated.
-    forward_end: list[float | None] = [None] * (num_stages * m)
-    backward_end: list[float | None] = [None] * (num_stages * m)  # input gradient (B or FULL_B)
-    waiting: dict[tuple[int, int], list[int]] = {}  # (0 forward | 1 backward, key) -> ranks
+) -> list[list[tuple[float, float]]]:
+    """(start, end) of every action: each rank in order, each action once its inputs are in."""
+    num_stages = len(duration_ms)
+    end_ms: list[float | None] = [None] * (2 * num_stages * m)
+    waiting: dict[int, list[int]] = {}  # slot -> ranks blocked on it
     position = [0] * p
     free_ms = [0.0] * p
-    rank_events: list[list[Event]] = [[] for _ in range(p)]
+    times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
 
     pending = list(range(p))
     while pending:
         rank = pending.pop()
         order = orders[rank]
-        while position[rank] < len(order):
-            action = order[position[rank]]
-            s, i, kind = action.stage, action.microbatch, action.kind
-            key = s * m + i
-            # The input from the neighbouring stage (table, index, transfer), and the local one.
-            if kind == "F":
-                dep = (0, key - m, forward_in_ms[s]) if s > 0 else None
-                local = None
-                duration = costs[s].forward_ms
-            elif kind == "W":
-                dep = None
-                local = (1, key)
-                duration = costs[s].backward_weight_ms
-            else:
-                dep = (1, key + m, backward_in_ms[s]) if s < last else None
-                local = (0, key)
-                duration = costs[s].backward_input_ms
-                if kind == "FULL_B":
-                    duration += costs[s].backward_weight_ms
-            start = free_ms[rank]
-            blocked = None
-            if local is not None:
-                done = (forward_end if local[0] == 0 else backward_end)[local[1]]
+        length = len(order)
+        at = position[rank]
+        start_free = free_ms[rank]
+        out = times[rank]
+        while at < length:
+            code, s, _, own, local, cross = order[at]
+            start = start_free
+            if local >= 0:
+                done = end_ms[local]
                 if done is None:
-                    blocked = local
-                elif done > start:
+                    waiting.setdefault(local, []).append(rank)
+                    break
+                if done > start:
                     start = done
-            if blocked is None and dep is not None:
-                done = (forward_end if dep[0] == 0 else backward_end)[dep[1]]
+            if cross >= 0:
+                done = end_ms[cross]
                 if done is None:
-                    blocked = (dep[0], dep[1])
-                elif done + dep[2] > start:
-                    start = done + dep[2]
-            if blocked is not None:
-                waiting.setdefault(blocked, []).append(rank)
-                break
-            end = start + duration
-            free_ms[rank] = end
-            rank_events[rank].append(Event(rank, s, i, kind, start, end))
-            position[rank] += 1
-            if kind == "F":
-                forward_end[key] = end
-                pending.extend(waiting.pop((0, key), ()))
-            elif kind != "W":
-                backward_end[key] = end
-                pending.extend(waiting.pop((1, key), ()))
+                    waiting.setdefault(cross, []).append(rank)
+                    break
+                done += forward_in_ms[s] if code == 0 else backward_in_ms[s]
+                if done > start:
+                    start = done
+            start_free = start + duration_ms[s][code]
+            out.append((start, start_free))
+            at += 1
+            if own >= 0:
+                end_ms[own] = start_free
+                woken = waiting.pop(own, None)
+                if woken:
+                    pending.extend(woken)
+        position[rank] = at
+        free_ms[rank] = start_free
 
     stuck = [r for r in range(p) if position[r] < len(orders[r])]
     if stuck:
         # Only a wrong action order can get here; rank_actions is tested against torch.
         raise RuntimeError(
             f"the action order deadlocks: ranks {stuck} wait at "
-            + ", ".join(str(orders[r][position[r]]) for r in stuck)
+            + ", ".join(
+                "{}{}{}".format(orders[r][position[r]][1], _KINDS[orders[r][position[r]][0]], orders[r][position[r]][2])
+                for r in stuck
+            )
         )
-    return rank_events
+    return times
 
 
 def _memory(

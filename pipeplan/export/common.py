@@ -1,0 +1,174 @@
+"""What every launcher export needs: the plan's stages in order, their placement, the profile check.
+
+The exporters never re-plan: they restate a plan in a launcher's words. Everything they say
+comes from the plan file (and, for launchers that name layers by role, the profile it was made
+from, checked by sha256).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeplan.errors import BadInputError
+from pipeplan.formats.plan import Plan, PlanStage
+
+__all__ = [
+    "TORCH_SCHEDULE_NAME",
+    "PipelineShape",
+    "pipeline_shape",
+    "check_profile_matches",
+    "header_lines",
+]
+
+#: The name ``torch.distributed.pipelining.schedules.get_schedule_class`` (and torchtitan's
+#: ``pipeline_parallel_schedule``) accepts for each pipeplan schedule.
+TORCH_SCHEDULE_NAME = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved": "Interleaved1F1B",
+    "zb": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
+
+# Schedules whose stage s of p*v stages sits on rank s % p (torch's "loop" placement);
+# the others use the V placement (rank r holds stages r and 2p-1-r).
+_V_SCHEDULES = ("zbv", "dualpipev")
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """A plan's pipeline, checked: stages in index order and where they run."""
+
+    stages: tuple[PlanStage, ...]
+    """Every (virtual) stage, ordered by ``index`` (0, 1, ...): the order data flows through."""
+    num_ranks: int
+    """Pipeline ranks (GPUs), ``p``."""
+    virtual_stages: int
+    """Stages per rank, ``v``; ``len(stages) == num_ranks * virtual_stages``."""
+    stage_to_rank: tuple[int, ...]
+    """``stage_to_rank[s]`` is the rank that runs stage ``s``."""
+    v_placement: bool
+    """True for the V placement (zbv, dualpipev), False for the loop placement ``s % p``."""
+
+    @property
+    def layer_order(self) -> list[str]:
+        """Every layer name, stage after stage."""
+        return [name for stage in self.stages for name in stage.layers]
+
+
+def pipeline_shape(plan: Plan) -> PipelineShape:
+    """Check a plan's stages and placement, and return them in pipeline order.
+
+    Parameters
+    ----------
+    plan : Plan
+
+    Returns
+    -------
+    PipelineShape
+
+    Raises
+    ------
+    BadInputError
+        If the stage indices are not 0..S-1, the stage count is not ranks x virtual stages,
+        a layer appears twice, or the ranks differ from the placement torch's schedule class
+        uses for the plan's schedule (which the launchers follow).
+
+    Notes
+    -----
+    O(S + L) for S stages and L layers.
+    """
+    stages = tuple(sorted(plan.stages, key=lambda s: s.index))
+    indices = [s.index for s in stages]
+    if indices != list(range(len(stages))):
+        raise BadInputError(
+            f"plan: stage indices {indices} must be 0..{len(stages) - 1}, each once; "
+            f"re-create the plan with `pipeplan plan`"
+        )
+    p, v = plan.settings.stages, plan.virtual_stages
+    if len(stages) != p * v:
+        raise BadInputError(
+            f"plan: {len(stages)} stages but settings.stages x virtual_stages = {p} x {v} = {p * v}; "
+            f"re-create the plan with `pipeplan plan`"
+        )
+    seen: dict[str, int] = {}
+    for stage in stages:
+        for name in stage.layers:
+            if name in seen:
+                raise BadInputError(
+                    f"plan: layer {name!r} is in stage {seen[name]} and stage {stage.index}; "
+                    f"each layer belongs to one stage"
+                )
+            seen[name] = stage.index
+    v_placement = plan.schedule in _V_SCHEDULES
+    if v_placement:
+        expected = [s if s < p else 2 * p - 1 - s for s in range(p * v)]
+    else:
+        expected = [s % p for s in range(p * v)]
+    actual = [s.rank for s in stages]
+    if actual != expected:
+        style = "V placement (rank r holds stages r and 2p-1-r)" if v_placement else "stage s on rank s % p"
+        raise BadInputError(
+            f"plan: stage ranks {actual} differ from {expected}, the placement torch's "
+            f"{TORCH_SCHEDULE_NAME.get(plan.schedule, plan.schedule)} schedule uses ({style}); "
+            f"launchers place stages that way, so re-create the plan with `pipeplan plan`"
+        )
+    return PipelineShape(stages, p, v, tuple(actual), v_placement)
+
+
+def check_profile_matches(plan: Plan, profile, profile_sha256: str | None) -> None:
+    """Raise unless ``profile`` is the profile the plan was made from.
+
+    Parameters
+    ----------
+    plan : Plan
+    profile : Profile
+    profile_sha256 : str or None
+        sha256 of the profile file's bytes; None skips the byte check (the names are still
+        checked).
+
+    Raises
+    ------
+    BadInputError
+        If the sha256 differs from ``plan.profile.sha256`` or a plan layer is not in the profile.
+    """
+    if profile_sha256 is not None and profile_sha256 != plan.profile.sha256:
+        raise BadInputError(
+            f"--profile: its sha256 {profile_sha256[:12]}... differs from the plan's "
+            f"{plan.profile.sha256[:12]}... (model {plan.profile.model!r}); give the profile the plan "
+            f"was made from, or re-plan with this one"
+        )
+    names = {layer.name for layer in profile.layers}
+    missing = [name for stage in plan.stages for name in stage.layers if name not in names]
+    if missing:
+        raise BadInputError(
+            f"--profile: plan layers {missing[:5]} are not in profile {profile.model!r}; "
+            f"give the profile the plan was made from"
+        )
+
+
+def header_lines(plan: Plan, launcher: str) -> list[str]:
+    """Comment lines (without the comment marker) saying where an export came from.
+
+    Examples
+    --------
+    >>> from pipeplan.formats.plan import *
+    >>> plan = Plan(schema_version=1, profile=PlanProfileRef(model="m", sha256="ab" * 32),
+    ...     settings=PlanSettings(stages=1, global_batch=4), schedule="gpipe", microbatch_size=2,
+    ...     num_microbatches=2, stages=[PlanStage(index=0, rank=0, layers=["a"], forward_ms=1,
+    ...     backward_ms=2, send_bytes=0, peak_memory_bytes=10)], predicted=Predicted(
+    ...     iteration_ms=6, bubble_fraction=0, samples_per_second=666.7, bottleneck_stage=0),
+    ...     solver=SolverInfo(method="dp-chain", optimal=True, seconds=0))
+    >>> header_lines(plan, "torch")[0]
+    'pipeplan export for torch: model m (profile sha256 abababababab...)'
+    """
+    p = plan.settings.stages
+    return [
+        f"pipeplan export for {launcher}: model {plan.profile.model} "
+        f"(profile sha256 {plan.profile.sha256[:12]}...)",
+        f"{len(plan.stages)} stages on {p} ranks ({plan.virtual_stages} per rank), schedule {plan.schedule}, "
+        f"{plan.num_microbatches} micro-batches of {plan.microbatch_size}",
+        f"predicted: {plan.predicted.samples_per_second:.6g} samples/s, iteration "
+        f"{plan.predicted.iteration_ms:.6g} ms, bubble {100 * plan.predicted.bubble_fraction:.3g}%",
+    ]

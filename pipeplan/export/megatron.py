@@ -1,0 +1,226 @@
+"""Megatron-LM: a plan as command-line flags, with ``--pipeline-model-parallel-layout``.
+
+Megatron-LM (megatron-core >= 0.13) describes any split, even or not, with a layout string:
+stages separated by ``|``, ``E`` the embedding, ``t`` one transformer decoder layer, ``L`` the loss
+(with the final norm and the output layer), ``(...)*N`` and ``x*N`` repeats, commas cosmetic.
+Stages are listed virtual-stage-major: entry ``vpp_rank * p + pp_rank``, which is pipeplan's
+stage index for the loop placement. The layout alone sets the virtual stages per rank; Megatron
+refuses ``--num-virtual-stages-per-pipeline-rank`` beside it.
+
+How a profile's layers map (by their ``kind``): ``embedding`` layers give the one ``E`` (they must
+come first); each ``block`` is one ``t``; ``norm`` and ``head`` layers after the last block give the
+one ``L``, on the stage of the last of them (Megatron builds the final norm with the loss, so a
+final norm that the plan put one stage earlier moves there, and the export says so); ``other``
+layers (e.g. a parameter-free rotary embedding) have no symbol and are left out, with a note.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from pipeplan.errors import BadInputError
+from pipeplan.export.common import check_profile_matches, header_lines, pipeline_shape
+from pipeplan.formats.plan import Plan
+
+__all__ = ["export_megatron", "megatron_layout", "expand_layout"]
+
+
+def _compress_stage(symbols: list[str]) -> str:
+    out, i = "", 0
+    while i < len(symbols):
+        j = i
+        while j < len(symbols) and symbols[j] == symbols[i]:
+            j += 1
+        out += symbols[i] + (f"*{j - i}" if j - i > 1 else "")
+        i = j
+    return out
+
+
+def _compress_layout(stage_strings: list[str]) -> str:
+    # Runs of identical stages become "(s|)*r," (Megatron's own style, e.g. "Et|(tt|)*29,m|L").
+    parts, i, n = [], 0, len(stage_strings)
+    while i < n:
+        j = i
+        while j < n and stage_strings[j] == stage_strings[i]:
+            j += 1
+        run = j - i
+        if j == n:  # the last run ends the string without a trailing "|"
+            if run - 1 >= 2:
+                parts.append(f"({stage_strings[i]}|)*{run - 1},{stage_strings[i]}")
+            else:
+                parts.append("|".join([stage_strings[i]] * run))
+        elif run >= 2:
+            parts.append(f"({stage_strings[i]}|)*{run},")
+        else:
+            parts.append(stage_strings[i] + "|")
+        i = j
+    return "".join(parts)
+
+
+def expand_layout(layout: str) -> list[str]:
+    """Stage strings of a layout, expanded the way Megatron-LM's ``parse_str_to_list`` does.
+
+    Examples
+    --------
+    >>> expand_layout("Et*3|(tt|)*2,t|L")
+    ['Ettt', 'tt', 'tt', 't', 'L']
+    >>> expand_layout("E||t|L")
+    ['E', '', 't', 'L']
+    """
+    text = layout.replace(",", "")
+    text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    for char in text:
+        if char not in "ELtm|":
+            raise BadInputError(f"layout {layout!r}: {char!r} is not one of E, L, t, m, |")
+    return text.split("|")
+
+
+def megatron_layout(plan: Plan, profile) -> tuple[str, int, list[str]]:
+    """The plan's split as a ``--pipeline-model-parallel-layout`` string.
+
+    Parameters
+    ----------
+    plan : Plan
+    profile : Profile
+        The profile the plan was made from; its layers' ``kind`` names their roles.
+
+    Returns
+    -------
+    layout : str
+        Compressed layout, stages in index (virtual-stage-major) order.
+    num_layers : int
+        Decoder layers (``t``), for ``--num-layers``.
+    notes : list of str
+        What the mapping changed or left out.
+
+    Raises
+    ------
+    BadInputError
+        If a layer has no ``kind``, the roles are out of order (embedding first, blocks, then
+        norm/head), there is no embedding or no norm/head, or the schedule places stages in a V.
+
+    Notes
+    -----
+    O(L) for L layers.
+    """
+    shape = pipeline_shape(plan)
+    if shape.v_placement:
+        raise BadInputError(
+            f"plan: schedule {plan.schedule} places stages in a V; Megatron-LM places stage s on "
+            f"rank s % p: re-plan with --schedule 1f1b or interleaved for Megatron-LM"
+        )
+    kind_of = {layer.name: layer.kind for layer in profile.layers}
+    order = shape.layer_order
+    unknown = [name for name in order if kind_of.get(name) is None]
+    if unknown:
+        raise BadInputError(
+            f"profile {profile.model!r}: layers {unknown[:5]} have no 'kind'; Megatron-LM's layout "
+            f"names layers by role: give each layer kind embedding, block, norm, head or other"
+        )
+    roles = [kind_of[name] for name in order if kind_of[name] != "other"]
+    skipped = [name for name in order if kind_of[name] == "other"]
+    # Roles must read: embedding+ block* (norm|head)+
+    pattern = "".join({"embedding": "E", "block": "t", "norm": "n", "head": "h"}[r] for r in roles)
+    if not re.fullmatch(r"E+t*[nh]+", pattern):
+        raise BadInputError(
+            f"profile {profile.model!r}: layer roles in pipeline order read {pattern!r} "
+            f"(E embedding, t block, n norm, h head); Megatron-LM's layout needs the embedding "
+            f"first, then the blocks, then the final norm and head: fix the layers' kind"
+        )
+    stage_of = {name: stage.index for stage in shape.stages for name in stage.layers}
+    embeddings = [n for n in order if kind_of[n] == "embedding"]
+    tail = [n for n in order if kind_of[n] in ("norm", "head")]
+    loss_stage = stage_of[tail[-1]]
+    notes = []
+    moved = [n for n in tail if stage_of[n] != loss_stage]
+    if moved:
+        notes.append(
+            f"{', '.join(moved)} moved to stage {loss_stage}: Megatron-LM builds the final norm "
+            f"and output layer with the loss (L)"
+        )
+    if len({stage_of[n] for n in embeddings}) > 1:
+        notes.append(f"embedding layers {embeddings} all build on stage {stage_of[embeddings[0]]} (E)")
+    if skipped:
+        notes.append(f"layers of kind 'other' have no Megatron-LM symbol and are left out: {skipped}")
+    symbols: list[list[str]] = [[] for _ in shape.stages]
+    symbols[stage_of[embeddings[0]]].append("E")
+    for name in order:
+        if kind_of[name] == "block":
+            symbols[stage_of[name]].append("t")
+    symbols[loss_stage].append("L")
+    stage_strings = [_compress_stage(s) for s in symbols]
+    layout = _compress_layout(stage_strings)
+    expanded = ["".join(expand_layout(s)[0]) for s in stage_strings]
+    if expand_layout(layout) != expanded:  # a compression bug must never reach a launcher
+        raise AssertionError(f"layout {layout!r} does not expand to {expanded}")
+    return layout, pattern.count("t"), notes
+
+
+def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -> str:
+    """The plan as a bash array of Megatron-LM flags.
+
+    Parameters
+    ----------
+    plan : Plan
+    profile : Profile
+        The profile the plan was made from (required: layers' roles come from it).
+    profile_sha256 : str, optional
+        sha256 of the profile file; checked against the plan's.
+
+    Returns
+    -------
+    str
+        A bash snippet defining ``PIPEPLAN_MEGATRON_ARGS``; use
+        ``source plan.sh; torchrun ... pretrain_gpt.py "${PIPEPLAN_MEGATRON_ARGS[@]}" ...``.
+
+    Raises
+    ------
+    BadInputError
+        See :func:`megatron_layout`; also a profile that is not the plan's.
+
+    Notes
+    -----
+    ``--global-batch-size`` is micro-batch size x micro-batches, for one data-parallel replica;
+    multiply it by the data-parallel size. O(L).
+    """
+    if profile is None:
+        raise BadInputError(
+            "megatron export needs the profile (--profile PATH): Megatron-LM's layout names layers "
+            "by role, which only the profile's 'kind' fields give"
+        )
+    check_profile_matches(plan, profile, profile_sha256)
+    layout, num_layers, notes = megatron_layout(plan, profile)
+    shape = pipeline_shape(plan)
+    lines = ["# " + line for line in header_lines(plan, "Megatron-LM")]
+    if plan.schedule not in ("1f1b", "interleaved"):
+        runs = "interleaved 1F1B" if shape.virtual_stages > 1 else "1F1B"
+        notes.append(
+            f"Megatron-LM runs {runs} with this split; the plan's numbers are for {plan.schedule}"
+        )
+    if any(s.recompute for s in shape.stages):
+        notes.append(
+            "the plan recomputes activations on stages "
+            f"{[s.index for s in shape.stages if s.recompute]}: see --recompute-granularity full "
+            "with --recompute-num-layers (Megatron-LM applies it per rank)"
+        )
+    if shape.virtual_stages > 1:
+        notes.append(
+            f"the layout sets {shape.virtual_stages} virtual stages per rank; Megatron-LM refuses "
+            f"--num-virtual-stages-per-pipeline-rank beside it"
+        )
+    lines += [f"# note: {note}" for note in notes]
+    lines.append("# Usage: source this file, then pass \"${PIPEPLAN_MEGATRON_ARGS[@]}\" to pretrain_gpt.py.")
+    lines.append("# --global-batch-size is for one data-parallel replica: multiply it by the data-parallel size.")
+    flags = [
+        ("--pipeline-model-parallel-size", str(shape.num_ranks)),
+        ("--pipeline-model-parallel-layout", layout),
+        ("--num-layers", str(num_layers)),
+        ("--micro-batch-size", str(plan.microbatch_size)),
+        ("--global-batch-size", str(plan.microbatch_size * plan.num_microbatches)),
+    ]
+    lines.append("PIPEPLAN_MEGATRON_ARGS=(")
+    lines += [f"    {flag} {shlex.quote(value)}" for flag, value in flags]
+    lines.append(")")
+    return "\n".join(lines) + "\n"

@@ -198,6 +198,12 @@ def test_action_strings_use_torch_letters():
 def test_stage_ranks_loop_and_v():
     assert stage_ranks("interleaved", 3, 2) == [0, 1, 2, 0, 1, 2]
     assert stage_ranks("dualpipev", 3, 2) == [0, 1, 2, 2, 1, 0]
+
+
+def test_schedule_names_match_the_plan_format():
+    from pipeplan.formats.plan import SCHEDULES as PLAN_SCHEDULES
+
+    assert SCHEDULES == PLAN_SCHEDULES
     assert set(TORCH_SCHEDULE_CLASS) == set(SCHEDULES)
 
 

@@ -203,3 +203,28 @@ def test_torch_parses_our_action_strings():
         ours = Action.from_str(text)
         theirs = S._Action.from_str(text)
         assert str(ours) == str(theirs) == text
+
+
+def test_orders_reload_through_torch_csv_runtime(tmp_path):
+    """A CSV of ``rank_actions`` (as torchtitan's CSV schedules use) loads into
+    ``_PipelineScheduleRuntime`` and runs in the same order, for every schedule."""
+    import csv
+
+    path = tmp_path / "schedule.csv"
+    count = 0
+    for schedule in SCHEDULES:
+        for p, m, v in itertools.product((1, 2, 3, 4), (1, 2, 4, 6, 8), (1, 2, 3)):
+            if not _accepted(schedule, p, m, v):
+                continue
+            rows = [[str(a) for a in actions] for actions in rank_actions(schedule, p, m, v)]
+            with open(path, "w", newline="") as handle:
+                csv.writer(handle).writerows(rows)
+            owned = [s for s, r in enumerate(stage_ranks(schedule, p, v)) if r == 0]
+            runtime = S._PipelineScheduleRuntime([_Stage(s, p * v, p, 0) for s in owned], m)
+            runtime._load_csv(str(path), format="compute_only")
+            loaded = [
+                [str(a) for a in runtime.pipeline_order_with_comms[r] if a.is_compute_op] for r in range(p)
+            ]
+            assert loaded == rows, (schedule, p, m, v)
+            count += 1
+    assert count > 100

@@ -367,7 +367,8 @@ def build_stage(model: str, units: Sequence[str], *, seed: int = 0, device: Any 
     from pipeplan.profile.loading import load_bundle
 
     bundle = load_bundle(model, seed=seed, device=device, dtype=dtype, materialise=list(units), **options)
-    names = select_units(bundle.model, unit_patterns) if unit_patterns else list(bundle.units or default_units(bundle.model))
+    patterns = unit_patterns or bundle.units
+    names = select_units(bundle.model, list(patterns)) if patterns else default_units(bundle.model)
     try:
         graph = trace_units(bundle.model, names)
     except BadInputError:

@@ -1,0 +1,434 @@
+"""``profile_model``: measure a model per unit and micro-batch size into a :class:`Profile`."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from contextlib import nullcontext
+from typing import Any, Optional, Sequence
+
+from pipeplan.errors import BadInputError
+from pipeplan.formats.profile import Device, Layer, LayerCost, Profile
+
+__all__ = ["profile_model", "parse_microbatch_sizes"]
+
+
+def parse_microbatch_sizes(text: str | Sequence[int]) -> list[int]:
+    """``'1,2,4'`` to ``[1, 2, 4]`` (sorted, checked).
+
+    Examples
+    --------
+    >>> parse_microbatch_sizes("4,1,2")
+    [1, 2, 4]
+    """
+    items = text.split(",") if isinstance(text, str) else list(text)
+    sizes = []
+    for item in items:
+        try:
+            size = int(str(item).strip())
+        except ValueError:
+            raise BadInputError(
+                f"--microbatch-sizes: {item!r} is not an integer; write e.g. 1,2,4"
+            ) from None
+        if size <= 0:
+            raise BadInputError(f"--microbatch-sizes: {size} must be positive")
+        sizes.append(size)
+    if not sizes:
+        raise BadInputError("--microbatch-sizes: give at least one size, e.g. 1,2,4")
+    if len(set(sizes)) != len(sizes):
+        raise BadInputError(f"--microbatch-sizes: {sorted(sizes)} repeats a size")
+    return sorted(sizes)
+
+
+def _load_average() -> Optional[list[float]]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown cpu"
+
+
+def _device_info(device: Any) -> tuple[Device, dict[str, Any]]:
+    import torch
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return Device(name=props.name, memory_bytes=int(props.total_memory)), {
+            "cuda_version": torch.version.cuda,
+            "cpu": _cpu_name(),
+        }
+    memory = None
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    return Device(name=f"cpu ({_cpu_name()}, {os.cpu_count()} cores)", memory_bytes=memory), {
+        "cpu": _cpu_name(),
+    }
+
+
+def _r(value: float) -> float:
+    return round(float(value), 4)
+
+
+def _fail_forward(exc: Exception, microbatch_size: int, seq_len: Optional[int], what: str) -> BadInputError:
+    from pipeplan.profile.measure import is_out_of_memory
+
+    if is_out_of_memory(exc):
+        return BadInputError(
+            f"{what} does not fit in memory at micro-batch size {microbatch_size}"
+            f"{f' and sequence length {seq_len}' if seq_len else ''}; drop that size from "
+            f"--microbatch-sizes or lower --seq-len"
+        )
+    return BadInputError(
+        f"{what} failed at micro-batch size {microbatch_size}"
+        f"{f', sequence length {seq_len}' if seq_len else ''}: {type(exc).__name__}: "
+        f"{str(exc).splitlines()[0] if str(exc) else ''}; check that the inputs fit the model "
+        f"(--seq-len, the batch factory or input spec)"
+    )
+
+
+def profile_model(
+    model: str,
+    *,
+    microbatch_sizes: Sequence[int] | str = (1, 2, 4),
+    seq_len: Optional[int] = 128,
+    dtype: str = "fp32",
+    device: Optional[str] = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    threads: Optional[int] = None,
+    units: Optional[Sequence[str]] = None,
+    seed: int = 0,
+    options: Optional[dict[str, Any]] = None,
+    split_backward: bool = True,
+    whole_model_check: bool = True,
+    progress: bool = False,
+) -> Profile:
+    """Measure ``model`` per unit at each micro-batch size.
+
+    Parameters
+    ----------
+    model : str
+        Built-in name (``gpt2-tiny``, ``gpt2``, ``llama-tiny``, ``bert-tiny``, ``convnet-tiny``,
+        ...) or ``module:callable`` (see docs/profiling.md).
+    microbatch_sizes : sequence of int or str
+        Samples per micro-batch, e.g. ``[1, 2, 4]`` or ``"1,2,4"``.
+    seq_len : int, optional
+        Tokens per sample for language models (ignored by the convnet).
+    dtype : {'fp32', 'bf16', 'fp16'}
+        Training dtype of parameters and floating inputs.
+    device : {'cuda', 'cpu'}, optional
+        Default: cuda when available.
+    repeats, warmup : int
+        Timed and untimed iterations per unit and size; times are medians of the repeats.
+    threads : int, optional
+        ``torch.set_num_threads`` during the measurement. Default: 1 on CPU (one pipeline rank
+        per core, as ``pipeplan run`` starts them), torch's own setting on CUDA. Profile with the
+        threads each rank will have: two threads on a busy 2-core machine make timings erratic.
+    units : sequence of str, optional
+        Dotted names or globs of the units (``['encoder.layer.*']``); default: the model's own
+        units (built-ins) or the children of the top-level module.
+    seed : int
+        Weight and batch seed.
+    options : dict, optional
+        Size options of the model: ``layers``, ``hidden``, ``heads``, ``vocab``, ...
+    split_backward : bool
+        Measure the input-gradient part of backward apart (``backward_input_ms``).
+    whole_model_check : bool
+        Time a full forward+backward per size and record it beside the sum of the units.
+    progress : bool
+        Show a rich progress bar on stderr.
+
+    Returns
+    -------
+    Profile
+        ``source='measured'``; the ``measurement`` field says how, with the whole-model check.
+
+    Raises
+    ------
+    BadInputError
+        Unknown model, unit or option; a model or factory that raises; an input that does not
+        fit (out of memory, sequence too long); ``--device cuda`` without CUDA.
+
+    Notes
+    -----
+    Time is about ``(warmup + repeats) * 3.5`` steps of the model per micro-batch size, plus
+    ``warmup + repeats`` steps for the whole-model check.
+
+    Examples
+    --------
+    >>> prof = profile_model("gpt2-tiny", microbatch_sizes=[1], seq_len=16, repeats=1, warmup=0,
+    ...                      options={"layers": 1})
+    >>> [layer.name for layer in prof.layers]
+    ['embed', 'blocks.0', 'norm', 'head']
+    """
+    started = time.perf_counter()
+    sizes = parse_microbatch_sizes(microbatch_sizes)
+    for name, value, low in (("--repeats", repeats, 1), ("--warmup", warmup, 0), ("--seed", seed, 0)):
+        if not isinstance(value, int) or value < low:
+            raise BadInputError(f"{name}: {value!r} must be an integer >= {low}")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise BadInputError(f"--threads: {threads!r} must be a positive integer")
+    if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
+        raise BadInputError(f"--seq-len: {seq_len!r} must be a positive integer")
+
+    import torch
+
+    from pipeplan.profile.loading import load_bundle, make_microbatch
+    from pipeplan.profile.measure import (
+        capture,
+        is_out_of_memory,
+        measure_unit,
+        measure_whole_model,
+        parameter_storages,
+    )
+    from pipeplan.profile.models import _torch_dtype
+    from pipeplan.profile.units import default_units, select_units, trace_units
+
+    torch_dtype = _torch_dtype(dtype)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
+        raise BadInputError(f"--device: {device!r} is not known; use cuda or cpu")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise BadInputError("--device cuda: this torch sees no CUDA device; use --device cpu")
+    torch_device = torch.device(device)
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    load_before = _load_average()
+    old_threads = torch.get_num_threads()
+    if threads is None and torch_device.type == "cpu":
+        threads = 1
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        bundle = load_bundle(model, seed=seed, device=torch_device, dtype=torch_dtype, **options)
+        net = bundle.model
+        if units:
+            names = select_units(net, list(units))
+        else:
+            names = select_units(net, list(bundle.units)) if bundle.units else default_units(net)
+        try:
+            graph = trace_units(net, names)
+        except BadInputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fx fails on many models; use the autograd graph
+            graph = None
+            fx_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        else:
+            fx_error = None
+        uses_seq_len = bundle.config.get("family") in ("gpt2", "llama", "bert")
+        exclude = parameter_storages(net)
+        costs: dict[str, list[LayerCost]] = {}
+        out_bytes_seen: dict[str, int] = {}
+        checks: list[dict[str, Any]] = []
+        remeasured = 0
+        order: Optional[list[str]] = None
+        total_steps = None
+
+        bar = _progress(progress)
+        with bar if bar is not None else nullcontext():
+            task = None
+            for size in sizes:
+                inputs, target = make_microbatch(bundle, size, seq_len, seed=seed + size,
+                                                 device=torch_device, dtype=torch_dtype)
+                try:
+                    seen = capture(net, names, inputs)
+                except BadInputError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    raise _fail_forward(exc, size, seq_len if uses_seq_len else None, "the model's forward") from None
+                if graph is None:
+                    graph = seen.graph
+                if order is None:
+                    order = [u for u in seen.order]
+                    if not order:
+                        raise BadInputError(
+                            "no unit ran in the model's forward; the units named "
+                            f"({', '.join(names[:5])}) are not called: choose others with --units"
+                        )
+                    if graph.units != order:
+                        # fx's order and the run's order agree for every traced model seen so far;
+                        # trust the run.
+                        graph.units = [u for u in order]
+                    total_steps = len(sizes) * (len(order) + (1 if whole_model_check else 0))
+                    if bar is not None:
+                        task = bar.add_task("profiling", total=total_steps)
+                last = order[-1]
+                loss_last = None
+                if bundle.loss_fn is not None and target is not None and graph.output == ("unit", last):
+                    loss_last = (lambda out, t=target: bundle.loss_fn(out, t))
+                for name in order:
+                    if bar is not None:
+                        bar.update(task, description=f"micro-batch {size}: {name}")
+                    try:
+                        m = measure_unit(
+                            net.get_submodule(name), seen.calls[name], device=torch_device,
+                            repeats=repeats, warmup=warmup, exclude=exclude,
+                            loss=loss_last if name == last else None, split_backward=split_backward,
+                        )
+                    except Exception as exc:  # noqa: BLE001
+                        raise _fail_forward(exc, size, seq_len if uses_seq_len else None, f"unit {name!r}") from None
+                    remeasured += int(m.remeasured)
+                    out_bytes_seen[name] = m.output_bytes
+                    b_in = None if m.backward_input_ms is None else _r(m.backward_input_ms)
+                    backward = _r(m.backward_ms)
+                    if b_in is not None:
+                        b_in = min(b_in, backward)
+                    costs.setdefault(name, []).append(LayerCost(
+                        microbatch_size=size,
+                        forward_ms=_r(m.forward_ms),
+                        backward_ms=backward,
+                        activation_bytes=int(m.activation_bytes),
+                        output_bytes=int(m.output_bytes),
+                        backward_input_ms=b_in,
+                        backward_weight_ms=None if b_in is None else _r(backward - b_in),
+                        forward_spread=_r(m.forward_spread),
+                        backward_spread=_r(m.backward_spread),
+                    ))
+                    if bar is not None:
+                        bar.advance(task)
+                if whole_model_check:
+                    if bar is not None:
+                        bar.update(task, description=f"micro-batch {size}: whole model")
+                    loss_whole = None
+                    if bundle.loss_fn is not None and target is not None:
+                        loss_whole = (lambda out, t=target: bundle.loss_fn(out, t))
+                    try:
+                        whole = measure_whole_model(net, inputs, device=torch_device, repeats=repeats,
+                                                    warmup=warmup, loss=loss_whole)
+                    except Exception as exc:  # noqa: BLE001
+                        raise _fail_forward(exc, size, seq_len if uses_seq_len else None, "the whole model") from None
+                    units_ms = sum(c.forward_ms + c.backward_ms for n in order for c in costs[n]
+                                   if c.microbatch_size == size)
+                    checks.append({
+                        "microbatch_size": size,
+                        "whole_model_step_ms": _r(whole["step_ms"]),
+                        "whole_model_forward_ms": _r(whole["forward_ms"]),
+                        "whole_model_backward_ms": _r(whole["backward_ms"]),
+                        "sum_of_units_ms": _r(units_ms),
+                        "ratio": _r(units_ms / whole["step_ms"]) if whole["step_ms"] > 0 else None,
+                        "whole_model_step_spread": _r(whole["step_spread"]),
+                    })
+                    if bar is not None:
+                        bar.advance(task)
+                del inputs, target, seen
+        assert order is not None and graph is not None
+        device_model, device_extra = _device_info(torch_device)
+        kinds = bundle.kinds or {}
+        layers = []
+        for name in order:
+            module = net.get_submodule(name)
+            param_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in module.parameters()}.values())
+            params = sum(p.numel() for p in module.parameters())
+            description = f"{type(module).__name__}, {params:,} parameters"
+            if name == order[-1] and bundle.loss_fn is not None and graph.output == ("unit", name):
+                description += ", measured with the loss"
+            layers.append(Layer(
+                name=name,
+                param_bytes=int(param_bytes),
+                costs=sorted(costs[name], key=lambda c: c.microbatch_size),
+                kind=kinds.get(name),
+                description=description,
+            ))
+        edges = [e for e in graph.edges if e[0] in order and e[1] in order]
+        chain = list(zip(order, order[1:]))
+        measurement: dict[str, Any] = {
+            "tool": "pipeplan profile",
+            "pipeplan_version": _version(),
+            "torch_version": torch.__version__,
+            "python_version": platform.python_version(),
+            "device_type": torch_device.type,
+            **device_extra,
+            "cpu_count": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "dtype": dtype,
+            "repeats": repeats,
+            "warmup": warmup,
+            "seed": seed,
+            "model_options": options,
+            "model_config": {k: v for k, v in bundle.config.items()},
+            "units_option": list(units) if units else None,
+            "edges_method": graph.method,
+            "fx_error": fx_error,
+            "timing": ("median of the repeats; "
+                       + ("CUDA events" if torch_device.type == "cuda" else "wall clock (CPU ops are synchronous)")
+                       + "; each unit rerun alone on inputs captured from a full forward, backward "
+                         "driven by a random output gradient (the last unit: by the loss)"),
+            "activation_bytes_method": "unique storages saved by autograd (saved_tensors_hooks), "
+                                       "parameters and buffers excluded",
+            "backward_split": ("backward_input_ms: torch.autograd.grad w.r.t. the unit's inputs only, "
+                               "timed apart; backward_weight_ms = backward_ms - backward_input_ms")
+            if split_backward else None,
+            "remeasured_unit_sizes": remeasured,
+            "unused_units": list(graph.unused),
+            "load_average_before": load_before,
+            "load_average_after": _load_average(),
+            "whole_model_check": checks,
+            "elapsed_s": round(time.perf_counter() - started, 1),
+        }
+        measurement = {k: v for k, v in measurement.items() if v is not None}
+        return Profile(
+            schema_version=1,
+            model=model,
+            source="measured",
+            device=device_model,
+            dtype=dtype,
+            sequence_length=seq_len if (uses_seq_len or _factory_uses_seq_len(bundle)) else None,
+            layers=layers,
+            edges=None if sorted(edges) == sorted(chain) else edges,
+            measurement=measurement,
+        )
+    except KeyboardInterrupt:
+        raise
+    except BadInputError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        if is_out_of_memory(exc):
+            raise BadInputError(
+                f"{model} does not fit in memory; lower --microbatch-sizes or --seq-len, or use a smaller model"
+            ) from None
+        raise
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _factory_uses_seq_len(bundle: Any) -> bool:
+    if bundle.make_batch is None or bundle.config.get("family"):
+        return False
+    from pipeplan.profile.loading import _accepts_seq_len
+
+    return _accepts_seq_len(bundle.make_batch)
+
+
+def _version() -> str:
+    from pipeplan import __version__
+
+    return __version__
+
+
+def _progress(enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description:<36}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )

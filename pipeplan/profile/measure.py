@@ -1,0 +1,463 @@
+"""Timing and memory measurement of one unit, and of the whole model for the check.
+
+Each unit is measured alone: its inputs are captured from one real forward of the whole
+model (:func:`capture`), then it is rerun on detached copies of them, and its backward is
+driven by a fixed random output gradient (or by the loss, for the last unit). Module
+backward hooks are not used: they miss time (an embedding's weight gradient, modules without
+parameters).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from pipeplan.errors import BadInputError
+from pipeplan.profile.units import Source, UnitGraph
+
+__all__ = [
+    "UnitMeasurement",
+    "Capture",
+    "capture",
+    "measure_unit",
+    "measure_whole_model",
+    "saved_activation_bytes",
+    "tensor_bytes",
+    "spread",
+]
+
+
+def spread(samples: list[float]) -> float:
+    """Coefficient of variation (population standard deviation over mean); 0 for one sample.
+
+    Examples
+    --------
+    >>> spread([1.0, 1.0])
+    0.0
+    >>> round(spread([1.0, 3.0]), 3)
+    0.5
+    """
+    if len(samples) < 2:
+        return 0.0
+    mean = statistics.fmean(samples)
+    return statistics.pstdev(samples) / mean if mean > 0 else 0.0
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of every tensor in a (nested) value: what a stage would send of it."""
+    leaves, _ = tree_flatten(value)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _storage_key(t: torch.Tensor) -> Optional[tuple[Any, int]]:
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if storage.nbytes() == 0:
+        return None
+    return (str(t.device), storage.data_ptr())
+
+
+def parameter_storages(model: nn.Module) -> set[tuple[Any, int]]:
+    """Storage keys of every parameter and buffer (they are not activations)."""
+    keys = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        key = _storage_key(t)
+        if key is not None:
+            keys.add(key)
+    return keys
+
+
+class saved_activation_bytes:
+    """Context manager counting bytes autograd saves for backward, by unique storage.
+
+    Storages of ``exclude`` (parameters, buffers) are left out. A view saves its whole
+    storage, which is what stays in memory.
+
+    Examples
+    --------
+    >>> import torch
+    >>> lin = torch.nn.Linear(4, 3, bias=False)
+    >>> x = torch.randn(2, 4, requires_grad=True)
+    >>> with saved_activation_bytes(exclude=parameter_storages(lin)) as saved:
+    ...     y = lin(x)
+    >>> saved.bytes   # only x: 2 * 4 * 4 bytes
+    32
+    """
+
+    def __init__(self, exclude: Optional[set] = None) -> None:
+        self.exclude = exclude or set()
+        self.storages: dict[tuple[Any, int], int] = {}
+        self._hooks: Any = None
+
+    @property
+    def bytes(self) -> int:
+        """Total bytes of the unique storages saved."""
+        return sum(self.storages.values())
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key is not None and key not in self.exclude:
+            self.storages[key] = t.untyped_storage().nbytes()
+        return t
+
+    def __enter__(self) -> "saved_activation_bytes":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    if device.type == "cuda":
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end)), result
+    begin = time.perf_counter()
+    result = fn()
+    return (time.perf_counter() - begin) * 1e3, result
+
+
+@dataclass
+class UnitMeasurement:
+    """One unit at one micro-batch size."""
+
+    forward_ms: float
+    """Median forward time (loss included for the last unit when a loss is given)."""
+    backward_ms: float
+    """Median time of the whole backward (input and weight gradients)."""
+    backward_input_ms: Optional[float]
+    """Median time of the input-gradient-only backward, capped at ``backward_ms``; None if not split."""
+    activation_bytes: int
+    """Bytes saved by autograd for backward (unique storages, parameters excluded)."""
+    output_bytes: int
+    """Bytes of the unit's output."""
+    forward_spread: float
+    """Coefficient of variation of the forward samples."""
+    backward_spread: float
+    """Coefficient of variation of the backward samples."""
+    remeasured: bool = False
+    """True if a high spread made it take a second round of repeats."""
+    forward_samples: list[float] = field(default_factory=list, repr=False)
+    backward_samples: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def backward_weight_ms(self) -> Optional[float]:
+        """``backward_ms - backward_input_ms``."""
+        return None if self.backward_input_ms is None else self.backward_ms - self.backward_input_ms
+
+
+@dataclass
+class Capture:
+    """What one forward of the whole model showed about its units."""
+
+    calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]]
+    """Per unit, its detached positional and keyword inputs."""
+    order: list[str]
+    """Units in the order they ran."""
+    graph: UnitGraph
+    """The unit graph seen at run time (edges from the autograd graph)."""
+    output_bytes: dict[str, int]
+    """Bytes of each unit's output."""
+
+
+def _detach(value: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
+
+
+def capture(model: nn.Module, units: list[str], inputs: tuple[Any, ...]) -> Capture:
+    """Run the model once and record each unit's inputs, call order and wiring.
+
+    The wiring comes from the autograd graph: walking back from a unit's inputs to the
+    nearest outputs of other units gives its producers, so it also sees through operations
+    between units. It is the fallback when torch.fx cannot trace the model.
+
+    Raises
+    ------
+    BadInputError
+        If a unit runs more than once per forward.
+    """
+    calls: dict[str, tuple[Any, Any]] = {}
+    order: list[str] = []
+    out_bytes: dict[str, int] = {}
+    owner_of_fn: dict[Any, str] = {}
+    owner_of_tensor: dict[int, str] = {}
+    args_src: dict[str, Optional[list[Source]]] = {}
+    edges: list[tuple[str, str]] = []
+    input_ids = {id(t): i for i, t in enumerate(inputs)}
+    keep_alive: list[Any] = []
+
+    def producers(value: Any) -> set[str]:
+        found, stack, seen = set(), [], set()
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, torch.Tensor):
+                if id(t) in owner_of_tensor:
+                    found.add(owner_of_tensor[id(t)])
+                elif t.grad_fn is not None:
+                    stack.append(t.grad_fn)
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            if fn in owner_of_fn:
+                found.add(owner_of_fn[fn])
+                continue
+            stack.extend(next_fn for next_fn, _ in fn.next_functions)
+        return found
+
+    def pre_hook(name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if name in calls:
+                raise BadInputError(
+                    f"unit {name!r} ran more than once in one forward; a unit must run once per "
+                    f"micro-batch: choose units that contain every call (--units)"
+                )
+            calls[name] = (args, kwargs)
+            order.append(name)
+            sources: list[Source] = []
+            for a in args:
+                if isinstance(a, torch.Tensor) and id(a) in owner_of_tensor:
+                    sources.append(("unit", owner_of_tensor[id(a)]))
+                elif isinstance(a, torch.Tensor) and id(a) in input_ids:
+                    sources.append(("input", input_ids[id(a)]))
+                else:
+                    sources = None  # type: ignore[assignment]
+                    break
+            args_src[name] = sources if sources is not None and not kwargs else None
+            for src in sorted(producers((args, kwargs)), key=order.index):
+                edges.append((src, name))
+        return hook
+
+    def post_hook(name: str):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            out_bytes[name] = tensor_bytes(output)
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor):
+                    owner_of_tensor[id(t)] = name
+                    keep_alive.append(t)
+                    if t.grad_fn is not None:
+                        owner_of_fn[t.grad_fn] = name
+        return hook
+
+    handles = []
+    try:
+        for name in units:
+            module = model.get_submodule(name)
+            handles.append(module.register_forward_pre_hook(pre_hook(name), with_kwargs=True))
+            handles.append(module.register_forward_hook(post_hook(name)))
+        output = model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    out_source: Optional[Source] = None
+    if isinstance(output, torch.Tensor) and id(output) in owner_of_tensor:
+        out_source = ("unit", owner_of_tensor[id(output)])
+    graph = UnitGraph(units=list(order), args=args_src, edges=edges, output=out_source, method="autograd",
+                      unused=[u for u in units if u not in calls])
+    detached = {name: _detach(call) for name, call in calls.items()}
+    return Capture(calls=detached, order=list(order), graph=graph, output_bytes=out_bytes)
+
+
+def _fresh(call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[Any, ...], dict[str, Any], list]:
+    leaves: list[torch.Tensor] = []
+
+    def leaf(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        t = t.detach()
+        if t.is_floating_point() or t.is_complex():
+            t.requires_grad_(True)
+            leaves.append(t)
+        return t
+
+    args, kwargs = tree_map(leaf, call)
+    return args, kwargs, leaves
+
+
+def _grad_outputs(out: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def measure_unit(
+    module: nn.Module,
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+    *,
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    exclude: set,
+    loss: Optional[Callable[[Any], torch.Tensor]] = None,
+    split_backward: bool = True,
+    remeasure_spread: float = 0.15,
+) -> UnitMeasurement:
+    """Time one unit's forward and backward and count its memory.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The unit.
+    call : (args, kwargs)
+        Its captured inputs; floating tensors become fresh leaves that require grad.
+    device : torch.device
+        CUDA events time CUDA; a wall clock times the CPU (CPU ops are synchronous).
+    repeats, warmup : int
+        Timed and untimed iterations.
+    exclude : set
+        Storage keys of parameters and buffers (see :func:`parameter_storages`).
+    loss : callable, optional
+        ``loss(output) -> scalar``: measured as part of the unit (the last unit); otherwise
+        backward is driven by a fixed random gradient of the output's shape.
+    split_backward : bool
+        Also time the input-gradient-only backward (``torch.autograd.grad`` w.r.t. the inputs).
+    remeasure_spread : float
+        A unit over 1 ms whose forward or backward spread exceeds this gets one more round.
+
+    Returns
+    -------
+    UnitMeasurement
+
+    Notes
+    -----
+    Costs about ``(warmup + repeats) * (2 forwards + 1.5 backwards)`` of the unit.
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def forward(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        raw = module(*args, **kwargs)
+        return raw, (loss(raw) if loss is not None else raw)
+
+    args, kwargs, leaves = _fresh(call)
+    with saved_activation_bytes(exclude=exclude) as saved:
+        raw, out = forward(args, kwargs)
+    output_bytes = tensor_bytes(raw)
+    outs = _grad_outputs(out)
+    grads = None if loss is not None else [torch.randn_like(t) for t in outs]
+    if outs:
+        torch.autograd.backward(outs, grads)
+    del raw, out, outs
+    activation_bytes = saved.bytes
+
+    split = split_backward and bool(leaves) and bool(params)
+    fwd: list[float] = []
+    bwd: list[float] = []
+    bwd_in: list[float] = []
+
+    def one_round(count: int, skip: int) -> None:
+        for i in range(count):
+            a, kw, _ = _fresh(call)
+            t_f, (_, o) = _timed(lambda: forward(a, kw), device)
+            o_list = _grad_outputs(o)
+            t_b = 0.0
+            if o_list:
+                t_b, _ = _timed(lambda: torch.autograd.backward(o_list, grads), device)
+            del o, o_list
+            t_bi = None
+            if split:
+                a, kw, ins = _fresh(call)
+                t_f2, (_, o) = _timed(lambda: forward(a, kw), device)
+                o_list = _grad_outputs(o)
+                t_bi, _ = _timed(
+                    lambda: torch.autograd.grad(o_list, ins, grads, allow_unused=True), device
+                )
+                del o, o_list
+            if i >= skip:
+                fwd.append(t_f)
+                bwd.append(t_b)
+                if split:
+                    fwd.append(t_f2)
+                    bwd_in.append(t_bi)
+
+    one_round(warmup + repeats, warmup)
+    remeasured = False
+    if (statistics.median(fwd) + statistics.median(bwd) > 1.0
+            and max(spread(fwd), spread(bwd)) > remeasure_spread):
+        one_round(repeats, 0)
+        remeasured = True
+    for p in params:
+        p.grad = None
+    backward_ms = statistics.median(bwd)
+    if split:
+        backward_input_ms = min(statistics.median(bwd_in), backward_ms)
+    elif not split_backward:
+        backward_input_ms = None
+    elif not leaves:
+        backward_input_ms = 0.0  # integer inputs (token ids): all of backward is weight gradients
+    else:
+        backward_input_ms = backward_ms  # no weights: all of backward is the input gradient
+    return UnitMeasurement(
+        forward_ms=statistics.median(fwd),
+        backward_ms=backward_ms,
+        backward_input_ms=backward_input_ms,
+        activation_bytes=activation_bytes,
+        output_bytes=output_bytes,
+        forward_spread=spread(fwd),
+        backward_spread=spread(bwd),
+        remeasured=remeasured,
+        forward_samples=fwd,
+        backward_samples=bwd,
+    )
+
+
+def measure_whole_model(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    *,
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    loss: Optional[Callable[[Any], torch.Tensor]] = None,
+) -> dict[str, float]:
+    """Median forward, backward and step time of the full model on one micro-batch.
+
+    Returns
+    -------
+    dict
+        ``forward_ms``, ``backward_ms``, ``step_ms`` (medians; step is the median of the
+        per-repeat sums) and ``step_spread``.
+    """
+    grads = None
+    fwd, bwd, step = [], [], []
+    for i in range(warmup + repeats):
+        t_f, out = _timed(lambda: loss(model(*inputs)) if loss is not None else model(*inputs), device)
+        outs = _grad_outputs(out)
+        if grads is None and loss is None:
+            generator = torch.Generator(device=outs[0].device if outs else "cpu").manual_seed(0)
+            grads = [torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) for t in outs]
+        t_b = 0.0
+        if outs:
+            t_b, _ = _timed(lambda: torch.autograd.backward(outs, grads), device)
+        del out, outs
+        if i >= warmup:
+            fwd.append(t_f)
+            bwd.append(t_b)
+            step.append(t_f + t_b)
+    for p in model.parameters():
+        p.grad = None
+    return {
+        "forward_ms": statistics.median(fwd),
+        "backward_ms": statistics.median(bwd),
+        "step_ms": statistics.median(step),
+        "step_spread": spread(step),
+    }
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for CUDA/CPU out-of-memory errors."""
+    if isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or isinstance(exc, MemoryError):
+        return True
+    return "out of memory" in str(exc).lower()
+

@@ -11,7 +11,8 @@ from pipeplan.formats.profile import Profile
 MIB = 2**20
 
 
-def llama_like_profile(num_blocks: int = 8, *, model: str = "tiny-llama", sizes=(1, 2, 4)) -> Profile:
+def llama_like_profile(num_blocks: int = 8, *, model: str = "tiny-llama", sizes=(1, 2, 4),
+                       head_forward_ms: float = 3.0) -> Profile:
     """A torchtitan-Llama-shaped chain: tok_embeddings, layers.0..N-1, norm, output, with kinds."""
     layers = []
 
@@ -27,7 +28,7 @@ def llama_like_profile(num_blocks: int = 8, *, model: str = "tiny-llama", sizes=
     for i in range(num_blocks):
         layer(f"layers.{i}", "block", 2.0 + 0.1 * (i % 3), 32, 8)
     layer("norm", "norm", 0.1, 0, 1)
-    layer("output", "head", 3.0, 64, 4)
+    layer("output", "head", head_forward_ms, 64, 4)
     return Profile.model_validate({
         "schema_version": 1, "model": model, "source": "analytic",
         "device": {"name": "test"}, "dtype": "bf16", "layers": layers,

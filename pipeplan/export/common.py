@@ -7,6 +7,7 @@ from, checked by sha256).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from pipeplan.errors import BadInputError
@@ -18,6 +19,7 @@ __all__ = [
     "pipeline_shape",
     "check_profile_matches",
     "header_lines",
+    "compact_json",
 ]
 
 #: The name ``torch.distributed.pipelining.schedules.get_schedule_class`` (and torchtitan's
@@ -172,3 +174,30 @@ def header_lines(plan: Plan, launcher: str) -> list[str]:
         f"predicted: {plan.predicted.samples_per_second:.6g} samples/s, iteration "
         f"{plan.predicted.iteration_ms:.6g} ms, bubble {100 * plan.predicted.bubble_fraction:.3g}%",
     ]
+
+
+def compact_json(data, indent: int = 2, _level: int = 0) -> str:
+    """JSON with objects indented and lists of plain values on one line (easier to read and diff).
+
+    Examples
+    --------
+    >>> print(compact_json({"parts": [0, 3, 5], "stages": [["a", "b"], ["c"]]}))
+    {
+      "parts": [0, 3, 5],
+      "stages": [
+        ["a", "b"],
+        ["c"]
+      ]
+    }
+    """
+    pad, inner = " " * (indent * _level), " " * (indent * (_level + 1))
+    if isinstance(data, dict):
+        if not data:
+            return "{}"
+        items = [f"{inner}{json.dumps(str(k))}: {compact_json(v, indent, _level + 1)}" for k, v in data.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(data, (list, tuple)):
+        if all(not isinstance(v, (dict, list, tuple)) for v in data):
+            return "[" + ", ".join(json.dumps(v, allow_nan=False) for v in data) + "]"
+        return "[\n" + ",\n".join(inner + compact_json(v, indent, _level + 1) for v in data) + "\n" + pad + "]"
+    return json.dumps(data, allow_nan=False)

@@ -9,10 +9,8 @@ subclass that sets ``self.parts`` from this export. The layer list must follow `
 
 from __future__ import annotations
 
-import json
-
 from pipeplan.errors import BadInputError
-from pipeplan.export.common import header_lines, pipeline_shape
+from pipeplan.export.common import compact_json, header_lines, pipeline_shape
 from pipeplan.formats.plan import Plan
 
 __all__ = ["export_deepspeed"]
@@ -73,4 +71,4 @@ def export_deepspeed(plan: Plan) -> str:
             "train_batch_size": plan.microbatch_size * plan.num_microbatches,
         },
     }
-    return json.dumps(data, indent=2) + "\n"
+    return compact_json(data) + "\n"

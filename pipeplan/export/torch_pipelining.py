@@ -8,9 +8,7 @@ See docs/launchers.md.
 
 from __future__ import annotations
 
-import json
-
-from pipeplan.export.common import TORCH_SCHEDULE_NAME, header_lines, pipeline_shape
+from pipeplan.export.common import compact_json, TORCH_SCHEDULE_NAME, header_lines, pipeline_shape
 from pipeplan.formats.plan import Plan
 
 __all__ = ["export_torch"]
@@ -53,4 +51,4 @@ def export_torch(plan: Plan) -> str:
         "stage_to_rank": list(shape.stage_to_rank),
         "stage_modules": [list(stage.layers) for stage in shape.stages],
     }
-    return json.dumps(data, indent=2) + "\n"
+    return compact_json(data) + "\n"

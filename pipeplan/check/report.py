@@ -93,7 +93,7 @@ def check_renderables(report: CheckReport) -> list:
     return out
 
 
-def _render_rich(renderables: Iterable, width: int = 120) -> str:
+def _render_rich(renderables: Iterable, width: int = 160) -> str:
     from rich.console import Console
 
     buffer = io.StringIO()

@@ -180,6 +180,13 @@ def test_megatron_uneven_split_and_norm_moves_with_loss():
     assert any("norm moved to stage 3" in note for note in notes)
     text = export_plan(plan, profile, "megatron")[".sh"]
     assert "# note: norm moved to stage 3" in text
+    try:
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    except ImportError:
+        return
+    real = PipelineParallelLayerLayout(layout, 4)  # Megatron-LM accepts the empty stage
+    real.validate_layer_layout(num_layers, None)
+    assert [len(real.layout[r][0]) for r in range(4)] == [3, 4, 0, 1]
 
 
 def test_megatron_layout_compression_round_trips():

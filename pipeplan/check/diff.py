@@ -17,7 +17,10 @@ from pipeplan.check.regress import moved_layers, rank_peaks
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.plan import Plan, PlanSettings
 
-__all__ = ["LayerDelta", "StageRow", "PlanDiff", "ProfileDiff", "diff_plans", "diff_profiles", "diff_files"]
+__all__ = [
+    "LayerDelta", "StageRow", "PlanDiff", "ProfileDiff", "diff_plans", "diff_profiles", "diff_files",
+    "diff_settings",
+]
 
 
 @dataclass(frozen=True)
@@ -259,3 +262,54 @@ def diff_files(path_a: str | Path, path_b: str | Path, *, settings: PlanSettings
         load_profile(path_a), load_profile(path_b), microbatch_size=microbatch_size, settings=settings,
         sha256=(file_sha256(path_a), file_sha256(path_b)), planner=planner,
     )
+
+
+def diff_settings(settings_from: str | Path | None = None, **overrides) -> PlanSettings | None:
+    """Planning settings for a profile diff: a plan file's settings, changed by the given options.
+
+    Parameters
+    ----------
+    settings_from : path, optional
+        A plan file (e.g. the baseline) whose ``settings`` to start from.
+    **overrides
+        PlanSettings fields (``stages``, ``global_batch``, ``memory_cap_bytes``, ``schedule``,
+        ``microbatch_size``, ...); None values are ignored.
+
+    Returns
+    -------
+    PlanSettings or None
+        None when neither a plan file nor any option was given (diff the layers only).
+
+    Raises
+    ------
+    BadInputError
+        Without a plan file, when ``stages`` or ``global_batch`` is missing; or invalid values.
+
+    Examples
+    --------
+    >>> diff_settings() is None
+    True
+    >>> diff_settings(stages=4, global_batch=32).stages
+    4
+    """
+    from pydantic import ValidationError
+
+    from pipeplan.formats.io import format_validation_error, load_plan
+
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if settings_from is None and not given:
+        return None
+    if settings_from is not None:
+        base = load_plan(settings_from).settings.model_dump()
+    else:
+        missing = [name for name in ("stages", "global_batch") if name not in given]
+        if missing:
+            raise BadInputError(
+                f"diff: planning both profiles needs {' and '.join('--' + m.replace('_', '-') for m in missing)} "
+                f"(or --settings-from PLAN)"
+            )
+        base = {}
+    try:
+        return PlanSettings.model_validate({**base, **given})
+    except ValidationError as exc:
+        raise BadInputError(format_validation_error("diff settings", exc)) from None

@@ -222,3 +222,33 @@ def test_diff_two_profiles_with_and_without_settings(repo, tmp_path):
 def test_diff_refuses_a_plan_and_a_profile(repo):
     with pytest.raises(BadInputError, match="two plans or two profiles"):
         diff_files(repo / "tiny.json", repo / "baselines" / "tiny.plan.json")
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def test_run_check_writes_junit_and_renders(repo, tmp_path):
+    from pipeplan.check.commands import run_check
+
+    peak = max(s.peak_memory_bytes for s in load_plan(repo / "baselines" / "tiny.plan.json").stages)
+    report, text = run_check(repo, repo / "baselines", format="markdown", junit_path=tmp_path / "j.xml",
+                             memory_cap=str(peak * 9 // 10))
+    assert report.exit_code == 1
+    assert text.startswith("### pipeplan check")
+    assert ET.parse(tmp_path / "j.xml").getroot().get("tests") == "1"
+    with pytest.raises(BadInputError, match="--format"):
+        run_check(repo, repo / "baselines", format="html")
+    with pytest.raises(BadInputError, match="--memory-cap"):
+        run_check(repo, repo / "baselines", memory_cap="lots")
+
+
+def test_run_diff_settings(repo, tmp_path):
+    from pipeplan.check.commands import run_diff
+
+    text = run_diff(repo / "tiny.json", repo / "tiny.json", stages=2, global_batch=8)
+    assert "plans: A beside B" in text and "0 layers changed" in text
+    text = run_diff(repo / "tiny.json", repo / "tiny.json", format="markdown",
+                    settings_from=repo / "baselines" / "tiny.plan.json")
+    assert "### Plans: A beside B" in text
+    with pytest.raises(BadInputError, match="--global-batch"):
+        run_diff(repo / "tiny.json", repo / "tiny.json", stages=2)

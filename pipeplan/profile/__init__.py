@@ -25,6 +25,9 @@ __all__ = [
     "ModelBundle",
     "resolve_builtin",
     "profile_model",
+    "profile_to_file",
+    "parse_microbatch_sizes",
+    "summary_table",
     "build_model",
     "build_stage",
     "load_bundle",
@@ -43,6 +46,9 @@ __all__ = [
 
 _LAZY = {
     "profile_model": "pipeplan.profile.api",
+    "profile_to_file": "pipeplan.profile.api",
+    "parse_microbatch_sizes": "pipeplan.profile.api",
+    "summary_table": "pipeplan.profile.api",
     "build_model": "pipeplan.profile.models",
     "example_batch": "pipeplan.profile.models",
     "loss_fn": "pipeplan.profile.models",

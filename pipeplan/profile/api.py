@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 from pipeplan.errors import BadInputError
 from pipeplan.formats.profile import Device, Layer, LayerCost, Profile
 
-__all__ = ["profile_model", "parse_microbatch_sizes"]
+__all__ = ["profile_model", "profile_to_file", "parse_microbatch_sizes", "summary_table"]
 
 
 def parse_microbatch_sizes(text: str | Sequence[int]) -> list[int]:
@@ -432,3 +432,40 @@ def _progress(enabled: bool) -> Any:
         console=Console(stderr=True),
         transient=False,
     )
+
+
+def profile_to_file(model: str, output: str, **kwargs: Any) -> Profile:
+    """Profile ``model`` (see :func:`profile_model` for the keywords) and write ``output`` atomically.
+
+    The file appears only once the whole profile is measured: an interrupt (Ctrl-C) or an error
+    leaves no partial file, and an existing file stays as it was.
+    """
+    from pipeplan.formats.io import write_json_atomic
+
+    profile = profile_model(model, **kwargs)
+    write_json_atomic(output, profile)
+    return profile
+
+
+def summary_table(profile: Profile) -> Any:
+    """A rich table of the whole-model check: one row per micro-batch size."""
+    from rich.table import Table
+
+    table = Table(title=f"{profile.model}: {len(profile.layers)} units on {profile.device.name}")
+    for column in ("micro-batch", "sum of units ms", "whole model ms", "ratio", "slowest unit"):
+        table.add_column(column, justify="right" if column != "slowest unit" else "left")
+    checks = {c["microbatch_size"]: c for c in (profile.measurement or {}).get("whole_model_check", [])}
+    for size in profile.microbatch_sizes:
+        slowest = max(profile.layers, key=lambda layer: layer.cost_at(size).forward_ms + layer.cost_at(size).backward_ms)
+        units_ms = sum(layer.cost_at(size).forward_ms + layer.cost_at(size).backward_ms for layer in profile.layers)
+        check = checks.get(size, {})
+        whole = check.get("whole_model_step_ms")
+        ratio = check.get("ratio")
+        table.add_row(
+            str(size),
+            f"{units_ms:.1f}",
+            f"{whole:.1f}" if whole is not None else "-",
+            f"{ratio:.2f}" if ratio is not None else "-",
+            slowest.name,
+        )
+    return table

@@ -252,3 +252,22 @@ def test_run_diff_settings(repo, tmp_path):
     assert "### Plans: A beside B" in text
     with pytest.raises(BadInputError, match="--global-batch"):
         run_diff(repo / "tiny.json", repo / "tiny.json", stages=2)
+
+
+# --------------------------------------------------------------------------- shipped baselines
+
+REPO_PROFILES = __import__("pathlib").Path(__file__).resolve().parents[1] / "profiles"
+
+
+def _shipped_baselines():
+    folder = REPO_PROFILES / "baselines"
+    return sorted(folder.glob("*.json")) if folder.is_dir() else []
+
+
+@pytest.mark.skipif(not _shipped_baselines(), reason="no baselines shipped in profiles/baselines/")
+def test_shipped_baselines_pass():
+    report = check_profiles(REPO_PROFILES, REPO_PROFILES / "baselines")
+    assert report.exit_code == 0, render_check(report, "markdown")
+    for check in report.checks:
+        assert check.throughput_change == pytest.approx(0.0, abs=1e-9)
+        assert not check.profile_changed

@@ -317,3 +317,51 @@ def test_inconsistent_placement_is_refused():
 
     with pytest.raises(BadInputError, match="placement"):
         export_plan(Plan.model_validate(data), None, "torch")
+
+
+# --------------------------------------------------------------------------- shipped baselines
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO / "profiles" / "baselines").glob("*.json")) if (REPO / "profiles" / "baselines").is_dir() else []
+
+
+@pytest.mark.skipif(not SHIPPED, reason="no baselines shipped in profiles/baselines/")
+@pytest.mark.parametrize("baseline", SHIPPED, ids=lambda p: p.name)
+def test_shipped_baselines_export_to_every_launcher(baseline, tmp_path):
+    """Each shipped plan through each consumer that can run it (Megatron needs layer roles)."""
+    from pipeplan.check.regress import find_profile
+    from pipeplan.formats.io import file_sha256, load_plan, load_profile
+
+    plan = load_plan(baseline)
+    profile_path = find_profile(baseline, plan, REPO / "profiles")
+    profile = load_profile(profile_path)
+    sha = file_sha256(profile_path)
+    files = export_plan(plan, profile, "torchtitan", profile_sha256=sha, stem=str(tmp_path / "t"),
+                        with_schedule_csv=True)
+    toml = tomllib.loads(files[".toml"])
+    assert toml["parallelism"]["module_fqns_per_model_part"] == [s.layers for s in sorted(plan.stages, key=lambda s: s.index)]
+    torch = pytest.importorskip("torch")
+    from torch.distributed.pipelining import schedules as S
+
+    csv_path = tmp_path / "t.schedule.csv"
+    csv_path.write_text(files[".schedule.csv"])
+    p = plan.settings.stages
+    mine = [s.index for s in plan.stages if s.rank == 0]
+    runtime = S._PipelineScheduleRuntime([_fake_stage(p, len(plan.stages), 0, i) for i in mine],
+                                         n_microbatches=plan.num_microbatches)
+    runtime._load_csv(str(csv_path), format="compute_only")
+    assert runtime.stage_index_to_group_rank == {s.index: s.rank for s in plan.stages}
+    S.get_schedule_class(toml["parallelism"]["pipeline_parallel_schedule"])
+    data = json.loads(export_plan(plan, profile, "torch", profile_sha256=sha)[".json"])
+    assert len(data["split_spec"]) == len(plan.stages) - 1
+    if plan.virtual_stages == 1:
+        parts = json.loads(export_plan(plan, profile, "deepspeed")[".json"])["parts"]
+        assert len(parts) == p + 1
+    if all(layer.kind for layer in profile.layers) and plan.schedule not in ("zbv", "dualpipev"):
+        flags = _megatron_flags(export_plan(plan, profile, "megatron", profile_sha256=sha)[".sh"])
+        try:
+            Layout, _ = _megatron_layout_class()
+        except pytest.skip.Exception:
+            return
+        layout = Layout(flags["--pipeline-model-parallel-layout"], p)
+        layout.validate_layer_layout(int(flags["--num-layers"]), None)

@@ -192,6 +192,7 @@ def profile_model(
         is_out_of_memory,
         measure_unit,
         measure_whole_model,
+        merge_whole_model,
         parameter_storages,
     )
     from pipeplan.profile.models import _torch_dtype
@@ -269,6 +270,26 @@ def profile_model(
                 loss_last = None
                 if bundle.loss_fn is not None and target is not None and graph.output == ("unit", last):
                     loss_last = (lambda out, t=target: bundle.loss_fn(out, t))
+                if whole_model_check:
+                    if bar is not None:
+                        bar.update(task, description=f"micro-batch {size}: whole model")
+                    loss_whole = None
+                    if bundle.loss_fn is not None and target is not None:
+                        loss_whole = (lambda out, t=target: bundle.loss_fn(out, t))
+                    if torch_device.type == "cuda":  # on CPU these calls raise or return 0
+                        torch.cuda.reset_peak_memory_stats(torch_device)
+                    try:
+                        # Half the repeats before the units (their warm-up also warms the
+                        # units' kernels), half after: a burst of load elsewhere then moves
+                        # both sides of the comparison alike.
+                        whole = measure_whole_model(net, inputs, device=torch_device,
+                                                    repeats=(repeats + 1) // 2, warmup=warmup, loss=loss_whole)
+                    except Exception as exc:  # noqa: BLE001
+                        raise _fail_forward(exc, size, seq_len if uses_seq_len else None, "the whole model") from None
+                    if torch_device.type == "cuda":
+                        whole["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(torch_device))
+                    if bar is not None:
+                        bar.advance(task)
                 for name in order:
                     if bar is not None:
                         bar.update(task, description=f"micro-batch {size}: {name}")
@@ -300,16 +321,16 @@ def profile_model(
                     if bar is not None:
                         bar.advance(task)
                 if whole_model_check:
-                    if bar is not None:
-                        bar.update(task, description=f"micro-batch {size}: whole model")
-                    loss_whole = None
-                    if bundle.loss_fn is not None and target is not None:
-                        loss_whole = (lambda out, t=target: bundle.loss_fn(out, t))
-                    try:
-                        whole = measure_whole_model(net, inputs, device=torch_device, repeats=repeats,
-                                                    warmup=warmup, loss=loss_whole)
-                    except Exception as exc:  # noqa: BLE001
-                        raise _fail_forward(exc, size, seq_len if uses_seq_len else None, "the whole model") from None
+                    if repeats > 1:
+                        if bar is not None:
+                            bar.update(task, description=f"micro-batch {size}: whole model")
+                        try:
+                            whole = merge_whole_model(whole, measure_whole_model(
+                                net, inputs, device=torch_device, repeats=repeats // 2, warmup=0,
+                                loss=loss_whole))
+                        except Exception as exc:  # noqa: BLE001
+                            raise _fail_forward(exc, size, seq_len if uses_seq_len else None,
+                                                "the whole model") from None
                     units_ms = sum(c.forward_ms + c.backward_ms for n in order for c in costs[n]
                                    if c.microbatch_size == size)
                     checks.append({
@@ -321,8 +342,8 @@ def profile_model(
                         "ratio": _r(units_ms / whole["step_ms"]) if whole["step_ms"] > 0 else None,
                         "whole_model_step_spread": _r(whole["step_spread"]),
                     })
-                    if bar is not None:
-                        bar.advance(task)
+                    if "peak_memory_bytes" in whole:
+                        checks[-1]["whole_model_peak_memory_bytes"] = whole["peak_memory_bytes"]
                 del inputs, target, seen
         assert order is not None and graph is not None
         device_model, device_extra = _device_info(torch_device)
@@ -468,4 +489,13 @@ def summary_table(profile: Profile) -> Any:
             f"{ratio:.2f}" if ratio is not None else "-",
             slowest.name,
         )
+    measurement = profile.measurement or {}
+    notes = [f"threads {measurement.get('threads')}, load average {measurement.get('load_average_before')}"]
+    off = [size for size, c in checks.items() if c.get("ratio") is not None and abs(c["ratio"] - 1) > 0.15]
+    if off:
+        notes.append(
+            f"sum of units is off the whole model by over 15% at micro-batch {off}: "
+            f"a busy machine? re-profile when it is quiet"
+        )
+    table.caption = "; ".join(notes)
     return table

@@ -27,6 +27,7 @@ __all__ = [
     "capture",
     "measure_unit",
     "measure_whole_model",
+    "merge_whole_model",
     "saved_activation_bytes",
     "tensor_bytes",
     "spread",
@@ -455,6 +456,20 @@ def measure_whole_model(
         "backward_ms": statistics.median(bwd),
         "step_ms": statistics.median(step),
         "step_spread": spread(step),
+        "samples": {"forward_ms": fwd, "backward_ms": bwd, "step_ms": step},
+    }
+
+
+def merge_whole_model(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Medians over the samples of two :func:`measure_whole_model` results."""
+    samples = {k: first["samples"][k] + second["samples"][k] for k in first["samples"]}
+    return {
+        **first,
+        "forward_ms": statistics.median(samples["forward_ms"]),
+        "backward_ms": statistics.median(samples["backward_ms"]),
+        "step_ms": statistics.median(samples["step_ms"]),
+        "step_spread": spread(samples["step_ms"]),
+        "samples": samples,
     }
 
 

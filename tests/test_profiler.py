@@ -329,3 +329,13 @@ def test_bad_input_names_the_fix(kwargs, pattern):
 def test_cuda_without_cuda_is_bad_input():
     with pytest.raises(BadInputError, match="no CUDA"):
         profile_model("gpt2-tiny", microbatch_sizes=[1], device="cuda", **FAST)
+
+
+def test_stage_from_a_profile_rebuilds_the_profiled_model():
+    from pipeplan.profile import build_stage_from_profile
+
+    prof = profile_model("gpt2-tiny", microbatch_sizes=[1], seq_len=8, options=TINY_GPT,
+                         whole_model_check=False, **FAST)
+    stage = build_stage_from_profile(prof, [layer.name for layer in prof.layers[-2:]])
+    assert stage.unit_names == ["norm", "head"]
+    assert stage.get_submodule("head").proj.weight.shape == (64, 32)  # --vocab and --hidden kept

@@ -28,6 +28,8 @@ __all__ = [
     "chain_graph",
     "UnitChain",
     "build_stage",
+    "build_stage_from_profile",
+    "model_spec",
 ]
 
 #: A value in the unit graph: ``("input", i)`` is the model's i-th positional input,
@@ -376,3 +378,32 @@ def build_stage(model: str, units: Sequence[str], *, seed: int = 0, device: Any 
     except Exception:  # noqa: BLE001 - fx fails on many real models; a chain is the usual shape
         graph = chain_graph(names)
     return UnitChain(bundle.model, graph, units).to(device)
+
+
+def model_spec(profile: Any) -> tuple[str, dict[str, Any], Optional[list[str]]]:
+    """``(model, options, unit_patterns)`` that rebuild the model a measured profile came from.
+
+    Examples
+    --------
+    >>> from pipeplan.formats.profile import Profile
+    >>> p = Profile.model_validate({"schema_version": 1, "model": "gpt2-tiny", "source": "measured",
+    ...     "device": {"name": "cpu"}, "dtype": "fp32", "measurement": {"model_options": {"layers": 2}},
+    ...     "layers": [{"name": "embed", "param_bytes": 0, "costs": [{"microbatch_size": 1,
+    ...     "forward_ms": 1, "backward_ms": 1, "activation_bytes": 0, "output_bytes": 0}]}]})
+    >>> model_spec(p)
+    ('gpt2-tiny', {'layers': 2}, None)
+    """
+    measurement = profile.measurement or {}
+    return profile.model, dict(measurement.get("model_options") or {}), measurement.get("units_option")
+
+
+def build_stage_from_profile(profile: Any, units: Sequence[str], *, seed: int = 0, device: Any = "cpu",
+                             dtype: Optional[str] = None) -> UnitChain:
+    """:func:`build_stage` for the model a measured profile describes (name, size options, units).
+
+    ``dtype`` defaults to the profile's. This is what a pipeline rank calls with its plan
+    stage's layer names.
+    """
+    model, options, patterns = model_spec(profile)
+    return build_stage(model, units, seed=seed, device=device, dtype=dtype or profile.dtype,
+                       unit_patterns=patterns, **options)

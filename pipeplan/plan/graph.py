@@ -1,0 +1,155 @@
+"""The layer graph: a networkx DiGraph built from a profile, with per-layer costs.
+
+Stages are numbered so that every edge goes to the same or a later stage, so a split is a
+chain of *ideals* (down-closed node sets) and a boundary carries every tensor that crosses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+
+from pipeplan.errors import BadInputError
+
+__all__ = ["LayerGraph", "build_layer_graph", "is_chain", "reorder"]
+
+
+@dataclass(frozen=True)
+class LayerGraph:
+    """Per-layer costs at one micro-batch size, in the profile's topological order.
+
+    All arrays are indexed by layer position ``0..n-1``.
+    """
+
+    names: tuple[str, ...]
+    """Layer names in topological order."""
+    forward_ms: np.ndarray
+    """Forward time per micro-batch."""
+    backward_ms: np.ndarray
+    """Whole backward time per micro-batch."""
+    backward_input_ms: np.ndarray
+    """Input-gradient part of the backward (estimated where the profile lacks it)."""
+    backward_weight_ms: np.ndarray
+    """Weight-gradient part of the backward."""
+    backward_split_measured: bool
+    """Whether the B/W split came from the profile rather than an estimate."""
+    param_bytes: np.ndarray
+    """Parameter bytes."""
+    activation_bytes: np.ndarray
+    """Bytes kept for backward per micro-batch in flight."""
+    output_bytes: np.ndarray
+    """Bytes of the layer's output per micro-batch."""
+    graph: nx.DiGraph
+    """Edges between layer positions (ints)."""
+    chain: bool
+    """True when the graph is the path 0 -> 1 -> ... -> n-1."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.names)
+
+    @property
+    def compute_ms(self) -> np.ndarray:
+        """Forward plus backward time of each layer."""
+        return self.forward_ms + self.backward_ms
+
+    def boundary_bytes(self, ideal_mask: np.ndarray) -> int:
+        """Bytes crossing the cut after the down-closed set ``ideal_mask``.
+
+        Each tensor counts once however many later layers consume it.
+        """
+        total = 0
+        for u in np.flatnonzero(ideal_mask):
+            if any(not ideal_mask[v] for v in self.graph.successors(int(u))):
+                total += int(self.output_bytes[u])
+        return total
+
+
+def is_chain(graph: nx.DiGraph, n: int) -> bool:
+    return graph.number_of_edges() == n - 1 and all(graph.has_edge(i, i + 1) for i in range(n - 1))
+
+
+# Where the profile does not split the backward, assume the input-gradient half equals the
+# weight-gradient half: for matmul layers both are one GEMM of the forward's size.
+_ESTIMATED_INPUT_GRAD_SHARE = 0.5
+
+
+def build_layer_graph(profile, microbatch_size: int) -> LayerGraph:
+    """Build the layer graph of ``profile`` at ``microbatch_size``.
+
+    Parameters
+    ----------
+    profile : Profile
+        A validated profile.
+    microbatch_size : int
+        One of ``profile.microbatch_sizes``.
+
+    Returns
+    -------
+    LayerGraph
+
+    Raises
+    ------
+    BadInputError
+        If the micro-batch size was not profiled.
+    """
+    if microbatch_size not in profile.microbatch_sizes:
+        raise BadInputError(
+            f"--microbatch-size: {microbatch_size} was not profiled; "
+            f"the profile has {profile.microbatch_sizes}"
+        )
+    index = {layer.name: i for i, layer in enumerate(profile.layers)}
+    costs = [layer.cost_at(microbatch_size) for layer in profile.layers]
+    backward = np.array([c.backward_ms for c in costs], dtype=float)
+    measured = all(c.backward_input_ms is not None for c in costs)
+    if measured:
+        b_input = np.array([c.backward_input_ms for c in costs], dtype=float)
+        b_weight = np.array([c.backward_weight_ms for c in costs], dtype=float)
+    else:
+        b_input = backward * _ESTIMATED_INPUT_GRAD_SHARE
+        b_weight = backward - b_input
+    graph = nx.DiGraph()
+    graph.add_nodes_from(range(len(profile.layers)))
+    graph.add_edges_from((index[a], index[b]) for a, b in profile.edge_list())
+    n = len(profile.layers)
+    return LayerGraph(
+        names=tuple(layer.name for layer in profile.layers),
+        forward_ms=np.array([c.forward_ms for c in costs], dtype=float),
+        backward_ms=backward,
+        backward_input_ms=b_input,
+        backward_weight_ms=b_weight,
+        backward_split_measured=measured,
+        param_bytes=np.array([layer.param_bytes for layer in profile.layers], dtype=float),
+        activation_bytes=np.array([c.activation_bytes for c in costs], dtype=float),
+        output_bytes=np.array([c.output_bytes for c in costs], dtype=float),
+        graph=graph,
+        chain=is_chain(graph, n),
+    )
+
+
+def reorder(graph: LayerGraph, order) -> LayerGraph:
+    """The same graph with layers renumbered so that ``order[i]`` becomes position ``i``.
+
+    ``order`` must be a topological order; splits found on the result map back through it.
+    """
+    order = list(order)
+    position = {old: new for new, old in enumerate(order)}
+    edges = nx.DiGraph()
+    edges.add_nodes_from(range(len(order)))
+    edges.add_edges_from((position[u], position[v]) for u, v in graph.graph.edges())
+    pick = np.array(order)
+    return LayerGraph(
+        names=tuple(graph.names[i] for i in order),
+        forward_ms=graph.forward_ms[pick],
+        backward_ms=graph.backward_ms[pick],
+        backward_input_ms=graph.backward_input_ms[pick],
+        backward_weight_ms=graph.backward_weight_ms[pick],
+        backward_split_measured=graph.backward_split_measured,
+        param_bytes=graph.param_bytes[pick],
+        activation_bytes=graph.activation_bytes[pick],
+        output_bytes=graph.output_bytes[pick],
+        graph=edges,
+        chain=is_chain(edges, len(order)),
+    )

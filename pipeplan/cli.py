@@ -1,0 +1,259 @@
+"""The ``pipeplan`` command line: a thin layer over :mod:`pipeplan.api` and friends.
+
+Each command calls one library function; :func:`_handled` turns library errors into a one-line
+message and an exit code (2 bad input, 3 infeasible); tracebacks only with ``--debug``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from pipeplan.errors import BadInputError, PipeplanError
+
+app = typer.Typer(
+    name="pipeplan",
+    help="Exact, memory-aware pipeline-parallel planning: profile -> plan -> run / export / check.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+import_app = typer.Typer(help="Import another tool's profile into pipeplan's format.", no_args_is_help=True)
+app.add_typer(import_app, name="import")
+
+_state = {"debug": False}
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+
+
+def _handled(func):
+    """Map PipeplanError to its exit code with a one-line message; anything else is a bug."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except PipeplanError as exc:
+            if _state["debug"]:
+                raise
+            kind = "infeasible" if exc.exit_code == 3 else "error"
+            for line in str(exc).splitlines() or [""]:
+                typer.echo(f"{kind}: {line}", err=True)
+            raise typer.Exit(exc.exit_code)
+        except KeyboardInterrupt:
+            typer.echo("interrupted; no output written", err=True)
+            raise typer.Exit(130)
+        except Exception as exc:
+            if _state["debug"]:
+                raise
+            typer.echo(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", err=True)
+            raise typer.Exit(1)
+
+    return wrapper
+
+
+@app.callback()
+def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors.")):
+    """Exact, memory-aware pipeline-parallel planning."""
+    _state["debug"] = debug
+
+
+def _settings(**kwargs):
+    from pydantic import ValidationError
+
+    from pipeplan.formats.plan import PlanSettings
+
+    try:
+        return PlanSettings(**kwargs)
+    except ValidationError as exc:
+        lines = [f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}" for e in exc.errors()]
+        raise BadInputError("\n".join(lines)) from None
+
+
+def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer, bandwidth, schedule,
+                   virtual_stages, recompute, solver):
+    from pipeplan.quantities import parse_bandwidth, parse_bytes
+
+    if optimizer not in ("adam", "sgd", "none"):
+        raise BadInputError(f"--optimizer: {optimizer!r} is not one of adam, sgd, none")
+    if solver not in ("auto", "dp", "ilp"):
+        raise BadInputError(f"--solver: {solver!r} is not one of auto, dp, ilp")
+    if recompute not in ("auto", "none", "all"):
+        raise BadInputError(f"--recompute: {recompute!r} is not one of auto, none, all")
+    bandwidth_value = parse_bandwidth(bandwidth)
+    return _settings(
+        stages=stages,
+        global_batch=global_batch,
+        microbatch_size=microbatch_size,
+        memory_cap_bytes=parse_bytes(memory_cap) if memory_cap else None,
+        optimizer=optimizer,
+        bandwidth_bytes_per_s=None if bandwidth_value == float("inf") else bandwidth_value,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        recompute=recompute,
+        solver=solver,
+    )
+
+
+_PROFILE_ARG = typer.Argument(..., help="Profile JSON file.", show_default=False)
+_STAGES = typer.Option(..., "--stages", "-p", help="Pipeline stages (GPUs).", show_default=False)
+_GLOBAL_BATCH = typer.Option(None, "--global-batch", "-g", help="Samples per iteration (default: 8 x the largest profiled micro-batch).")
+_MICROBATCH = typer.Option(None, "--microbatch-size", "-b", help="Fix the micro-batch size instead of searching.")
+_MEMORY_CAP = typer.Option(None, "--memory-cap", help="Per-GPU memory cap, e.g. 80GiB or 16e9.")
+_OPTIMIZER = typer.Option("adam", "--optimizer", help="adam (16 B/param), sgd (12 B/param) or none.")
+_BANDWIDTH = typer.Option("25GB/s", "--bandwidth", help="Point-to-point bandwidth, e.g. 25GB/s; inf ignores transfers.")
+_SCHEDULE = typer.Option("auto", "--schedule", help="auto, gpipe, 1f1b, interleaved, zb, zbv or dualpipev.")
+_VIRTUAL = typer.Option(None, "--virtual-stages", "-v", help="Stages per rank (interleaved/zero-bubble); default: search.")
+_RECOMPUTE = typer.Option("auto", "--recompute", help="Activation recomputation: auto, none or all.")
+_SOLVER = typer.Option("auto", "--solver", help="auto, dp (chain / ideal-lattice DP) or ilp (PuLP + HiGHS).")
+
+
+def _default_global_batch(profile_path, global_batch):
+    if global_batch is not None:
+        return global_batch
+    from pipeplan.formats.io import load_profile
+
+    return 8 * max(load_profile(profile_path).microbatch_sizes)
+
+
+@import_app.command("pipedream")
+@_handled
+def import_pipedream_cmd(
+    path: Path = typer.Argument(..., help="PipeDream graph.txt file.", show_default=False),
+    batch_size: int = typer.Option(..., "--batch-size", help="The batch the file was profiled at.", show_default=False),
+    output: Path = typer.Option(..., "-o", "--output", help="Profile JSON to write.", show_default=False),
+    model: Optional[str] = typer.Option(None, "--model", help="Model name (default: from the file name)."),
+):
+    """Import a PipeDream profile (graph.txt), keeping its layer DAG."""
+    from pipeplan.api import import_profile
+
+    profile = import_profile("pipedream", path, batch_size, output, model=model)
+    edges = len(profile.edges or ())
+    typer.echo(f"wrote {output}: {profile.model}, {len(profile.layers)} layers, {edges} edges, micro-batch size {batch_size}")
+
+
+@app.command()
+@_handled
+def plan(
+    profile: Path = _PROFILE_ARG,
+    stages: int = _STAGES,
+    global_batch: Optional[int] = _GLOBAL_BATCH,
+    microbatch_size: Optional[int] = _MICROBATCH,
+    memory_cap: Optional[str] = _MEMORY_CAP,
+    optimizer: str = _OPTIMIZER,
+    bandwidth: str = _BANDWIDTH,
+    schedule: str = _SCHEDULE,
+    virtual_stages: Optional[int] = _VIRTUAL,
+    recompute: str = _RECOMPUTE,
+    solver: str = _SOLVER,
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Plan JSON to write."),
+    record_time: bool = typer.Option(False, "--record-time", help="Record solver seconds in the plan (breaks byte-identical output)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors."),
+):
+    """Find the fastest pipeline plan that fits the memory cap."""
+    from pipeplan.api import plan_profile
+    from pipeplan.show import plan_tables
+
+    settings = _plan_settings(stages, _default_global_batch(profile, global_batch), microbatch_size, memory_cap,
+                              optimizer, bandwidth, schedule, virtual_stages, recompute, solver)
+    result = plan_profile(profile, settings, output, record_time=record_time)
+    if not quiet:
+        _console().print(plan_tables(result))
+        if output:
+            typer.echo(f"wrote {output}")
+
+
+@app.command()
+@_handled
+def show(
+    plan_file: Path = typer.Argument(..., metavar="PLAN", help="Plan JSON file.", show_default=False),
+    timeline: bool = typer.Option(False, "--timeline", help="Draw the simulated timeline in the terminal."),
+    timeline_out: Optional[Path] = typer.Option(None, "--timeline-out", help="Write the timeline (with memory per rank) to .svg or .png."),
+    width: int = typer.Option(100, "--width", help="Timeline width in characters."),
+):
+    """Show a plan: stages, layers, times, memory, bubble."""
+    from pipeplan.formats.io import load_plan
+    from pipeplan.show import plan_tables, simulation_from_plan
+
+    loaded = load_plan(plan_file)
+    console = _console()
+    console.print(plan_tables(loaded))
+    if timeline or timeline_out:
+        from pipeplan.plan.timeline import render_timeline_text, write_timeline_image
+
+        sim = simulation_from_plan(loaded)
+        if timeline:
+            console.print(render_timeline_text(sim, width))
+        if timeline_out:
+            write_timeline_image(sim, timeline_out)
+            typer.echo(f"wrote {timeline_out}")
+
+
+@app.command()
+@_handled
+def compare(
+    profile: Path = _PROFILE_ARG,
+    stages: int = _STAGES,
+    global_batch: Optional[int] = _GLOBAL_BATCH,
+    microbatch_size: Optional[int] = _MICROBATCH,
+    memory_cap: Optional[str] = _MEMORY_CAP,
+    optimizer: str = _OPTIMIZER,
+    bandwidth: str = _BANDWIDTH,
+    schedule: str = typer.Option("1f1b", "--schedule", help="gpipe or 1f1b."),
+    solver: str = _SOLVER,
+):
+    """Compare the optimal plan with uniform, parameter-balanced and greedy splits."""
+    from pipeplan.api import compare_splits
+    from pipeplan.show import comparison_table
+
+    settings = _plan_settings(stages, _default_global_batch(profile, global_batch), microbatch_size, memory_cap,
+                              optimizer, bandwidth, schedule, None, "none", solver)
+    rows = compare_splits(profile, settings)
+    _console().print(comparison_table(rows, f"{profile}: {stages} stages, global batch {settings.global_batch}"))
+
+
+@app.command()
+@_handled
+def validate(path: Path = typer.Argument(..., metavar="FILE", help="Profile or plan JSON.", show_default=False)):
+    """Check a profile or plan file and explain any problem."""
+    from pipeplan.api import validate_file
+
+    typer.echo(validate_file(path))
+
+
+@app.command()
+@_handled
+def schema(
+    kind: str = typer.Argument(..., metavar="KIND", help="profile or plan.", show_default=False),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write to a file instead of stdout."),
+):
+    """Print the JSON Schema of the profile or plan format."""
+    from pipeplan.formats.schema import json_schema_text
+
+    text = json_schema_text(kind)
+    if output:
+        from pipeplan.formats.io import write_text_atomic
+
+        write_text_atomic(output, text)
+        typer.echo(f"wrote {output}")
+    else:
+        typer.echo(text, nl=False)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""JSON Schemas of the formats, generated from the pydantic models (published in docs/schemas/)."""
+
+from __future__ import annotations
+
+import json
+
+from pipeplan.errors import BadInputError
+
+__all__ = ["json_schema_text"]
+
+
+def json_schema_text(kind: str) -> str:
+    """The JSON Schema of ``profile`` or ``plan`` as stable, indented text."""
+    from pipeplan.formats.plan import Plan
+    from pipeplan.formats.profile import Profile
+
+    models = {"profile": Profile, "plan": Plan}
+    if kind not in models:
+        raise BadInputError(f"schema: {kind!r} is not one of profile, plan")
+    schema = models[kind].model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = f"https://pipeplan.dev/schemas/{kind}-v1.json"
+    return json.dumps(schema, indent=2) + "\n"

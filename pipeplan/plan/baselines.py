@@ -1,0 +1,100 @@
+"""The splits users make by hand today, costed by the same model as the optimal plan.
+
+- ``uniform``: equal layer counts per stage (Megatron-LM's default).
+- ``params``: equal parameter bytes per stage (DeepSpeed's ``partition_method="parameters"``).
+- ``greedy``: fill each stage up to an even share of the compute time (torchgpipe's balance-by-time).
+
+All split along the profile's layer order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeplan.plan.partition import Partition, PartitionProblem, evaluate_split
+
+__all__ = ["BASELINES", "split_uniform", "split_by_weight", "split_greedy", "baseline_partition"]
+
+
+def _cuts_to_stages(cuts, n):
+    bounds = [0, *cuts, n]
+    return [tuple(range(bounds[j], bounds[j + 1])) for j in range(len(bounds) - 1)]
+
+
+def split_uniform(num_layers: int, num_stages: int):
+    """Equal layer counts; the first ``n mod k`` stages get one more.
+
+    Examples
+    --------
+    >>> [len(s) for s in split_uniform(10, 4)]
+    [3, 3, 2, 2]
+    """
+    base, extra = divmod(num_layers, num_stages)
+    sizes = [base + (1 if j < extra else 0) for j in range(num_stages)]
+    return _cuts_to_stages(np.cumsum(sizes)[:-1].tolist(), num_layers)
+
+
+def split_by_weight(weights, num_stages: int):
+    """Cut where the running weight crosses each multiple of total / k (DeepSpeed's rule).
+
+    Every stage keeps at least one layer.
+
+    Examples
+    --------
+    >>> [len(s) for s in split_by_weight([1, 1, 1, 1, 4], 2)]
+    [4, 1]
+    """
+    weights = np.asarray(weights, dtype=float)
+    n = len(weights)
+    prefix = np.cumsum(weights)
+    total = prefix[-1]
+    cuts = []
+    for j in range(1, num_stages):
+        target = total * j / num_stages
+        cut = int(np.searchsorted(prefix, target, side="left")) + 1
+        lo = (cuts[-1] if cuts else 0) + 1
+        hi = n - (num_stages - j)
+        cuts.append(min(max(cut, lo), hi))
+    return _cuts_to_stages(cuts, n)
+
+
+def split_greedy(weights, num_stages: int):
+    """Fill each stage until adding the next layer would pass the even share of what remains."""
+    weights = np.asarray(weights, dtype=float)
+    n = len(weights)
+    stages, start = [], 0
+    for j in range(num_stages):
+        left = num_stages - j
+        if left == 1:
+            stages.append(tuple(range(start, n)))
+            break
+        share = weights[start:].sum() / left
+        end, load = start + 1, weights[start]
+        while end < n - (left - 1) and load + weights[end] <= share:
+            load += weights[end]
+            end += 1
+        stages.append(tuple(range(start, end)))
+        start = end
+    return stages
+
+
+BASELINES = {
+    "uniform": "equal layer counts (Megatron-LM default)",
+    "params": "equal parameter bytes (DeepSpeed default)",
+    "greedy": "greedy time balance (torchgpipe-like)",
+}
+
+
+def baseline_partition(problem: PartitionProblem, name: str) -> Partition:
+    """Cost the split named ``name`` (a key of :data:`BASELINES`) under ``problem``'s model."""
+    g = problem.graph
+    k = problem.num_stages
+    if name == "uniform":
+        stages = split_uniform(g.num_layers, k)
+    elif name == "params":
+        stages = split_by_weight(g.param_bytes, k)
+    elif name == "greedy":
+        stages = split_greedy(g.compute_ms, k)
+    else:
+        raise ValueError(f"unknown baseline {name!r}")
+    return evaluate_split(problem, stages, method=name, optimal=False)

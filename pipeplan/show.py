@@ -1,0 +1,98 @@
+"""Rich renderings of plans and comparisons for the terminal."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+
+from pipeplan.formats.plan import Plan
+from pipeplan.quantities import format_bytes
+
+__all__ = ["plan_tables", "comparison_table", "simulation_from_plan"]
+
+
+def plan_tables(plan: Plan) -> Group:
+    """Summary and per-stage tables of a plan."""
+    p = plan.predicted
+    summary = Table(title=f"{plan.profile.model}: {len(plan.stages)} stages, {plan.schedule}"
+                    + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else ""), show_header=False)
+    summary.add_column("what")
+    summary.add_column("value", justify="right")
+    cap = plan.settings.memory_cap_bytes
+    for key, value in (
+        ("micro-batches", f"{plan.num_microbatches} x {plan.microbatch_size} samples"),
+        ("iteration", f"{p.iteration_ms:.3f} ms"),
+        ("  compute (bottleneck rank)", f"{p.compute_ms:.3f} ms"),
+        ("  bubble", f"{p.bubble_ms:.3f} ms"),
+        ("  exposed transfers", f"{p.transfer_ms:.3f} ms"),
+        ("bubble fraction", f"{p.bubble_fraction:.1%}"),
+        ("throughput", f"{p.samples_per_second:.2f} samples/s"),
+        ("bottleneck stage", str(p.bottleneck_stage)),
+        ("memory cap", format_bytes(cap) if cap else "none"),
+        ("solver", f"{plan.solver.method}, {'optimal' if plan.solver.optimal else 'not proven optimal'}"),
+    ):
+        summary.add_row(key, value)
+    stages = Table(title="stages")
+    for column in ("stage", "rank", "layers", "first .. last", "fwd ms", "bwd ms", "xfer ms",
+                   "send", "params", "in flight", "peak memory"):
+        stages.add_column(column, justify="left" if column == "first .. last" else "right")
+    for s in plan.stages:
+        span = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
+        stages.add_row(
+            str(s.index), str(s.rank), str(len(s.layers)), span,
+            f"{s.forward_ms:.3f}", f"{s.backward_ms:.3f}" + (" (rc)" if s.recompute else ""),
+            f"{s.transfer_ms:.3f}", format_bytes(s.send_bytes), format_bytes(s.param_bytes),
+            str(s.in_flight), format_bytes(s.peak_memory_bytes),
+        )
+    parts = [summary, stages]
+    if plan.alternatives:
+        alt = Table(title="runners-up")
+        for column in ("schedule", "v", "micro-batch", "recompute", "iteration ms", "why it lost"):
+            alt.add_column(column)
+        for a in plan.alternatives[:10]:
+            alt.add_row(a.schedule, str(a.virtual_stages), str(a.microbatch_size), a.recompute,
+                        "-" if a.iteration_ms is None else f"{a.iteration_ms:.3f}", a.reason)
+        parts.append(alt)
+    for note in plan.notes:
+        parts.append(f"note: {note}")
+    return Group(*parts)
+
+
+def comparison_table(rows, title: str) -> Table:
+    """The optimal plan beside the hand-made splits."""
+    table = Table(title=title)
+    for column in ("split", "how", "layers per stage", "bottleneck ms", "iteration ms",
+                   "samples/s", "vs optimal", "peak memory", "fits cap"):
+        table.add_column(column, justify="left" if column in ("split", "how", "layers per stage") else "right")
+    best = rows[0].samples_per_second if rows and rows[0].name == "optimal" else None
+    for r in rows:
+        layers = ",".join(str(n) for n in r.stage_layers)
+        if len(layers) > 40:
+            layers = layers[:37] + "..."
+        rel = "-" if best is None else f"{r.samples_per_second / best:.1%}"
+        table.add_row(r.name, r.description, layers, f"{r.bottleneck_ms:.3f}", f"{r.iteration_ms:.3f}",
+                      f"{r.samples_per_second:.2f}", rel, format_bytes(r.peak_memory_bytes),
+                      "yes" if r.fits else "NO")
+    return table
+
+
+def simulation_from_plan(plan: Plan):
+    """Re-simulate a plan's schedule from its per-stage numbers (for the timeline)."""
+    from pipeplan.plan.simulate import StageCost, simulate
+
+    costs = []
+    for s in plan.stages:
+        # The plan keeps whole-backward times; split them evenly for B/W schedules.
+        half = s.backward_ms / 2
+        costs.append(
+            StageCost(
+                forward_ms=s.forward_ms,
+                backward_input_ms=half,
+                backward_weight_ms=s.backward_ms - half,
+                send_ms=s.transfer_ms / 2,
+                static_memory_bytes=max(0, s.peak_memory_bytes - s.in_flight * s.activation_bytes) if not s.recompute else s.param_bytes,
+                activation_bytes=s.activation_bytes,
+            )
+        )
+    num_ranks = max(s.rank for s in plan.stages) + 1
+    return simulate(costs, plan.schedule, num_ranks, plan.num_microbatches, plan.virtual_stages)

@@ -338,7 +338,7 @@ def _chain_feasibility(problem: PartitionProblem, arrays):
             lo = np.maximum(lows[j], j)
             hi = positions - 1
             best = query(lo, hi)
-            ok = best + compute + cut_bytes * spb <= limit
+            ok = np.isfinite(best) & (best + compute + cut_bytes * spb <= limit)
             ok[0] = False
             reach.append(ok)
         if not reach[k][n]:

@@ -1,0 +1,46 @@
+"""Shared fixtures: small profiles built in code, and the real PipeDream profiles when present."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PIPEDREAM = REPO.parent / "shared" / "data" / "pipedream"
+
+#: Profiling batch of each PipeDream graph (from the data's README).
+PIPEDREAM_BATCH = {
+    "alexnet": 256, "vgg16": 128, "resnet18": 256, "resnet50": 128, "resnext50": 128,
+    "resnet101": 64, "resnext101": 64, "squeezenet1_0": 256, "inception_v3": 128,
+    "densenet121": 64, "nasnetamobile": 128, "nasnetalarge": 16, "gnmt": 128, "gnmt_large": 128,
+}
+
+
+def pipedream_path(name: str) -> Path:
+    path = PIPEDREAM / f"{name}.graph.txt"
+    if not path.exists():
+        pytest.skip(f"{path} is absent")
+    return path
+
+
+def make_profile_dict(n_layers=6, sizes=(1, 2), edges=None, forward_ms=None, param_bytes=1000,
+                      activation_bytes=100, output_bytes=10, model="toy"):
+    """A valid profile as a dict, easy to break field by field in tests."""
+    layers = []
+    for i in range(n_layers):
+        f = forward_ms[i] if forward_ms else 1.0 + (i % 3)
+        layers.append({
+            "name": f"layer{i}",
+            "param_bytes": param_bytes,
+            "costs": [
+                {"microbatch_size": b, "forward_ms": f * b, "backward_ms": 2 * f * b,
+                 "activation_bytes": activation_bytes * b, "output_bytes": output_bytes * b}
+                for b in sizes
+            ],
+        })
+    data = {"schema_version": 1, "model": model, "source": "analytic",
+            "device": {"name": "test"}, "dtype": "fp32", "layers": layers}
+    if edges is not None:
+        data["edges"] = edges
+    return data

@@ -1,0 +1,233 @@
+"""Exact partitioners against brute force, and one invariant checker over every algorithm."""
+
+from __future__ import annotations
+
+import math
+
+import networkx as nx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from pipeplan.errors import BadInputError, InfeasibleError
+from pipeplan.plan.baselines import baseline_partition
+from pipeplan.plan.graph import LayerGraph, is_chain
+from pipeplan.plan.ilp import partition_ilp
+from pipeplan.plan.partition import (
+    PartitionProblem,
+    partition_along_orders,
+    partition_brute_force,
+    partition_chain,
+    partition_ideals,
+    split_fits,
+    stage_memory_bytes,
+)
+
+
+def make_graph(compute, edges, forward=None, params=None, acts=None, out=None) -> LayerGraph:
+    n = len(compute)
+    compute = np.asarray(compute, dtype=float)
+    forward = np.asarray(forward if forward is not None else compute / 3, dtype=float)
+    g = nx.DiGraph()
+    g.add_nodes_from(range(n))
+    g.add_edges_from(edges)
+    backward = compute - forward
+    return LayerGraph(
+        names=tuple(f"l{i}" for i in range(n)),
+        forward_ms=forward,
+        backward_ms=backward,
+        backward_input_ms=backward / 2,
+        backward_weight_ms=backward / 2,
+        backward_split_measured=False,
+        param_bytes=np.asarray(params if params is not None else np.ones(n), dtype=float),
+        activation_bytes=np.asarray(acts if acts is not None else np.ones(n), dtype=float),
+        output_bytes=np.asarray(out if out is not None else np.ones(n), dtype=float),
+        graph=g,
+        chain=is_chain(g, n),
+    )
+
+
+def assert_valid_split(problem: PartitionProblem, result):
+    """The invariant every solver must keep: a chain of ideals, non-empty, within the cap."""
+    g = problem.graph
+    assert len(result.stages) == problem.num_stages
+    assert all(result.stages), "every stage holds a layer"
+    seen = sorted(v for s in result.stages for v in s)
+    assert seen == list(range(g.num_layers)), "every layer in exactly one stage"
+    stage_of = {v: j for j, s in enumerate(result.stages) for v in s}
+    for u, v in g.graph.edges():
+        assert stage_of[u] <= stage_of[v], "edges never go backwards"
+    assert split_fits(problem, result)
+    assert math.isclose(result.bottleneck_ms, max(result.stage_times_ms))
+
+
+costs = st.floats(min_value=0.0, max_value=10.0, allow_nan=False).map(lambda x: round(x, 3))
+
+
+@st.composite
+def chain_problems(draw, max_layers=7):
+    n = draw(st.integers(2, max_layers))
+    k = draw(st.integers(1, min(4, n)))
+    compute = draw(st.lists(costs, min_size=n, max_size=n))
+    out = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
+    acts = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
+    params = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
+    bandwidth = draw(st.sampled_from([math.inf, 1000.0, 100.0]))
+    recompute = tuple(draw(st.lists(st.booleans(), min_size=k, max_size=k))) if draw(st.booleans()) else ()
+    cap = draw(st.sampled_from([math.inf, 200.0, 120.0, 80.0]))
+    graph = make_graph(compute, [(i, i + 1) for i in range(n - 1)], params=params, acts=acts, out=out)
+    return PartitionProblem(
+        graph=graph, num_stages=k, in_flight=tuple(range(k, 0, -1)), recompute=recompute,
+        bandwidth_bytes_per_s=bandwidth, static_bytes_per_param_byte=1.0, memory_cap_bytes=cap,
+    )
+
+
+@st.composite
+def dag_problems(draw, max_layers=7):
+    n = draw(st.integers(2, max_layers))
+    k = draw(st.integers(1, min(3, n)))
+    compute = draw(st.lists(costs, min_size=n, max_size=n))
+    edges = set()
+    for v in range(1, n):  # connected: each layer consumes an earlier one
+        edges.add((draw(st.integers(0, v - 1)), v))
+    extra = draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=n))
+    edges |= {(u, v) for u, v in extra if u < v}
+    out = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
+    acts = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
+    bandwidth = draw(st.sampled_from([math.inf, 1000.0]))
+    cap = draw(st.sampled_from([math.inf, 150.0, 90.0]))
+    graph = make_graph(compute, sorted(edges), acts=acts, out=out)
+    return PartitionProblem(
+        graph=graph, num_stages=k, in_flight=tuple(range(k, 0, -1)),
+        bandwidth_bytes_per_s=bandwidth, static_bytes_per_param_byte=1.0, memory_cap_bytes=cap,
+    )
+
+
+def _same_optimum(problem, solver):
+    try:
+        expected = partition_brute_force(problem)
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            solver(problem)
+        return
+    found = solver(problem)
+    assert_valid_split(problem, found)
+    assert found.bottleneck_ms == pytest.approx(expected.bottleneck_ms, rel=1e-9, abs=1e-9)
+    assert found.optimal
+
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(chain_problems())
+def test_chain_direct_dp_matches_brute_force(problem):
+    _same_optimum(problem, lambda p: partition_chain(p, method="direct"))
+
+
+@SETTINGS
+@given(chain_problems())
+def test_chain_bisection_matches_brute_force(problem):
+    problem = PartitionProblem(**{**problem.__dict__, "recompute": ()})
+    _same_optimum(problem, lambda p: partition_chain(p, method="bisect"))
+
+
+@SETTINGS
+@given(dag_problems())
+def test_ideal_dp_matches_brute_force_on_dags(problem):
+    _same_optimum(problem, partition_ideals)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dag_problems(max_layers=6))
+def test_ilp_matches_brute_force_on_dags(problem):
+    _same_optimum(problem, partition_ilp)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain_problems(max_layers=6))
+def test_ilp_matches_brute_force_on_chains_with_recompute(problem):
+    _same_optimum(problem, partition_ilp)
+
+
+@SETTINGS
+@given(dag_problems())
+def test_split_along_orders_is_valid_and_no_better_than_optimal(problem):
+    try:
+        optimum = partition_brute_force(problem)
+    except InfeasibleError:
+        return
+    try:
+        found = partition_along_orders(problem)
+    except InfeasibleError:
+        return  # a prefix split may not exist where an ideal split does
+    assert_valid_split(problem, found)
+    assert found.bottleneck_ms >= optimum.bottleneck_ms - 1e-9
+
+
+def test_ties_break_toward_balance():
+    # Bottleneck 10 is forced by the big layer; the rest should split 3|3, not 1|5.
+    problem = PartitionProblem(graph=make_graph([10, 1, 1, 1, 1, 1, 1], [(i, i + 1) for i in range(6)]),
+                               num_stages=3, in_flight=(1, 1, 1))
+    found = partition_chain(problem, method="direct")
+    assert found.bottleneck_ms == 10
+    assert sorted(found.stage_times_ms[1:]) == [3, 3]
+
+
+def test_memory_cap_gives_first_stages_fewer_layers():
+    n, k = 16, 4
+    graph = make_graph([1.0] * n, [(i, i + 1) for i in range(n - 1)], params=[0] * n, acts=[10] * n)
+    free = partition_chain(PartitionProblem(graph=graph, num_stages=k, in_flight=(4, 3, 2, 1)))
+    assert [len(s) for s in free.stages] == [4, 4, 4, 4]
+    capped = PartitionProblem(graph=graph, num_stages=k, in_flight=(4, 3, 2, 1), memory_cap_bytes=120)
+    found = partition_chain(capped)
+    assert_valid_split(capped, found)
+    sizes = [len(s) for s in found.stages]
+    assert sizes[0] < sizes[-1]
+    for j, layers in enumerate(found.stages):
+        assert stage_memory_bytes(capped, j, layers, 0) <= 120
+
+
+def test_infeasible_cap_raises():
+    graph = make_graph([1.0] * 4, [(i, i + 1) for i in range(3)], acts=[100] * 4)
+    with pytest.raises(InfeasibleError):
+        partition_chain(PartitionProblem(graph=graph, num_stages=2, in_flight=(2, 1), memory_cap_bytes=50))
+
+
+def test_more_stages_than_layers_is_bad_input():
+    graph = make_graph([1.0] * 3, [(0, 1), (1, 2)])
+    with pytest.raises(BadInputError, match="only 3 layers"):
+        PartitionProblem(graph=graph, num_stages=4, in_flight=(1,) * 4)
+
+
+def test_residual_branch_cut_sends_both_tensors():
+    # 0 -> 1 -> 2 and 0 -> 2 (a skip): cutting after 1 carries outputs of 0 and 1.
+    graph = make_graph([1, 1, 1], [(0, 1), (1, 2), (0, 2)], out=[7, 5, 0])
+    problem = PartitionProblem(graph=graph, num_stages=2, in_flight=(1, 1), bandwidth_bytes_per_s=1000.0)
+    from pipeplan.plan.partition import evaluate_split
+
+    split = evaluate_split(problem, [(0, 1), (2,)])
+    assert split.boundary_bytes == (12,)
+
+
+@pytest.mark.parametrize("name", ["uniform", "params", "greedy"])
+def test_baselines_are_valid_and_never_beat_the_optimum(name):
+    rng = np.random.default_rng(0)
+    n, k = 30, 5
+    graph = make_graph(rng.uniform(0.5, 5, n), [(i, i + 1) for i in range(n - 1)], params=rng.integers(1, 100, n))
+    problem = PartitionProblem(graph=graph, num_stages=k, in_flight=tuple(range(k, 0, -1)))
+    optimum = partition_chain(problem)
+    split = baseline_partition(problem, name)
+    assert_valid_split(problem, split)
+    assert split.bottleneck_ms >= optimum.bottleneck_ms - 1e-9
+
+
+def test_direct_and_bisection_agree_on_a_long_chain():
+    rng = np.random.default_rng(1)
+    n = 400
+    graph = make_graph(rng.uniform(0.1, 3, n), [(i, i + 1) for i in range(n - 1)], out=rng.integers(0, 100, n))
+    problem = PartitionProblem(graph=graph, num_stages=8, in_flight=tuple(range(8, 0, -1)),
+                               bandwidth_bytes_per_s=1e4)
+    a = partition_chain(problem, method="direct")
+    b = partition_chain(problem, method="bisect")
+    assert a.bottleneck_ms == pytest.approx(b.bottleneck_ms, rel=1e-9)

@@ -110,6 +110,9 @@ class SolverInfo(_Strict):
 
     method: str = Field(description="dp-chain, dp-ideals, ilp-highs, ilp-cbc.")
     optimal: bool = Field(description="Whether the split is proven optimal.")
+    lower_bound_ms: Optional[float] = Field(
+        default=None, description="Proven lower bound on the slowest stage's time (equals it when optimal)."
+    )
     seconds: float = Field(description="Solver time; 0 unless recorded with --record-time, so plans are reproducible.")
 
 

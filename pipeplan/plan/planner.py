@@ -199,7 +199,8 @@ def plan_from_partition(profile, settings, graph, problem, partition: Partition,
         ranks=ranks,
         alternatives=list(alternatives),
         notes=list(notes),
-        solver=SolverInfo(method=partition.method, optimal=partition.optimal, seconds=round(seconds, 3)),
+        solver=SolverInfo(method=partition.method, optimal=partition.optimal, seconds=round(seconds, 3),
+                          lower_bound_ms=None if partition.lower_bound_ms is None else round(partition.lower_bound_ms, 6)),
     )
 
 

@@ -242,10 +242,90 @@ def _chain_stage_matrix(problem, j, compute, forward, params, acts, cut_bytes, r
     return time, fits
 
 
+#: The matrix form of the direct DP holds a few (n + 1) x (n + 1) arrays; above this many
+#: entries it falls back to a loop over stage ends (same result, slower).
+_DIRECT_MATRIX_MAX_ENTRIES = 4_000_000
+
+
 def _chain_direct(problem: PartitionProblem, arrays):
     """Min-max DP, then a second DP for the most balanced split at that bottleneck.
 
-    O(k n^2) time, vectorized over stage starts.
+    O(k n^2) time. Up to :data:`_DIRECT_MATRIX_MAX_ENTRIES` it works on whole (start, end)
+    matrices, one numpy step per stage (the planner runs it for many schedules and
+    recompute sets); beyond, one step per (stage, end) pair.
+    """
+    n = problem.graph.num_layers
+    if (n + 1) * (n + 1) > _DIRECT_MATRIX_MAX_ENTRIES:
+        return _chain_direct_loop(problem, arrays)
+    compute, forward, params, acts, cut_bytes = arrays
+    k = problem.num_stages
+    inf = math.inf
+    spb = problem.seconds_per_byte_ms
+    cap = problem.memory_cap_bytes * (1 + _TOLERANCE)
+    # Entry [l, r] is the stage holding layers l .. r - 1; the element-wise operations are
+    # the same, in the same order, as in _chain_stage_matrix, so both forms agree bit for bit.
+    upper = np.arange(n + 1)[:, None] < np.arange(n + 1)[None, :]
+    plain = compute[None, :] - compute[:, None]
+    recomputed = plain + forward[None, :] - forward[:, None]
+    transfer = (cut_bytes[:, None] + cut_bytes[None, :]) * spb
+    times = {False: plain + transfer, True: recomputed + transfer}
+    static = problem.static_bytes_per_param_byte * (params[None, :] - params[:, None])
+    held = acts[None, :] - acts[:, None]
+    fits_cache = {}
+
+    def fits(j):
+        key = (problem.in_flight[j], problem.recompute[j])
+        if key not in fits_cache:
+            if problem.recompute[j]:
+                memory = static + problem.in_flight[j] * cut_bytes[:, None] + held
+            else:
+                memory = static + problem.in_flight[j] * held
+            fits_cache[key] = (memory <= cap) & upper
+        return fits_cache[key]
+
+    columns = np.arange(n + 1)
+
+    def run(limit):
+        best = np.full((k, n + 1), inf)
+        arg = np.zeros((k, n + 1), dtype=int)
+        for j in range(k):
+            lo, hi = j + 1, n - (k - 1 - j)
+            if lo > hi:
+                continue
+            time = times[problem.recompute[j]]
+            if j == 0:
+                prev = np.full(n + 1, inf)
+                prev[0] = 0.0
+            else:
+                prev = best[j - 1]
+            ok = fits(j) & np.isfinite(prev)[:, None]
+            if limit is None:
+                value = np.where(ok, np.maximum(prev[:, None], time), inf)
+            else:
+                ok &= time <= limit
+                value = np.where(ok, prev[:, None] + time * time, inf)
+            pick = np.argmin(value, axis=0)
+            best[j, lo : hi + 1] = value[pick, columns][lo : hi + 1]
+            arg[j, lo : hi + 1] = pick[lo : hi + 1]
+        return best, arg
+
+    best, _ = run(None)
+    bottleneck = best[k - 1, n]
+    if not math.isfinite(bottleneck):
+        return None
+    best, arg = run(bottleneck * (1 + _TOLERANCE) + 1e-12)
+    cuts = [n]
+    for j in range(k - 1, 0, -1):
+        cuts.append(int(arg[j, cuts[-1]]))
+    cuts.append(0)
+    cuts.reverse()
+    return [tuple(range(cuts[j], cuts[j + 1])) for j in range(k)]
+
+
+def _chain_direct_loop(problem: PartitionProblem, arrays):
+    """:func:`_chain_direct` one stage end at a time, for chains too long for the matrix form.
+
+    O(k n^2) time, vectorized over stage starts; O(k n) memory.
     """
     n, k = problem.graph.num_layers, problem.num_stages
     inf = math.inf

@@ -190,10 +190,10 @@ def profile_model(
     from pipeplan.profile.measure import (
         capture,
         is_out_of_memory,
-        measure_unit,
-        measure_whole_model,
-        merge_whole_model,
+        UnitTimer,
+        WholeModelTimer,
         parameter_storages,
+        timing_rounds,
     )
     from pipeplan.profile.models import _torch_dtype
     from pipeplan.profile.units import default_units, select_units, trace_units
@@ -232,11 +232,9 @@ def profile_model(
         uses_seq_len = bundle.config.get("family") in ("gpt2", "llama", "bert")
         exclude = parameter_storages(net)
         costs: dict[str, list[LayerCost]] = {}
-        out_bytes_seen: dict[str, int] = {}
         checks: list[dict[str, Any]] = []
         remeasured = 0
         order: Optional[list[str]] = None
-        total_steps = None
 
         bar = _progress(progress)
         with bar if bar is not None else nullcontext():
@@ -244,65 +242,83 @@ def profile_model(
             for size in sizes:
                 inputs, target = make_microbatch(bundle, size, seq_len, seed=seed + size,
                                                  device=torch_device, dtype=torch_dtype)
+                seq = seq_len if uses_seq_len else None
                 try:
                     seen = capture(net, names, inputs)
                 except BadInputError:
                     raise
                 except Exception as exc:  # noqa: BLE001
-                    raise _fail_forward(exc, size, seq_len if uses_seq_len else None, "the model's forward") from None
+                    raise _fail_forward(exc, size, seq, "the model's forward") from None
                 if graph is None:
                     graph = seen.graph
                 if order is None:
-                    order = [u for u in seen.order]
+                    order = list(seen.order)
                     if not order:
                         raise BadInputError(
                             "no unit ran in the model's forward; the units named "
                             f"({', '.join(names[:5])}) are not called: choose others with --units"
                         )
-                    if graph.units != order:
-                        # fx's order and the run's order agree for every traced model seen so far;
-                        # trust the run.
-                        graph.units = [u for u in order]
-                    total_steps = len(sizes) * (len(order) + (1 if whole_model_check else 0))
+                    # The run's order is the execution order; fx agrees on every model traced so far.
+                    graph.units = list(order)
+                    rounds_per_size = warmup + repeats + (1 if whole_model_check else 0)
                     if bar is not None:
-                        task = bar.add_task("profiling", total=total_steps)
+                        task = bar.add_task("profiling", total=len(sizes) * rounds_per_size)
                 last = order[-1]
-                loss_last = None
-                if bundle.loss_fn is not None and target is not None and graph.output == ("unit", last):
-                    loss_last = (lambda out, t=target: bundle.loss_fn(out, t))
-                if whole_model_check:
-                    if bar is not None:
-                        bar.update(task, description=f"micro-batch {size}: whole model")
-                    loss_whole = None
-                    if bundle.loss_fn is not None and target is not None:
-                        loss_whole = (lambda out, t=target: bundle.loss_fn(out, t))
-                    if torch_device.type == "cuda":  # on CPU these calls raise or return 0
-                        torch.cuda.reset_peak_memory_stats(torch_device)
-                    try:
-                        # Half the repeats before the units (their warm-up also warms the
-                        # units' kernels), half after: a burst of load elsewhere then moves
-                        # both sides of the comparison alike.
-                        whole = measure_whole_model(net, inputs, device=torch_device,
-                                                    repeats=(repeats + 1) // 2, warmup=warmup, loss=loss_whole)
-                    except Exception as exc:  # noqa: BLE001
-                        raise _fail_forward(exc, size, seq_len if uses_seq_len else None, "the whole model") from None
-                    if torch_device.type == "cuda":
-                        whole["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(torch_device))
-                    if bar is not None:
-                        bar.advance(task)
-                for name in order:
-                    if bar is not None:
-                        bar.update(task, description=f"micro-batch {size}: {name}")
-                    try:
-                        m = measure_unit(
+                loss_last = loss_whole = None
+                if bundle.loss_fn is not None and target is not None:
+                    loss_whole = (lambda out, t=target: bundle.loss_fn(out, t))
+                    if graph.output == ("unit", last):
+                        loss_last = loss_whole
+                # One forward+backward of every unit, then of the whole model, per round: a
+                # burst of load elsewhere then lands on a round, which the medians drop, instead
+                # of on a few units.
+                current = "the whole model"
+                if torch_device.type == "cuda":  # on CPU these calls raise or return 0
+                    torch.cuda.reset_peak_memory_stats(torch_device)
+                try:
+                    whole = WholeModelTimer(net, inputs, device=torch_device, loss=loss_whole) \
+                        if whole_model_check else None
+                    if whole is not None:
+                        if bar is not None:
+                            bar.update(task, description=f"micro-batch {size}: warm-up")
+                        whole.sample(record=False)  # also warms every unit's kernels
+                        if bar is not None:
+                            bar.advance(task)
+                    timers = {}
+                    for name in order:
+                        timers[name] = UnitTimer(
                             net.get_submodule(name), seen.calls[name], device=torch_device,
-                            repeats=repeats, warmup=warmup, exclude=exclude,
-                            loss=loss_last if name == last else None, split_backward=split_backward,
-                        )
-                    except Exception as exc:  # noqa: BLE001
-                        raise _fail_forward(exc, size, seq_len if uses_seq_len else None, f"unit {name!r}") from None
-                    remeasured += int(m.remeasured)
-                    out_bytes_seen[name] = m.output_bytes
+                            exclude=exclude, loss=loss_last if name == last else None,
+                            split_backward=split_backward)
+                    rounds = timing_rounds(warmup, repeats)
+                    for number, (record, input_pass) in enumerate(rounds):
+                        if bar is not None:
+                            bar.update(task, description=f"micro-batch {size}: round {number + 1}/{len(rounds)}")
+                        for name in order:
+                            current = name
+                            timers[name].sample(record, input_pass)
+                        current = "the whole model"
+                        if whole is not None:
+                            whole.sample(record)
+                        if bar is not None:
+                            bar.advance(task)
+                    noisy = [name for name in order if timers[name].noisy()]
+                    for record, input_pass in timing_rounds(0, repeats) if noisy else []:
+                        if bar is not None:
+                            bar.update(task, description=f"micro-batch {size}: re-measuring {len(noisy)}")
+                        for name in noisy:
+                            current = name
+                            timers[name].sample(record, input_pass)
+                except BadInputError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    what = "the whole model" if current == "the whole model" else f"unit {current!r}"
+                    raise _fail_forward(exc, size, seq, what) from None
+                for name in noisy:
+                    timers[name].remeasured = True
+                remeasured += len(noisy)
+                for name in order:
+                    m = timers[name].result()
                     b_in = None if m.backward_input_ms is None else _r(m.backward_input_ms)
                     backward = _r(m.backward_ms)
                     if b_in is not None:
@@ -318,33 +334,23 @@ def profile_model(
                         forward_spread=_r(m.forward_spread),
                         backward_spread=_r(m.backward_spread),
                     ))
-                    if bar is not None:
-                        bar.advance(task)
-                if whole_model_check:
-                    if repeats > 1:
-                        if bar is not None:
-                            bar.update(task, description=f"micro-batch {size}: whole model")
-                        try:
-                            whole = merge_whole_model(whole, measure_whole_model(
-                                net, inputs, device=torch_device, repeats=repeats // 2, warmup=0,
-                                loss=loss_whole))
-                        except Exception as exc:  # noqa: BLE001
-                            raise _fail_forward(exc, size, seq_len if uses_seq_len else None,
-                                                "the whole model") from None
+                if whole is not None:
+                    result = whole.result()
                     units_ms = sum(c.forward_ms + c.backward_ms for n in order for c in costs[n]
                                    if c.microbatch_size == size)
                     checks.append({
                         "microbatch_size": size,
-                        "whole_model_step_ms": _r(whole["step_ms"]),
-                        "whole_model_forward_ms": _r(whole["forward_ms"]),
-                        "whole_model_backward_ms": _r(whole["backward_ms"]),
+                        "whole_model_step_ms": _r(result["step_ms"]),
+                        "whole_model_forward_ms": _r(result["forward_ms"]),
+                        "whole_model_backward_ms": _r(result["backward_ms"]),
                         "sum_of_units_ms": _r(units_ms),
-                        "ratio": _r(units_ms / whole["step_ms"]) if whole["step_ms"] > 0 else None,
-                        "whole_model_step_spread": _r(whole["step_spread"]),
+                        "ratio": _r(units_ms / result["step_ms"]) if result["step_ms"] > 0 else None,
+                        "whole_model_step_spread": _r(result["step_spread"]),
                     })
-                    if "peak_memory_bytes" in whole:
-                        checks[-1]["whole_model_peak_memory_bytes"] = whole["peak_memory_bytes"]
-                del inputs, target, seen
+                    if torch_device.type == "cuda":
+                        # Peak over this size's measurement; the whole model's step dominates it.
+                        checks[-1]["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(torch_device))
+                del inputs, target, seen, timers, whole
         assert order is not None and graph is not None
         device_model, device_extra = _device_info(torch_device)
         kinds = bundle.kinds or {}

@@ -27,7 +27,9 @@ __all__ = [
     "capture",
     "measure_unit",
     "measure_whole_model",
-    "merge_whole_model",
+    "UnitTimer",
+    "WholeModelTimer",
+    "timing_rounds",
     "saved_activation_bytes",
     "tensor_bytes",
     "spread",
@@ -293,6 +295,129 @@ def _grad_outputs(out: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+class UnitTimer:
+    """Repeated timing of one unit; :meth:`sample` takes one forward+backward.
+
+    Callers interleave the samples of all units (round-robin) so that a burst of load from
+    another process spreads over every unit instead of inflating a few: see
+    :func:`pipeplan.profile.api.profile_model`. :func:`measure_unit` is the one-unit loop.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The unit.
+    call : (args, kwargs)
+        Its captured inputs; floating tensors become fresh leaves that require grad.
+    device : torch.device
+        CUDA events time CUDA; a wall clock times the CPU (CPU ops are synchronous).
+    exclude : set
+        Storage keys of parameters and buffers (see :func:`parameter_storages`).
+    loss : callable, optional
+        ``loss(output) -> scalar``: measured as part of the unit (the last unit); otherwise
+        backward is driven by a fixed random gradient of the output's shape.
+    split_backward : bool
+        Also time the input-gradient-only backward when :meth:`sample` asks for it.
+    """
+
+    def __init__(self, module: nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]], *,
+                 device: torch.device, exclude: set, loss: Optional[Callable[[Any], torch.Tensor]] = None,
+                 split_backward: bool = True) -> None:
+        self.module, self.call, self.device, self.loss = module, call, device, loss
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.split_backward = split_backward
+        args, kwargs, leaves = _fresh(call)
+        with saved_activation_bytes(exclude=exclude) as saved:
+            raw, out = self._forward(args, kwargs)
+        self.output_bytes = tensor_bytes(raw)
+        outs = _grad_outputs(out)
+        self.grads = None if loss is not None else [torch.randn_like(t) for t in outs]
+        if outs:
+            torch.autograd.backward(outs, self.grads)
+        del raw, out, outs
+        self.activation_bytes = saved.bytes
+        self.has_inputs = bool(leaves)
+        self.split = split_backward and bool(leaves) and bool(self.params)
+        self.forward_samples: list[float] = []
+        self.backward_samples: list[float] = []
+        self.input_backward_samples: list[float] = []
+        self.remeasured = False
+
+    def _forward(self, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        raw = self.module(*args, **kwargs)
+        return raw, (self.loss(raw) if self.loss is not None else raw)
+
+    def sample(self, record: bool = True, input_pass: bool = False) -> None:
+        """One timed forward and backward; with ``input_pass`` also an input-gradient-only pass."""
+        a, kw, _ = _fresh(self.call)
+        t_f, (_, o) = _timed(lambda: self._forward(a, kw), self.device)
+        o_list = _grad_outputs(o)
+        t_b = 0.0
+        if o_list:
+            t_b, _ = _timed(lambda: torch.autograd.backward(o_list, self.grads), self.device)
+        del o, o_list
+        if record:
+            self.forward_samples.append(t_f)
+            self.backward_samples.append(t_b)
+        if input_pass and self.split:
+            a, kw, ins = _fresh(self.call)
+            t_f2, (_, o) = _timed(lambda: self._forward(a, kw), self.device)
+            o_list = _grad_outputs(o)
+            t_bi, _ = _timed(lambda: torch.autograd.grad(o_list, ins, self.grads, allow_unused=True), self.device)
+            del o, o_list
+            if record:
+                self.forward_samples.append(t_f2)
+                self.input_backward_samples.append(t_bi)
+
+    def noisy(self, limit: float = 0.15, floor_ms: float = 1.0) -> bool:
+        """True for a unit over ``floor_ms`` whose forward or backward spread exceeds ``limit``."""
+        fwd, bwd = self.forward_samples, self.backward_samples
+        return (statistics.median(fwd) + statistics.median(bwd) > floor_ms
+                and max(spread(fwd), spread(bwd)) > limit)
+
+    def result(self) -> UnitMeasurement:
+        """Medians and spreads of the samples so far (gradients are cleared)."""
+        for p in self.params:
+            p.grad = None
+        fwd, bwd = self.forward_samples, self.backward_samples
+        backward_ms = statistics.median(bwd)
+        if self.split and self.input_backward_samples:
+            backward_input_ms: Optional[float] = min(statistics.median(self.input_backward_samples), backward_ms)
+        elif not self.split_backward or self.split:
+            backward_input_ms = None
+        elif not self.has_inputs:
+            backward_input_ms = 0.0  # integer inputs (token ids): all of backward is weight gradients
+        else:
+            backward_input_ms = backward_ms  # no weights: all of backward is the input gradient
+        return UnitMeasurement(
+            forward_ms=statistics.median(fwd),
+            backward_ms=backward_ms,
+            backward_input_ms=backward_input_ms,
+            activation_bytes=self.activation_bytes,
+            output_bytes=self.output_bytes,
+            forward_spread=spread(fwd),
+            backward_spread=spread(bwd),
+            remeasured=self.remeasured,
+            forward_samples=list(fwd),
+            backward_samples=list(bwd),
+        )
+
+
+def timing_rounds(warmup: int, repeats: int) -> list[tuple[bool, bool]]:
+    """``(record, input_pass)`` per round: warm-ups unrecorded (the last one also warms the
+    input-gradient pass), then the repeats, with the input-gradient pass on every other one.
+
+    The input-gradient pass costs a second forward; half the repeats are enough for its
+    median and keep a 12-block GPT-2 profile to a few minutes.
+
+    Examples
+    --------
+    >>> timing_rounds(1, 3)
+    [(False, True), (True, True), (True, False), (True, True)]
+    """
+    rounds = [(False, i == warmup - 1) for i in range(warmup)]
+    return rounds + [(True, i % 2 == 0) for i in range(repeats)]
+
+
 def measure_unit(
     module: nn.Module,
     call: tuple[tuple[Any, ...], dict[str, Any]],
@@ -305,115 +430,64 @@ def measure_unit(
     split_backward: bool = True,
     remeasure_spread: float = 0.15,
 ) -> UnitMeasurement:
-    """Time one unit's forward and backward and count its memory.
+    """Time one unit's forward and backward and count its memory (see :class:`UnitTimer`).
 
-    Parameters
-    ----------
-    module : torch.nn.Module
-        The unit.
-    call : (args, kwargs)
-        Its captured inputs; floating tensors become fresh leaves that require grad.
-    device : torch.device
-        CUDA events time CUDA; a wall clock times the CPU (CPU ops are synchronous).
-    repeats, warmup : int
-        Timed and untimed iterations.
-    exclude : set
-        Storage keys of parameters and buffers (see :func:`parameter_storages`).
-    loss : callable, optional
-        ``loss(output) -> scalar``: measured as part of the unit (the last unit); otherwise
-        backward is driven by a fixed random gradient of the output's shape.
-    split_backward : bool
-        Also time the input-gradient-only backward (``torch.autograd.grad`` w.r.t. the inputs).
-    remeasure_spread : float
-        A unit over 1 ms whose forward or backward spread exceeds this gets one more round.
-
-    Returns
-    -------
-    UnitMeasurement
+    A unit over 1 ms whose forward or backward spread exceeds ``remeasure_spread`` gets one
+    more round of ``repeats``.
 
     Notes
     -----
-    Costs about ``(warmup + repeats) * (1 forward + 1 backward) + repeats / 2 * (1 forward + 1/2
-    backward)`` of the unit.
+    Costs about ``(warmup + repeats) * (1 forward + 1 backward) + repeats / 2 * (1 forward +
+    1/2 backward)`` of the unit.
     """
-    params = [p for p in module.parameters() if p.requires_grad]
+    timer = UnitTimer(module, call, device=device, exclude=exclude, loss=loss, split_backward=split_backward)
+    for record, input_pass in timing_rounds(warmup, repeats):
+        timer.sample(record, input_pass)
+    if timer.noisy(remeasure_spread):
+        for _, input_pass in timing_rounds(0, repeats):
+            timer.sample(True, input_pass)
+        timer.remeasured = True
+    return timer.result()
 
-    def forward(args: tuple, kwargs: dict) -> tuple[Any, Any]:
-        raw = module(*args, **kwargs)
-        return raw, (loss(raw) if loss is not None else raw)
 
-    args, kwargs, leaves = _fresh(call)
-    with saved_activation_bytes(exclude=exclude) as saved:
-        raw, out = forward(args, kwargs)
-    output_bytes = tensor_bytes(raw)
-    outs = _grad_outputs(out)
-    grads = None if loss is not None else [torch.randn_like(t) for t in outs]
-    if outs:
-        torch.autograd.backward(outs, grads)
-    del raw, out, outs
-    activation_bytes = saved.bytes
+class WholeModelTimer:
+    """Repeated full forward (+ loss) and backward of the model on one micro-batch."""
 
-    split = split_backward and bool(leaves) and bool(params)
-    fwd: list[float] = []
-    bwd: list[float] = []
-    bwd_in: list[float] = []
+    def __init__(self, model: nn.Module, inputs: tuple[Any, ...], *, device: torch.device,
+                 loss: Optional[Callable[[Any], torch.Tensor]] = None) -> None:
+        self.model, self.inputs, self.device, self.loss = model, inputs, device, loss
+        self.grads: Optional[list[torch.Tensor]] = None
+        self.samples: dict[str, list[float]] = {"forward_ms": [], "backward_ms": [], "step_ms": []}
 
-    def one_round(count: int, skip: int) -> None:
-        for i in range(count):
-            a, kw, _ = _fresh(call)
-            t_f, (_, o) = _timed(lambda: forward(a, kw), device)
-            o_list = _grad_outputs(o)
-            t_b = 0.0
-            if o_list:
-                t_b, _ = _timed(lambda: torch.autograd.backward(o_list, grads), device)
-            del o, o_list
-            t_bi = None
-            # The input-gradient pass costs a second forward; every other timed repeat is
-            # enough for its median and keeps a 12-block GPT-2 profile to a few minutes.
-            if split and (i == skip - 1 or (i >= skip and (i - skip) % 2 == 0)):
-                a, kw, ins = _fresh(call)
-                t_f2, (_, o) = _timed(lambda: forward(a, kw), device)
-                o_list = _grad_outputs(o)
-                t_bi, _ = _timed(
-                    lambda: torch.autograd.grad(o_list, ins, grads, allow_unused=True), device
-                )
-                del o, o_list
-            if i >= skip:
-                fwd.append(t_f)
-                bwd.append(t_b)
-                if t_bi is not None:
-                    fwd.append(t_f2)
-                    bwd_in.append(t_bi)
+    def sample(self, record: bool = True) -> None:
+        """One timed step."""
+        model, inputs, loss = self.model, self.inputs, self.loss
+        t_f, out = _timed(lambda: loss(model(*inputs)) if loss is not None else model(*inputs), self.device)
+        outs = _grad_outputs(out)
+        if self.grads is None and loss is None:
+            generator = torch.Generator(device=outs[0].device if outs else "cpu").manual_seed(0)
+            self.grads = [torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) for t in outs]
+        t_b = 0.0
+        if outs:
+            t_b, _ = _timed(lambda: torch.autograd.backward(outs, self.grads), self.device)
+        del out, outs
+        if record:
+            self.samples["forward_ms"].append(t_f)
+            self.samples["backward_ms"].append(t_b)
+            self.samples["step_ms"].append(t_f + t_b)
 
-    one_round(warmup + repeats, warmup)
-    remeasured = False
-    if (statistics.median(fwd) + statistics.median(bwd) > 1.0
-            and max(spread(fwd), spread(bwd)) > remeasure_spread):
-        one_round(repeats, 0)
-        remeasured = True
-    for p in params:
-        p.grad = None
-    backward_ms = statistics.median(bwd)
-    if split:
-        backward_input_ms = min(statistics.median(bwd_in), backward_ms)
-    elif not split_backward:
-        backward_input_ms = None
-    elif not leaves:
-        backward_input_ms = 0.0  # integer inputs (token ids): all of backward is weight gradients
-    else:
-        backward_input_ms = backward_ms  # no weights: all of backward is the input gradient
-    return UnitMeasurement(
-        forward_ms=statistics.median(fwd),
-        backward_ms=backward_ms,
-        backward_input_ms=backward_input_ms,
-        activation_bytes=activation_bytes,
-        output_bytes=output_bytes,
-        forward_spread=spread(fwd),
-        backward_spread=spread(bwd),
-        remeasured=remeasured,
-        forward_samples=fwd,
-        backward_samples=bwd,
-    )
+    def result(self) -> dict[str, Any]:
+        """Medians: ``forward_ms``, ``backward_ms``, ``step_ms`` (median of per-step sums), and
+        ``step_spread``; gradients are cleared."""
+        for p in self.model.parameters():
+            p.grad = None
+        return {
+            "forward_ms": statistics.median(self.samples["forward_ms"]),
+            "backward_ms": statistics.median(self.samples["backward_ms"]),
+            "step_ms": statistics.median(self.samples["step_ms"]),
+            "step_spread": spread(self.samples["step_ms"]),
+            "samples": {k: list(v) for k, v in self.samples.items()},
+        }
 
 
 def measure_whole_model(
@@ -424,53 +498,19 @@ def measure_whole_model(
     repeats: int,
     warmup: int,
     loss: Optional[Callable[[Any], torch.Tensor]] = None,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Median forward, backward and step time of the full model on one micro-batch.
 
     Returns
     -------
     dict
         ``forward_ms``, ``backward_ms``, ``step_ms`` (medians; step is the median of the
-        per-repeat sums) and ``step_spread``.
+        per-repeat sums), ``step_spread`` and the ``samples``.
     """
-    grads = None
-    fwd, bwd, step = [], [], []
+    timer = WholeModelTimer(model, inputs, device=device, loss=loss)
     for i in range(warmup + repeats):
-        t_f, out = _timed(lambda: loss(model(*inputs)) if loss is not None else model(*inputs), device)
-        outs = _grad_outputs(out)
-        if grads is None and loss is None:
-            generator = torch.Generator(device=outs[0].device if outs else "cpu").manual_seed(0)
-            grads = [torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) for t in outs]
-        t_b = 0.0
-        if outs:
-            t_b, _ = _timed(lambda: torch.autograd.backward(outs, grads), device)
-        del out, outs
-        if i >= warmup:
-            fwd.append(t_f)
-            bwd.append(t_b)
-            step.append(t_f + t_b)
-    for p in model.parameters():
-        p.grad = None
-    return {
-        "forward_ms": statistics.median(fwd),
-        "backward_ms": statistics.median(bwd),
-        "step_ms": statistics.median(step),
-        "step_spread": spread(step),
-        "samples": {"forward_ms": fwd, "backward_ms": bwd, "step_ms": step},
-    }
-
-
-def merge_whole_model(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-    """Medians over the samples of two :func:`measure_whole_model` results."""
-    samples = {k: first["samples"][k] + second["samples"][k] for k in first["samples"]}
-    return {
-        **first,
-        "forward_ms": statistics.median(samples["forward_ms"]),
-        "backward_ms": statistics.median(samples["backward_ms"]),
-        "step_ms": statistics.median(samples["step_ms"]),
-        "step_spread": spread(samples["step_ms"]),
-        "samples": samples,
-    }
+        timer.sample(record=i >= warmup)
+    return timer.result()
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -149,11 +149,12 @@ def select_units(model: nn.Module, patterns: Sequence[str]) -> list[str]:
         out = []
         for child_name, child in module.named_children():
             full = f"{prefix}{child_name}"
-            if full in matched:
+            container = isinstance(child, (nn.ModuleList, nn.ModuleDict))
+            if full in matched and not container:
                 out.append(full)
             elif any(m.startswith(full + ".") for m in matched):
                 out.extend(walk(child, full + "."))
-            elif isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            elif container:  # never called itself: its items are the units
                 out.extend(_expand(child, full + "."))
             else:
                 out.append(full)

@@ -144,6 +144,37 @@ def import_pipedream_cmd(
 
 @app.command()
 @_handled
+def profile(
+    model: str = typer.Argument(..., metavar="MODEL", help="Built-in (gpt2-tiny, gpt2, llama-tiny, bert-tiny, convnet-tiny, ...) or module:callable.", show_default=False),
+    microbatch_sizes: str = typer.Option("1,2,4", "--microbatch-sizes", help="Micro-batch sizes to measure, e.g. 1,2,4,8."),
+    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per sample (language models)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda or cpu (default: cuda when available)."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed runs per unit and size (medians)."),
+    warmup: int = typer.Option(2, "--warmup", help="Untimed runs first."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: 1 on CPU, one rank per core)."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Blocks of a built-in (or passed to your callable)."),
+    hidden: Optional[int] = typer.Option(None, "--hidden", help="Hidden size / channels of a built-in."),
+    heads: Optional[int] = typer.Option(None, "--heads", help="Attention heads of a built-in."),
+    vocab: Optional[int] = typer.Option(None, "--vocab", help="Vocabulary size of a built-in LM."),
+    units: Optional[list[str]] = typer.Option(None, "--units", help="Units by dotted name or glob, e.g. 'encoder.layer.*' (repeatable)."),
+    seed: int = typer.Option(0, "--seed", help="Weight and batch seed."),
+    output: Path = typer.Option(..., "-o", "--output", help="Profile JSON to write (atomically).", show_default=False),
+):
+    """Measure a torch model per unit (time, activation and output bytes) into a profile."""
+    from pipeplan.profile import profile_to_file, summary_table
+
+    result = profile_to_file(
+        model, str(output), microbatch_sizes=microbatch_sizes, seq_len=seq_len, dtype=dtype, device=device,
+        repeats=repeats, warmup=warmup, threads=threads, units=units or None, seed=seed,
+        options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}, progress=True,
+    )
+    _console().print(summary_table(result))
+    typer.echo(f"wrote {output}")
+
+
+@app.command()
+@_handled
 def plan(
     profile: Path = _PROFILE_ARG,
     stages: int = _STAGES,

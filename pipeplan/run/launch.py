@@ -1,0 +1,463 @@
+"""``pipeplan run``: start one process per pipeline rank under torchrun and collect the results.
+
+:func:`run_plan` checks the plan and the model against each other, writes a config file for the
+workers (:mod:`pipeplan.run.worker`), builds the torchrun command line
+(:func:`torchrun_command`), runs it in its own process group with a bounded wall-clock limit,
+and turns what the workers wrote into a run report (:mod:`pipeplan.run.report`).
+
+Failure handling
+----------------
+- A rank that raises records its rank, exception and traceback, and exits non-zero; torchrun
+  then stops the other ranks within about a second. :func:`run_plan` raises
+  :class:`RunFailedError` naming the rank and the cause.
+- A rank that dies without a word (killed, out of host memory) is named from torchrun's failure
+  summary.
+- A rank that hangs: the others wait at most ``timeout_s`` in any collective or point-to-point
+  transfer (``init_process_group(timeout=...)``), then fail, and torchrun ends the job.
+- The whole job gets at most ``job_timeout_s``; on that limit, Ctrl-C, or any exit, the launcher
+  terminates the process group torchrun leads (SIGTERM, then SIGKILL), so no rank outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from pipeplan.errors import BadInputError, PipeplanError
+
+__all__ = [
+    "RunFailedError",
+    "run_plan",
+    "run_plans",
+    "run_plan_file",
+    "torchrun_command",
+    "worker_config",
+    "resolve_model",
+]
+
+#: Seconds a rank waits for a peer in any collective or transfer before it gives up.
+DEFAULT_TIMEOUT_S = 45.0
+
+
+class RunFailedError(PipeplanError):
+    """The pipelined job failed: the message names the rank and the cause."""
+
+    exit_code = 1
+
+
+def resolve_model(plan: Any, *, profile: Any = None, model: Optional[str] = None,
+                  model_options: Optional[dict[str, Any]] = None,
+                  seq_len: Optional[int] = None) -> dict[str, Any]:
+    """Which model the ranks build, with which options, units, dtype and sequence length.
+
+    With a profile, the model and its size options come from the profile's measurement
+    (:func:`pipeplan.profile.model_spec`); ``model`` may still name it (a ``module:callable``
+    profiled under another name). Without one, ``model`` is required; for a built-in whose
+    ``layers`` is not given, the layer count is read from the plan's ``blocks.<i>`` names.
+
+    Raises
+    ------
+    BadInputError
+        No model; a plan layer the profile does not have.
+
+    Examples
+    --------
+    >>> from pipeplan.formats.plan import Plan
+    >>> plan = Plan.model_validate({"schema_version": 1, "profile": {"model": "gpt2-tiny", "sha256": "0"},
+    ...     "settings": {"stages": 1, "global_batch": 1}, "schedule": "gpipe", "microbatch_size": 1,
+    ...     "num_microbatches": 1, "predicted": {"iteration_ms": 1, "bubble_fraction": 0,
+    ...     "samples_per_second": 1, "bottleneck_stage": 0}, "solver": {"method": "dp-chain",
+    ...     "optimal": True, "seconds": 0}, "stages": [{"index": 0, "rank": 0, "forward_ms": 1,
+    ...     "backward_ms": 1, "send_bytes": 0, "peak_memory_bytes": 0,
+    ...     "layers": ["embed", "blocks.0", "blocks.1", "norm", "head"]}]})
+    >>> resolve_model(plan, model="gpt2-tiny")["model_options"]
+    {'layers': 2}
+    """
+    options = {k: v for k, v in (model_options or {}).items() if v is not None}
+    patterns = None
+    dtype = "fp32"
+    if profile is not None:
+        from pipeplan.profile.units import model_spec
+
+        name, profiled_options, patterns = model_spec(profile)
+        model = model or name
+        options = {**profiled_options, **options}
+        dtype = profile.dtype
+        seq_len = seq_len or profile.sequence_length
+        known = {layer.name for layer in profile.layers}
+        for stage in plan.stages:
+            for layer in stage.layers:
+                if layer not in known:
+                    raise BadInputError(
+                        f"plan stage {stage.index}: layer {layer!r} is not in the profile of "
+                        f"{profile.model}; give the profile the plan was made from"
+                    )
+    if not model:
+        raise BadInputError(
+            "run: say which model to build: --model NAME (built-in or module:callable) or "
+            "--profile PROFILE.json (the profile the plan was made from)"
+        )
+    if ":" not in model and "layers" not in options:
+        blocks = [int(m.group(1)) for s in plan.stages for layer in s.layers
+                  for m in [re.fullmatch(r"blocks\.(\d+)", layer)] if m]
+        if blocks:
+            options["layers"] = max(blocks) + 1
+    return {"model": model, "model_options": options, "unit_patterns": patterns, "dtype": dtype,
+            "seq_len": seq_len}
+
+
+def worker_config(plans: Sequence[Any], *, model: str, out_dir: str | Path, steps: int,
+                  model_options: Optional[dict[str, Any]] = None,
+                  unit_patterns: Optional[Sequence[str]] = None, seq_len: Optional[int] = None,
+                  dtype: str = "fp32", threads: Optional[int] = 1, seed: int = 0, lr: float = 1e-3,
+                  device: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  dump_grads: bool = False) -> dict[str, Any]:
+    """The JSON config every rank reads (see :func:`pipeplan.run.worker.run_rank`)."""
+    return {
+        "plans": [plan.model_dump(mode="json") for plan in plans],
+        "model": model,
+        "model_options": dict(model_options or {}),
+        "unit_patterns": list(unit_patterns) if unit_patterns else None,
+        "seq_len": seq_len,
+        "dtype": dtype,
+        "steps": steps,
+        "threads": threads,
+        "seed": seed,
+        "lr": lr,
+        "device": device,
+        "timeout_s": timeout_s,
+        "out_dir": str(out_dir),
+        "dump_grads": dump_grads,
+    }
+
+
+def torchrun_command(config_path: str | Path, nproc_per_node: int, *, nnodes: int = 1,
+                     node_rank: Optional[int] = None, rdzv_endpoint: Optional[str] = None,
+                     rdzv_id: str = "pipeplan", python: Optional[str] = None) -> list[str]:
+    """The torchrun command line that starts the workers.
+
+    One node: ``--standalone`` (torchrun picks a free port on loopback). Several nodes: a c10d
+    rendezvous at ``rdzv_endpoint``, every node given the same ``rdzv_id``.
+
+    Examples
+    --------
+    >>> torchrun_command("c.json", 2, python="python")[3:]
+    ['--standalone', '--nnodes', '1', '--nproc-per-node', '2', '--max-restarts', '0', '-m', 'pipeplan.run.worker', 'c.json']
+    >>> cmd = torchrun_command("c.json", 1, nnodes=2, node_rank=1, rdzv_endpoint="127.0.0.1:29500", python="python")
+    >>> " ".join(cmd[3:13])
+    '--nnodes 2 --node-rank 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29500 --rdzv-id pipeplan'
+    """
+    cmd = [python or sys.executable, "-m", "torch.distributed.run"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        cmd += ["--standalone", "--nnodes", "1"]
+    else:
+        if rdzv_endpoint is None:
+            raise BadInputError(
+                f"--nnodes {nnodes}: several nodes need --rdzv-endpoint HOST:PORT (the same on every node)"
+            )
+        cmd += ["--nnodes", str(nnodes)]
+        if node_rank is not None:
+            cmd += ["--node-rank", str(node_rank)]
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
+    cmd += ["--nproc-per-node", str(nproc_per_node), "--max-restarts", "0"]
+    # The config travels as one positional path: torchrun takes prefixes of its own options
+    # (a script option --run would match --run-path).
+    cmd += ["-m", "pipeplan.run.worker", str(config_path)]
+    return cmd
+
+
+def _pump(stream: Any, tail: deque, echo: bool) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", errors="replace")
+        tail.append(line.rstrip("\n"))
+        if echo:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    stream.close()
+
+
+def _terminate_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL, every process in torchrun's process group."""
+    pgid = proc.pid
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                try:
+                    os.killpg(pgid, 0)
+                except ProcessLookupError:
+                    break
+            time.sleep(0.05)
+        else:
+            continue
+        break
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _failure_message(out_dir: Path, tail: Sequence[str], returncode: Optional[int],
+                     timed_out: Optional[float]) -> str:
+    errors = []
+    for path in sorted(out_dir.glob("error-rank*.json")):
+        try:
+            errors.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    if timed_out is not None:
+        head = f"the job ran past --job-timeout {timed_out:g} s and was stopped"
+        if errors:
+            first = min(errors, key=lambda e: e.get("time", 0))
+            head += f"; rank {first['rank']} had failed: {first['type']}: {first['message']}"
+        return head
+    if errors:
+        # The first rank to fail is the cause; others usually fail on its closed connection.
+        errors.sort(key=lambda e: e.get("time", 0))
+        first = errors[0]
+        message = f"rank {first['rank']} failed: {first['type']}: {first['message']}"
+        others = sorted({e["rank"] for e in errors[1:]})
+        if others:
+            message += f" (then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)"
+        return message
+    text = "\n".join(tail)
+    ranks = re.findall(r"rank\s*:\s*(\d+)", text)
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)
+    if ranks:
+        code = int(codes[0]) if codes else None
+        cause = f"exit code {code}" if code is not None and code >= 0 else (
+            f"signal {signal.Signals(-code).name}" if code is not None and -code in signal.valid_signals()
+            else "an unknown cause")
+        return f"rank {ranks[0]} died without an error report ({cause}); see its output above"
+    last = next((line for line in reversed(tail) if line.strip()), "")
+    return f"torchrun exited with code {returncode}: {last.strip()}"
+
+
+def run_plan(plan: Any, **kwargs: Any) -> dict[str, Any]:
+    """Run ``plan`` on torchrun and return the run report; see :func:`run_plans` for the keywords."""
+    return run_plans([plan], **kwargs)[0]
+
+
+def _check_plan(plan: Any) -> int:
+    """The plan's rank count, after checking it can run as written."""
+    from pipeplan.plan.schedules import check_schedule
+
+    num_ranks = 1 + max(s.rank for s in plan.stages)
+    ranks_used = {s.rank for s in plan.stages}
+    if ranks_used != set(range(num_ranks)):
+        missing = sorted(set(range(num_ranks)) - ranks_used)
+        raise BadInputError(f"plan: rank {missing[0]} has no stage; every rank 0..{num_ranks - 1} needs one")
+    indexes = sorted(s.index for s in plan.stages)
+    if indexes != list(range(len(plan.stages))):
+        raise BadInputError(f"plan: stage indexes {indexes} must be 0..{len(plan.stages) - 1}, each once")
+    check_schedule(plan.schedule, num_ranks, plan.num_microbatches, plan.virtual_stages)
+    if len(plan.stages) != num_ranks * plan.virtual_stages:
+        raise BadInputError(
+            f"plan: {len(plan.stages)} stages for {num_ranks} ranks x {plan.virtual_stages} virtual stages; "
+            f"give {num_ranks * plan.virtual_stages}"
+        )
+    return num_ranks
+
+
+def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any = None,
+             profile_path: Optional[str] = None, steps: int = 20, threads: Optional[int] = 1,
+             seq_len: Optional[int] = None, model_options: Optional[dict[str, Any]] = None,
+             seed: int = 0, lr: float = 1e-3, device: Optional[str] = None,
+             nnodes: int = 1, node_rank: Optional[int] = None, rdzv_endpoint: Optional[str] = None,
+             rdzv_id: str = "pipeplan", nproc_per_node: Optional[int] = None,
+             timeout_s: float = DEFAULT_TIMEOUT_S, job_timeout_s: Optional[float] = 3600.0,
+             work_dir: Optional[str | Path] = None, dump_grads: bool = False,
+             echo: bool = True, env: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+    """Run each plan in turn in one torchrun job; return one run report per plan.
+
+    Parameters
+    ----------
+    plans : sequence of Plan
+        All with the same number of ranks. One job saves torchrun's start-up (seconds) per plan.
+    model : str, optional
+        Built-in name or ``module:callable``; default: the profile's model.
+    profile : Profile, optional
+        The profile the plan was made from: gives the model's size options, units, dtype and
+        sequence length, and lets the report add the simulator's prediction.
+    profile_path : str, optional
+        Recorded in the report, for ``pipeplan calibrate``.
+    steps : int
+        Training iterations (>= 2: the first is a warm-up the report leaves out).
+    threads : int, optional
+        ``torch.set_num_threads`` per rank on CPU (and ``OMP_NUM_THREADS``).
+    seq_len : int, optional
+        Tokens per sample (language models); default the profile's, else 128.
+    model_options : dict, optional
+        Size options (``layers``, ``hidden``, ...) when there is no profile.
+    seed, lr : int, float
+        Weight and batch seed; optimizer learning rate (the optimizer is the plan's).
+    device : {'cpu', 'cuda'}, optional
+        Default: cuda when torch sees one (NCCL), else cpu (gloo).
+    nnodes, node_rank, rdzv_endpoint, rdzv_id : optional
+        Several nodes: run the same command on each with its ``node_rank``; every node gives the
+        same ``rdzv_endpoint`` (``HOST:PORT`` of node 0) and ``rdzv_id``.
+    nproc_per_node : int, optional
+        Ranks on this node; default ``ranks // nnodes``.
+    timeout_s : float
+        Seconds a rank waits for a peer before failing (bounds a hang).
+    job_timeout_s : float, optional
+        Wall-clock limit of the whole job; None for none.
+    work_dir : path, optional
+        Where the config and per-rank files go; default a temporary folder, removed afterwards.
+    dump_grads : bool
+        Save each rank's gradients after the last step (``grads-plan<I>-rank<R>.pt`` in
+        ``work_dir``).
+    echo : bool
+        Copy torchrun's output to stderr as it comes.
+    env : dict, optional
+        Extra environment variables for the ranks.
+
+    Returns
+    -------
+    list of dict
+        The run reports (:func:`pipeplan.run.report.build_report`), in the order of ``plans``.
+
+    Raises
+    ------
+    BadInputError
+        Bad options, or a model/profile that does not match the plan.
+    RunFailedError
+        A rank failed, hung past ``timeout_s``, or the job passed ``job_timeout_s``; the message
+        names the rank and the cause.
+    """
+    from pipeplan.run.report import build_report
+
+    plans = list(plans)
+    if not plans:
+        raise BadInputError("run: no plan given")
+    if not isinstance(steps, int) or steps < 2:
+        raise BadInputError(f"--steps: {steps!r} must be an integer >= 2 (the first step is a warm-up)")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise BadInputError(f"--threads: {threads!r} must be a positive integer")
+    if timeout_s <= 0:
+        raise BadInputError(f"--timeout: {timeout_s!r} must be positive (seconds)")
+    if nnodes < 1:
+        raise BadInputError(f"--nnodes: {nnodes!r} must be >= 1")
+    if device not in (None, "cpu", "cuda"):
+        raise BadInputError(f"--device: {device!r} is not known; use cpu or cuda")
+    rank_counts = [_check_plan(plan) for plan in plans]
+    if len(set(rank_counts)) != 1:
+        raise BadInputError(f"run: the plans have {sorted(set(rank_counts))} ranks; one job runs plans of one size")
+    num_ranks = rank_counts[0]
+    if nproc_per_node is None:
+        if num_ranks % nnodes:
+            raise BadInputError(
+                f"--nnodes {nnodes} does not divide the plan's {num_ranks} ranks; give --nproc-per-node"
+            )
+        nproc_per_node = num_ranks // nnodes
+    specs = [resolve_model(plan, profile=profile, model=model, model_options=model_options, seq_len=seq_len)
+             for plan in plans]
+    spec = specs[0]
+    if spec["seq_len"] is None:
+        spec["seq_len"] = 128
+
+    cleanup = None
+    if work_dir is None:
+        cleanup = tempfile.TemporaryDirectory(prefix="pipeplan-run-")
+        out_dir = Path(cleanup.name)
+    else:
+        out_dir = Path(work_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for stale in list(out_dir.glob("error-rank*.json")) + list(out_dir.glob("ranks.json")):
+            stale.unlink()
+    try:
+        config = worker_config(plans, model=spec["model"], out_dir=out_dir, steps=steps,
+                               model_options=spec["model_options"], unit_patterns=spec["unit_patterns"],
+                               seq_len=spec["seq_len"], dtype=spec["dtype"], threads=threads, seed=seed,
+                               lr=lr, device=device, timeout_s=timeout_s, dump_grads=dump_grads)
+        config_path = out_dir / "config.json"
+        config_path.write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+        cmd = torchrun_command(config_path, nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                               rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+        child_env = dict(os.environ)
+        if threads is not None:
+            child_env["OMP_NUM_THREADS"] = str(threads)
+        child_env.setdefault("PYTHONUNBUFFERED", "1")
+        child_env.update(env or {})
+        load_before = _load_average()
+        started = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env,
+                                start_new_session=True)
+        tail: deque = deque(maxlen=200)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, tail, echo), daemon=True)
+        pump.start()
+        timed_out = None
+        try:
+            proc.wait(timeout=job_timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = job_timeout_s
+        finally:
+            # Whatever happened (normal end, limit, Ctrl-C), no rank outlives the launcher.
+            _terminate_group(proc)
+            pump.join(timeout=5.0)
+        elapsed_s = time.monotonic() - started
+        result_path = out_dir / "ranks.json"
+        if timed_out is not None or proc.returncode != 0 or not result_path.exists():
+            raise RunFailedError(
+                "run: " + _failure_message(out_dir, list(tail), proc.returncode, timed_out)
+            )
+        gathered = json.loads(result_path.read_text(encoding="utf-8"))  # [rank][plan]
+        return [build_report(
+            plan, [per_rank[index] for per_rank in gathered], profile=profile, profile_path=profile_path,
+            run={"model": spec["model"], "model_options": spec["model_options"], "seq_len": spec["seq_len"],
+                 "dtype": spec["dtype"], "steps": steps, "threads": threads, "seed": seed, "lr": lr,
+                 "nnodes": nnodes, "nproc_per_node": nproc_per_node, "timeout_s": timeout_s,
+                 "wall_s": round(elapsed_s, 2), "load_average_before": load_before,
+                 "load_average_after": _load_average(), "cpu_count": os.cpu_count()},
+        ) for index, plan in enumerate(plans)]
+    finally:
+        if cleanup is not None:
+            cleanup.cleanup()
+
+
+def _load_average() -> Optional[list[float]]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
+def run_plan_file(plan_path: str | Path, *, report_path: Optional[str | Path] = None,
+                  profile_path: Optional[str | Path] = None, **kwargs: Any) -> dict[str, Any]:
+    """``pipeplan run``: load the plan (and profile), run it, write the report atomically.
+
+    Keywords are those of :func:`run_plan`.
+    """
+    from pipeplan.formats.io import file_sha256, load_plan, load_profile, write_text_atomic
+
+    plan = load_plan(plan_path)
+    profile = None
+    if profile_path is not None:
+        profile = load_profile(profile_path)
+    report = run_plan(plan, profile=profile, profile_path=str(profile_path) if profile_path else None, **kwargs)
+    report["plan_path"] = str(plan_path)
+    if profile_path is not None:
+        sha = file_sha256(profile_path)
+        report["profile_sha256"] = sha
+        if sha != plan.profile.sha256:
+            report.setdefault("notes", []).append(
+                f"the plan was made from a profile with sha256 {plan.profile.sha256[:12]}..., not "
+                f"{profile_path} ({sha[:12]}...): predictions may not match this model"
+            )
+    if report_path is not None:
+        write_text_atomic(report_path, json.dumps(report, indent=2) + "\n")
+    return report

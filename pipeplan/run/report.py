@@ -1,0 +1,244 @@
+"""The run report: what each rank measured, beside what the plan predicted.
+
+A report is a JSON object (written by ``pipeplan run --report``)::
+
+    {"schema": "pipeplan-run-report/1", "schedule": ..., "microbatch_size": ..., "num_microbatches": ...,
+     "measured": {"iteration_ms": ..., "iteration_ms_steps": [...], "samples_per_second": ...},
+     "predicted": {"iteration_ms": ..., "simulated_iteration_ms": ...},
+     "ratio": measured / predicted iteration,
+     "ranks": [{"rank", "stages", "step_ms", "pipeline_ms", "busy_ms", "forward_ms", "backward_ms",
+                "weight_ms", "loss_ms", "idle_ms", "peak_memory_bytes", "predicted_busy_ms",
+                "busy_ratio", "predicted_peak_memory_bytes", "memory_ratio", ...}],
+     "loss": [one value per step], "run": {...how it ran...}, "notes": [...]}
+
+Definitions (all times are medians over the steps after the first, a warm-up):
+
+- ``pipeline_ms``: wall time of ``schedule.step()`` on the rank, from a barrier that starts every
+  rank together; the iteration time is the largest over ranks, per step.
+- ``step_ms``: the same plus the optimizer step.
+- ``busy_ms``: time inside the rank's compute calls: forward, backward (input and, where not
+  split, weight gradients), weight-gradient and loss; ``idle_ms = pipeline_ms - busy_ms``
+  (bubble, waiting for transfers, the schedule's own overhead).
+- ``peak_memory_bytes``: CUDA, ``max_memory_allocated``; CPU, the growth of the resident set
+  from before the stages were built to its peak (it includes the allocator's slack).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Optional, Sequence
+
+__all__ = ["build_report", "report_table", "SCHEMA"]
+
+SCHEMA = "pipeplan-run-report/1"
+
+
+def _median(values: Sequence[float]) -> Optional[float]:
+    return float(statistics.median(values)) if values else None
+
+
+def _r(value: Optional[float], digits: int = 4) -> Optional[float]:
+    return None if value is None else round(float(value), digits)
+
+
+def _ratio(measured: Optional[float], predicted: Optional[float]) -> Optional[float]:
+    if measured is None or not predicted:
+        return None
+    return round(measured / predicted, 4)
+
+
+def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any = None,
+                 profile_path: Optional[str] = None, run: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Combine every rank's measurements with the plan's predictions.
+
+    Parameters
+    ----------
+    plan : Plan
+    results : sequence of dict
+        One per rank, as :func:`pipeplan.run.worker.run_rank` returns them.
+    profile : Profile, optional
+        Adds the simulator's prediction from the profile's per-layer costs
+        (``predicted.simulated_iteration_ms``, per rank ``simulated_busy_ms``).
+    profile_path : str, optional
+        Recorded for ``pipeplan calibrate``.
+    run : dict, optional
+        How the run was made (model, steps, threads, load average), copied in.
+
+    Returns
+    -------
+    dict
+        See the module docstring.
+
+    Examples
+    --------
+    >>> from pipeplan.formats.plan import Plan
+    >>> plan = Plan.model_validate({"schema_version": 1, "profile": {"model": "m", "sha256": "0"},
+    ...     "settings": {"stages": 1, "global_batch": 2}, "schedule": "gpipe", "microbatch_size": 1,
+    ...     "num_microbatches": 2, "predicted": {"iteration_ms": 10, "bubble_fraction": 0,
+    ...     "samples_per_second": 200, "bottleneck_stage": 0}, "solver": {"method": "dp-chain",
+    ...     "optimal": True, "seconds": 0}, "stages": [{"index": 0, "rank": 0, "forward_ms": 2,
+    ...     "backward_ms": 3, "send_bytes": 0, "peak_memory_bytes": 0, "layers": ["a"]}]})
+    >>> rank = {"rank": 0, "stages": [0], "step_ms": [30, 12, 13], "pipeline_ms": [29, 11, 12],
+    ...         "compute_ms": [{"forward": 5, "backward": 6, "weight": 0, "loss": 0}] * 3,
+    ...         "losses": [2.0, 1.5, 1.2], "peak_memory_bytes": None}
+    >>> report = build_report(plan, [rank])
+    >>> report["measured"]["iteration_ms"], report["ratio"], report["loss"]
+    (11.5, 1.15, [2.0, 1.5, 1.2])
+    """
+    results = sorted(results, key=lambda r: r["rank"])
+    steps = len(results[0]["pipeline_ms"])
+    timed = range(1, steps) if steps > 1 else range(steps)
+    iteration_steps = [max(r["pipeline_ms"][i] for r in results) for i in range(steps)]
+    iteration_ms = _median([iteration_steps[i] for i in timed])
+
+    predicted_rank = {summary.rank: summary for summary in plan.ranks}
+    stage_by_index = {s.index: s for s in plan.stages}
+    simulation = None
+    if profile is not None:
+        from pipeplan.run.plans import simulate_plan
+
+        simulation = simulate_plan(plan, profile)
+
+    ranks = []
+    for r in results:
+        compute = [r["compute_ms"][i] for i in timed]
+        forward = _median([c["forward"] for c in compute])
+        backward = _median([c["backward"] for c in compute])
+        weight = _median([c["weight"] for c in compute])
+        loss = _median([c.get("loss", 0.0) for c in compute])
+        busy = _median([c["forward"] + c["backward"] + c["weight"] + c.get("loss", 0.0) for c in compute])
+        pipeline = _median([r["pipeline_ms"][i] for i in timed])
+        summary = predicted_rank.get(r["rank"])
+        stages = [stage_by_index[i] for i in r["stages"]]
+        if summary is not None:
+            predicted_busy = summary.busy_ms
+            predicted_peak = summary.peak_memory_bytes
+        else:
+            predicted_busy = plan.num_microbatches * sum(s.forward_ms + s.backward_ms for s in stages)
+            predicted_peak = sum(s.peak_memory_bytes for s in stages)
+        row = {
+            "rank": r["rank"],
+            "stages": r["stages"],
+            "layers": [layer for s in stages for layer in s.layers],
+            "step_ms": _r(_median([r["step_ms"][i] for i in timed])),
+            "pipeline_ms": _r(pipeline),
+            "busy_ms": _r(busy),
+            "forward_ms": _r(forward),
+            "backward_ms": _r(backward),
+            "weight_ms": _r(weight),
+            "loss_ms": _r(loss),
+            "idle_ms": _r(None if pipeline is None or busy is None else pipeline - busy),
+            "predicted_busy_ms": _r(predicted_busy),
+            "predicted_forward_ms": _r(plan.num_microbatches * sum(s.forward_ms for s in stages)),
+            "predicted_backward_ms": _r(plan.num_microbatches * sum(s.backward_ms for s in stages)),
+            "busy_ratio": _ratio(busy, predicted_busy),
+            "peak_memory_bytes": r.get("peak_memory_bytes"),
+            "predicted_peak_memory_bytes": predicted_peak,
+            "memory_ratio": _ratio(r.get("peak_memory_bytes"), predicted_peak),
+            "memory_method": r.get("memory_method"),
+            "device": r.get("device"),
+            "backend": r.get("backend"),
+            "host": r.get("host"),
+            "threads": r.get("threads"),
+            "pipeline_ms_steps": [_r(x, 3) for x in r["pipeline_ms"]],
+        }
+        if simulation is not None:
+            row["simulated_busy_ms"] = _r(simulation.rank_busy_ms[r["rank"]])
+            row["simulated_busy_ratio"] = _ratio(busy, simulation.rank_busy_ms[r["rank"]])
+        ranks.append(row)
+
+    losses = next((r["losses"] for r in results if r.get("losses") and
+                   (len(plan.stages) - 1) in r["stages"]), [])
+    predicted: dict[str, Any] = {
+        "iteration_ms": plan.predicted.iteration_ms,
+        "bubble_fraction": plan.predicted.bubble_fraction,
+        "samples_per_second": plan.predicted.samples_per_second,
+    }
+    if simulation is not None:
+        predicted["simulated_iteration_ms"] = _r(simulation.iteration_ms)
+        predicted["simulated_bubble_fraction"] = _r(simulation.bubble_fraction)
+    batch = plan.microbatch_size * plan.num_microbatches
+    report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "model": (run or {}).get("model", plan.profile.model),
+        "schedule": plan.schedule,
+        "virtual_stages": plan.virtual_stages,
+        "num_ranks": len(results),
+        "microbatch_size": plan.microbatch_size,
+        "num_microbatches": plan.num_microbatches,
+        "measured": {
+            "iteration_ms": _r(iteration_ms),
+            "iteration_ms_steps": [_r(x, 3) for x in iteration_steps],
+            "warmup_iteration_ms": _r(iteration_steps[0]),
+            "samples_per_second": _r(batch * 1000.0 / iteration_ms) if iteration_ms else None,
+            "timed_steps": len(timed),
+        },
+        "predicted": predicted,
+        "ratio": _ratio(iteration_ms, plan.predicted.iteration_ms),
+        "ranks": ranks,
+        "loss": [_r(x, 6) for x in losses],
+        "run": dict(run or {}),
+        "notes": [],
+    }
+    if simulation is not None:
+        report["simulated_ratio"] = _ratio(iteration_ms, simulation.iteration_ms)
+    if profile_path is not None:
+        report["profile_path"] = profile_path
+    return report
+
+
+def _ms(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _x(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def report_table(report: dict[str, Any]) -> Any:
+    """A rich table: one row per rank, measured beside predicted, then the iteration."""
+    from rich.table import Table
+
+    from pipeplan.quantities import format_bytes
+
+    measured, predicted = report["measured"], report["predicted"]
+    title = (f"{report['model']}: {report['schedule']}, {report['num_ranks']} ranks x "
+             f"{report['virtual_stages']} stages, {report['num_microbatches']} micro-batches of "
+             f"{report['microbatch_size']}")
+    table = Table(title=title)
+    for column in ("rank", "stages", "step ms", "busy ms", "predicted busy", "busy ratio",
+                   "idle ms", "peak memory", "predicted memory"):
+        table.add_column(column, justify="left" if column == "stages" else "right")
+    for row in report["ranks"]:
+        peak = row.get("peak_memory_bytes")
+        table.add_row(
+            str(row["rank"]),
+            ",".join(map(str, row["stages"])),
+            _ms(row["pipeline_ms"]),
+            _ms(row["busy_ms"]),
+            _ms(row["predicted_busy_ms"]),
+            _x(row["busy_ratio"]),
+            _ms(row["idle_ms"]),
+            "-" if peak is None else format_bytes(peak),
+            format_bytes(row["predicted_peak_memory_bytes"]),
+        )
+    simulated = predicted.get("simulated_iteration_ms")
+    table.add_row(
+        "all", "", _ms(measured["iteration_ms"]), "", _ms(predicted["iteration_ms"]),
+        _x(report["ratio"]), "", "", "", end_section=True,
+    )
+    loss = report.get("loss") or []
+    run = report.get("run", {})
+    parts = [
+        f"iteration {_ms(measured['iteration_ms'])} ms measured vs {_ms(predicted['iteration_ms'])} ms "
+        f"predicted (ratio {_x(report['ratio'])})",
+    ]
+    if simulated is not None:
+        parts.append(f"simulated from the profile {_ms(simulated)} ms (ratio {_x(report.get('simulated_ratio'))})")
+    parts.append(f"median of {measured['timed_steps']} steps after a {_ms(measured['warmup_iteration_ms'])} ms warm-up")
+    if loss:
+        parts.append(f"loss {loss[0]:.4f} -> {loss[-1]:.4f}")
+    if run.get("load_average_before") is not None:
+        parts.append(f"load average {run['load_average_before']} -> {run.get('load_average_after')}")
+    table.caption = "; ".join(parts)
+    return table

@@ -1,0 +1,392 @@
+"""One pipeline rank: ``python -m pipeplan.run.worker CONFIG.json`` (started by torchrun).
+
+The launcher (:mod:`pipeplan.run.launch`) writes one JSON config and starts one process per
+pipeline rank under torchrun. Each process:
+
+1. joins the process group (gloo on CPU, NCCL on CUDA) with a bounded ``timeout``, so that a
+   hung peer ends the job instead of waiting gloo's default 30 minutes;
+2. builds only the units of its own stages, by the plan's layer names
+   (:func:`pipeplan.profile.build_stage`), and wraps each in a ``PipelineStage``;
+3. runs the torch schedule class the plan names, with the plan's micro-batch size and count,
+   for ``steps`` iterations with an optimizer, on synthetic batches (or the model's own batch
+   factory);
+4. times every step (after a barrier, so all ranks start together), the compute actions
+   (forward, backward, weight-gradient chunks), and the peak memory;
+5. gathers every rank's numbers on every rank and writes them to ``out_dir/ranks.json`` (the
+   first local process of each node writes it).
+
+A rank that raises writes ``out_dir/error-rank<R>.json`` (its rank, the exception and the
+traceback) before it exits non-zero; torchrun then ends the other ranks and the launcher turns
+the file into a one-line message.
+
+The config is passed as a single positional path, never as options: torchrun accepts
+abbreviations of its own options, so a script option such as ``--run`` is taken for
+``--run-path``.
+
+Test hook: the environment variable ``PIPEPLAN_RUN_FAULT=<rank>:<kind>`` makes that rank fail on
+purpose at its first step: ``raise`` (an exception), ``exit`` (``os._exit(3)``, a crash without
+a Python traceback), or ``hang`` (sleeps until the others time out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["main", "run_rank", "RESULT_FILE", "error_file"]
+
+#: The file, in ``out_dir``, with every rank's results (a JSON list, by rank).
+RESULT_FILE = "ranks.json"
+
+
+def error_file(out_dir: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` records why it failed."""
+    return Path(out_dir) / f"error-rank{rank}.json"
+
+
+def _read_status_bytes(field: str) -> Optional[int]:
+    """``VmRSS`` / ``VmHWM`` of this process from ``/proc/self/status``, in bytes (Linux)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (``VmHWM``); Linux >= 4.0."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class _Timer:
+    """Sums the wall time of a stage's compute calls, per kind, for the current step."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.torch = torch
+        self.ms = {"forward": 0.0, "backward": 0.0, "weight": 0.0}
+        self._pending: list[tuple[str, Any, Any]] = []
+
+    def wrap(self, kind: str, func: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.cuda:
+                start = self.torch.cuda.Event(enable_timing=True)
+                end = self.torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = func(*args, **kwargs)
+                end.record()
+                self._pending.append((kind, start, end))
+                return out
+            started = time.perf_counter()
+            out = func(*args, **kwargs)
+            self.ms[kind] += (time.perf_counter() - started) * 1000.0
+            return out
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """This step's totals (after the step: CUDA events are read here), then reset."""
+        if self._pending:
+            self.torch.cuda.synchronize(self.device)
+            for kind, start, end in self._pending:
+                self.ms[kind] += start.elapsed_time(end)
+            self._pending.clear()
+        out = dict(self.ms)
+        self.ms = {k: 0.0 for k in self.ms}
+        return out
+
+
+def _fault(rank: int) -> Optional[str]:
+    spec = os.environ.get("PIPEPLAN_RUN_FAULT", "")
+    if not spec or ":" not in spec:
+        return None
+    who, kind = spec.split(":", 1)
+    return kind if who.strip() == str(rank) else None
+
+
+def _default_loss(output: Any, target: Any) -> Any:
+    # A model without a loss still needs a scalar to drive backward: mean of squares.
+    return output.float().pow(2).mean()
+
+
+def run_rank(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run this process's pipeline rank of each plan in turn; return its measurements.
+
+    Parameters
+    ----------
+    config : dict
+        Written by :func:`pipeplan.run.launch.worker_config`: ``plans`` (plans as dicts, all
+        with the same number of ranks, run one after the other in one process group), ``model``,
+        ``model_options``, ``unit_patterns``, ``seq_len``, ``dtype``, ``steps``, ``threads``,
+        ``seed``, ``lr``, ``device``, ``timeout_s``, ``out_dir``, ``dump_grads``.
+
+    Returns
+    -------
+    list of dict
+        Per plan, this rank's numbers: per-step wall times, compute times, losses (last stage),
+        memory.
+    """
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from pipeplan.formats.plan import Plan
+
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    threads = config.get("threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+
+    device_name = config.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_name == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    timeout = timedelta(seconds=float(config.get("timeout_s") or 60))
+    init_kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
+    if device.type == "cuda":
+        init_kwargs["device_id"] = device
+    dist.init_process_group(**init_kwargs)
+
+    plans = [Plan.model_validate(p) for p in config["plans"]]
+    return [_run_one(index, plan, config, rank, world_size, device, backend)
+            for index, plan in enumerate(plans)]
+
+
+def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, world_size: int, device: Any,
+             backend: str) -> dict[str, Any]:
+    """Build this rank's stages of ``plan``, run its steps, return the measurements."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from pipeplan.plan.schedules import TORCH_SCHEDULE_CLASS
+    from pipeplan.profile import build_stage, load_bundle, make_microbatch
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    num_ranks = 1 + max(stage.rank for stage in plan.stages)
+    if world_size != num_ranks:
+        raise RuntimeError(
+            f"the plan has {num_ranks} ranks but torchrun started {world_size} processes; "
+            f"start one process per pipeline rank"
+        )
+    stages_here = sorted((s for s in plan.stages if s.rank == rank), key=lambda s: s.index)
+    num_stages = len(plan.stages)
+    fault = _fault(rank)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    peak_reset = _reset_peak_rss()
+    baseline_rss_bytes = _read_status_bytes("VmRSS")
+
+    model = config["model"]
+    options = dict(config.get("model_options") or {})
+    seed = int(config.get("seed", 0))
+    dtype = config.get("dtype") or "fp32"
+    modules = []
+    for stage in stages_here:
+        modules.append(build_stage(model, stage.layers, seed=seed, device=device, dtype=dtype,
+                                   unit_patterns=config.get("unit_patterns"), **options))
+    pipeline_stages = [
+        PipelineStage(module, stage.index, num_stages, device)
+        for module, stage in zip(modules, stages_here)
+    ]
+    timer = _Timer(device)
+    for ps in pipeline_stages:
+        ps.forward_one_chunk = timer.wrap("forward", ps.forward_one_chunk)
+        ps.backward_one_chunk = timer.wrap("backward", ps.backward_one_chunk)
+        ps.backward_weight_one_chunk = timer.wrap("weight", ps.backward_weight_one_chunk)
+
+    # Batches: only the ranks holding the first stage (inputs) or the last (targets) need them,
+    # but every rank loads the factory (built-ins: without weights).
+    bundle_options = dict(options)
+    bundle = load_bundle(model, seed=seed, device=device, dtype=dtype,
+                         materialise=[], **bundle_options) if ":" not in model else \
+        load_bundle(model, seed=seed, device=device, dtype=dtype, **bundle_options)
+    loss = bundle.loss_fn or _default_loss
+    loss_ms = [0.0]
+
+    def timed_loss(output: Any, target: Any) -> Any:
+        started = time.perf_counter()
+        value = loss(output, target)
+        loss_ms[0] += (time.perf_counter() - started) * 1000.0
+        return value
+
+    class_name = TORCH_SCHEDULE_CLASS[plan.schedule]
+    schedule_class = getattr(torch_schedules, class_name)
+    m = plan.num_microbatches
+    if plan.schedule in ("gpipe", "1f1b"):
+        if len(pipeline_stages) != 1:
+            raise RuntimeError(
+                f"schedule {plan.schedule} runs one stage per rank; rank {rank} has "
+                f"{len(pipeline_stages)} stages in the plan"
+            )
+        schedule = schedule_class(pipeline_stages[0], m, loss_fn=timed_loss)
+    else:
+        schedule = schedule_class(pipeline_stages, m, loss_fn=timed_loss)
+
+    params = [p for module in modules for p in module.parameters()]
+    optimizer_name = plan.settings.optimizer
+    lr = float(config.get("lr", 1e-3))
+    if optimizer_name == "adam":
+        optimizer = torch.optim.Adam(params, lr=lr)
+    elif optimizer_name == "sgd":
+        optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9)
+    else:
+        optimizer = None
+
+    has_first = any(s.index == 0 for s in stages_here)
+    has_last = any(s.index == num_stages - 1 for s in stages_here)
+    batch_size = plan.microbatch_size * m
+    seq_len = config.get("seq_len")
+
+    step_ms, pipeline_ms, compute, losses = [], [], [], []
+    steps = int(config["steps"])
+    for step in range(steps):
+        inputs: tuple = ()
+        target = None
+        if has_first or has_last:
+            if bundle.config.get("family") is None:
+                torch.manual_seed(seed + 1 + step)
+            inputs, target = make_microbatch(bundle, batch_size, seq_len, seed=seed + 1 + step,
+                                             device=device, dtype=dtype)
+        if fault is not None and step == 0:
+            if fault == "raise":
+                raise RuntimeError(f"fault injected on rank {rank} (PIPEPLAN_RUN_FAULT)")
+            if fault == "exit":
+                os._exit(3)
+            if fault == "hang":
+                time.sleep(3600)
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        step_losses: list = []
+        kwargs: dict[str, Any] = {}
+        if has_last:
+            kwargs = {"target": target, "losses": step_losses}
+        if has_first:
+            schedule.step(*inputs, **kwargs)
+        else:
+            schedule.step(**kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        pipeline_done = time.perf_counter()
+        if step == steps - 1 and config.get("dump_grads"):
+            grads = {name: p.grad.detach().cpu().clone() for module in modules
+                     for name, p in module.named_parameters() if p.grad is not None}
+            torch.save(grads, Path(config["out_dir"]) / f"grads-plan{plan_index}-rank{rank}.pt")
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            for p in params:
+                p.grad = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        finished = time.perf_counter()
+        step_ms.append((finished - started) * 1000.0)
+        pipeline_ms.append((pipeline_done - started) * 1000.0)
+        times = timer.take()
+        times["loss"] = loss_ms[0]
+        loss_ms[0] = 0.0
+        compute.append(times)
+        if has_last:
+            losses.append(float(torch.stack([x.detach().float() for x in step_losses]).mean()))
+
+    if device.type == "cuda":
+        peak_bytes = int(torch.cuda.max_memory_allocated(device))
+        memory_method = "torch.cuda.max_memory_allocated"
+    else:
+        hwm = _read_status_bytes("VmHWM")
+        peak_bytes = (hwm - baseline_rss_bytes) if (hwm and baseline_rss_bytes and peak_reset) else None
+        memory_method = "peak RSS (VmHWM) minus RSS before the stages were built"
+    return {
+        "rank": rank,
+        "host": os.uname().nodename,
+        "local_rank": local_rank,
+        "stages": [s.index for s in stages_here],
+        "device": str(device),
+        "backend": backend,
+        "threads": torch.get_num_threads(),
+        "step_ms": step_ms,
+        "pipeline_ms": pipeline_ms,
+        "compute_ms": compute,
+        "losses": losses,
+        "peak_memory_bytes": peak_bytes,
+        "memory_method": memory_method,
+        "baseline_rss_bytes": baseline_rss_bytes,
+        "param_count": sum(p.numel() for p in params),
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of one rank; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m pipeplan.run.worker CONFIG.json (started by pipeplan run)", file=sys.stderr)
+        return 2
+    config = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    rank = int(os.environ.get("RANK", "-1"))
+    out_dir = Path(config["out_dir"])
+    try:
+        result = run_rank(config)
+        import torch.distributed as dist
+
+        gathered: list = [None] * dist.get_world_size()  # per rank, a list over plans
+        dist.all_gather_object(gathered, result)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            from pipeplan.formats.io import write_text_atomic
+
+            write_text_atomic(out_dir / RESULT_FILE, json.dumps(gathered, indent=1) + "\n")
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - record any failure for the launcher, then exit
+        if isinstance(exc, SystemExit) and not exc.code:
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        record = {
+            "rank": rank,
+            "host": os.uname().nodename,
+            "time": time.time(),
+            "type": type(exc).__name__,
+            "message": first,
+            "traceback": traceback.format_exc(),
+        }
+        try:
+            from pipeplan.formats.io import write_text_atomic
+
+            write_text_atomic(error_file(out_dir, rank), json.dumps(record, indent=1) + "\n")
+        except OSError:
+            pass
+        print(f"pipeplan run: rank {rank} failed: {type(exc).__name__}: {first}", file=sys.stderr, flush=True)
+        # Skip interpreter teardown: a process group with pending peers can block in its destructor.
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,7 +9,14 @@ See docs/cost-model.md for the derivation and what is left out.
 
 from __future__ import annotations
 
-__all__ = ["BYTES_PER_PARAMETER", "static_bytes_per_param_byte", "in_flight_microbatches"]
+from functools import lru_cache
+
+__all__ = [
+    "BYTES_PER_PARAMETER",
+    "static_bytes_per_param_byte",
+    "in_flight_microbatches",
+    "stage_in_flight",
+]
 
 #: Bytes of training state per parameter. Adam with 16-bit weights: 2 (weights) + 2 (grads)
 #: + 4 (fp32 master) + 4 + 4 (moments) = 16; in fp32 it is 4 + 4 + 4 + 4 = 16 too.
@@ -50,3 +57,54 @@ def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int
     if schedule == "gpipe":
         return (num_microbatches,) * num_stages
     return tuple(min(num_microbatches, num_stages - s) for s in range(num_stages))
+
+
+@lru_cache(maxsize=512)
+def stage_in_flight(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """Per stage, the most micro-batches whose activations it holds at once under ``schedule``.
+
+    Read off the action order that torch runs (:func:`pipeplan.plan.schedules.rank_actions`):
+    a forward adds one micro-batch, the action that frees it (the whole backward, or the
+    weight gradient where the backward is split) removes one. It depends on the order only,
+    not on the stage times, so the simulator reports the same counts for any costs.
+
+    Parameters
+    ----------
+    schedule : str
+        One of :data:`pipeplan.plan.schedules.SCHEDULES`.
+    num_ranks, num_microbatches, virtual_stages : int
+        ``p``, ``m`` and ``v``; there are ``p * v`` stages.
+
+    Returns
+    -------
+    tuple of int
+        One count per stage, in pipeline order.
+
+    Raises
+    ------
+    BadInputError
+        If the schedule refuses ``(p, m, v)``.
+
+    Examples
+    --------
+    >>> stage_in_flight("1f1b", 4, 8)
+    (4, 3, 2, 1)
+    >>> stage_in_flight("zb", 4, 8)  # ZB-H1: later ranks delay their weight gradients
+    (4, 4, 4, 4)
+
+    Notes
+    -----
+    O(p m v), cached per ``(schedule, p, m, v)``.
+    """
+    from pipeplan.plan.schedules import rank_actions
+
+    held = [0] * (num_ranks * virtual_stages)
+    peak = [0] * (num_ranks * virtual_stages)
+    for actions in rank_actions(schedule, num_ranks, num_microbatches, virtual_stages):
+        for action in actions:
+            if action.kind == "F":
+                held[action.stage] += 1
+                peak[action.stage] = max(peak[action.stage], held[action.stage])
+            elif action.kind in ("FULL_B", "W"):
+                held[action.stage] -= 1
+    return tuple(peak)

@@ -281,6 +281,65 @@ def schema(
         typer.echo(text, nl=False)
 
 
+@app.command()
+@_handled
+def export(
+    plan_file: Path = typer.Argument(..., metavar="PLAN", help="Plan JSON file.", show_default=False),
+    format: str = typer.Option(..., "--format", "-f", help="torchtitan, megatron, deepspeed or torch.", show_default=False),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="File to write (extra files beside it); default: print."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="The plan's profile: needed by megatron (layer roles), sha256-checked."),
+    schedule_csv: bool = typer.Option(False, "--schedule-csv", help="torchtitan: also write the simulated per-rank action order as a CSV."),
+):
+    """Restate a plan for a launcher: torchtitan TOML, Megatron-LM flags, DeepSpeed parts, torch split points."""
+    from pipeplan.export import run_export
+
+    text, written = run_export(plan_file, format, output=output, profile_path=profile, with_schedule_csv=schedule_csv)
+    if not written:
+        typer.echo(text, nl=False)
+    for path in written:
+        typer.echo(f"wrote {path}")
+
+
+@app.command()
+@_handled
+def check(
+    profiles: Path = typer.Argument(..., metavar="PROFILES", help="Folder of profiles.", show_default=False),
+    baseline: Path = typer.Option(..., "--baseline", help="Folder of baseline plans (<profile name>.plan.json).", show_default=False),
+    tolerance: float = typer.Option(0.02, "--tolerance", help="Largest allowed relative throughput drop (0.02 = 2%)."),
+    memory_cap: Optional[str] = typer.Option(None, "--memory-cap", help="Check against this cap instead of each baseline's, e.g. 40GiB."),
+    format: str = typer.Option("table", "--format", help="table or markdown (for a pull-request comment)."),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="Also write a JUnit XML report here."),
+    update: bool = typer.Option(False, "--update", help="Rewrite the baselines with the re-made plans."),
+):
+    """Re-plan each profile with its baseline's settings; exit 1 on a throughput drop or a cap overrun."""
+    from pipeplan.check.commands import run_check
+
+    report, text = run_check(profiles, baseline, tolerance=tolerance, memory_cap=memory_cap, format=format,
+                             junit_path=junit, update=update)
+    typer.echo(text, nl=False)
+    raise typer.Exit(report.exit_code)
+
+
+@app.command()
+@_handled
+def diff(
+    a: Path = typer.Argument(..., metavar="A", help="Plan or profile JSON.", show_default=False),
+    b: Path = typer.Argument(..., metavar="B", help="Plan or profile JSON (same kind as A).", show_default=False),
+    format: str = typer.Option("table", "--format", help="table or markdown."),
+    settings_from: Optional[Path] = typer.Option(None, "--settings-from", help="Profiles: plan both with this plan file's settings."),
+    stages: Optional[int] = typer.Option(None, "--stages", "-p", help="Profiles: plan both with this many stages."),
+    global_batch: Optional[int] = typer.Option(None, "--global-batch", "-g", help="Profiles: samples per iteration."),
+    memory_cap: Optional[str] = typer.Option(None, "--memory-cap", help="Profiles: per-GPU memory cap, e.g. 80GiB."),
+    schedule: Optional[str] = typer.Option(None, "--schedule", help="Profiles: schedule to plan with."),
+    microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", "-b", help="Profiles: compare costs at this micro-batch size."),
+):
+    """Two plans or two profiles side by side: moved layers, slower or bigger units, effect on the plan."""
+    from pipeplan.check.commands import run_diff
+
+    typer.echo(run_diff(a, b, format=format, settings_from=settings_from, microbatch_size=microbatch_size,
+                        stages=stages, global_batch=global_batch, memory_cap=memory_cap, schedule=schedule), nl=False)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -47,3 +47,18 @@ def test_bad_input_exits_2_and_leaves_no_file(tmp_path, args, message):
     assert result.exit_code == 2, result.output
     assert message in result.output.replace("\n", " ")
     assert not out.exists()
+
+
+def test_interrupt_leaves_no_file_and_keeps_an_old_one(tmp_path, monkeypatch):
+    import pipeplan.profile.api as api
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "profile_model", interrupted)
+    out = tmp_path / "p.json"
+    result = _invoke(["profile", "gpt2-tiny", *FAST, "-o", str(out)])
+    assert result.exit_code == 130 and not out.exists()
+    out.write_text("old")
+    _invoke(["profile", "gpt2-tiny", *FAST, "-o", str(out)])
+    assert out.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["p.json"]

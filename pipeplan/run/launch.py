@@ -211,40 +211,84 @@ def _terminate_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         pass
 
 
+#: Errors a rank raises because a peer went away or stopped answering: consequences, not causes.
+_SECONDARY = ("connection closed by peer", "timed out", "timeout", "connection reset", "broken pipe",
+              "distnetworkerror", "socket closed")
+
+
+def _is_secondary(error: dict[str, Any]) -> bool:
+    text = f"{error.get('type', '')} {error.get('message', '')}".lower()
+    return any(marker in text for marker in _SECONDARY)
+
+
+def _root_cause(tail: Sequence[str]) -> Optional[tuple[int, Optional[int]]]:
+    """torchrun's "Root Cause (first observed failure)": (rank, exit code or -signal)."""
+    text = "\n".join(tail)
+    index = text.rfind("Root Cause")
+    section = text[index:] if index >= 0 else text
+    rank = re.search(r"rank\s*:\s*(\d+)", section)
+    if rank is None:
+        return None
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", section)
+    return int(rank.group(1)), (int(code.group(1)) if code else None)
+
+
+def _exit_text(code: Optional[int]) -> str:
+    if code is None:
+        return "an unknown exit status"
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"{name}" + (" (killed: out of host memory?)" if -code == signal.SIGKILL else "")
+
+
 def _failure_message(out_dir: Path, tail: Sequence[str], returncode: Optional[int],
-                     timed_out: Optional[float]) -> str:
+                     timed_out: Optional[float], num_ranks: int) -> str:
+    """One line naming the rank that failed first and why."""
     errors = []
     for path in sorted(out_dir.glob("error-rank*.json")):
         try:
             errors.append(json.loads(path.read_text(encoding="utf-8")))
         except (OSError, ValueError):
             continue
+    errors.sort(key=lambda e: e.get("time", 0))
+    reported = {e["rank"] for e in errors}
+    primary = [e for e in errors if not _is_secondary(e)]
+    root = _root_cause(tail)
+
+    def describe(error: dict[str, Any]) -> str:
+        return f"{error['type']}: {error['message'].split('. This is typically')[0]}"
+
+    if primary:
+        first = primary[0]
+        message = f"rank {first['rank']} failed: {describe(first)}"
+        others = sorted(reported - {first["rank"]})
+        if others:
+            message += f" (then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped too)"
+    elif root is not None and root[0] not in reported:
+        message = f"rank {root[0]} died without an error report ({_exit_text(root[1])}); see its output above"
+        if errors:
+            message += f"; rank {errors[0]['rank']} then failed: {describe(errors[0])}"
+    elif errors:
+        silent = sorted(set(range(num_ranks)) - reported)
+        first = errors[0]
+        if silent:
+            message = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped answering "
+                       f"(hung or stuck); rank {first['rank']} gave up waiting: {describe(first)}")
+        else:
+            message = f"rank {first['rank']} failed: {describe(first)}"
+    elif root is not None:
+        message = f"rank {root[0]} died without an error report ({_exit_text(root[1])}); see its output above"
+    else:
+        last = next((line for line in reversed(tail) if line.strip()), "")
+        message = f"torchrun exited with code {returncode}: {last.strip()}"
     if timed_out is not None:
         head = f"the job ran past --job-timeout {timed_out:g} s and was stopped"
-        if errors:
-            first = min(errors, key=lambda e: e.get("time", 0))
-            head += f"; rank {first['rank']} had failed: {first['type']}: {first['message']}"
-        return head
-    if errors:
-        # The first rank to fail is the cause; others usually fail on its closed connection.
-        errors.sort(key=lambda e: e.get("time", 0))
-        first = errors[0]
-        message = f"rank {first['rank']} failed: {first['type']}: {first['message']}"
-        others = sorted({e["rank"] for e in errors[1:]})
-        if others:
-            message += f" (then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)"
-        return message
-    text = "\n".join(tail)
-    ranks = re.findall(r"rank\s*:\s*(\d+)", text)
-    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)
-    if ranks:
-        code = int(codes[0]) if codes else None
-        cause = f"exit code {code}" if code is not None and code >= 0 else (
-            f"signal {signal.Signals(-code).name}" if code is not None and -code in signal.valid_signals()
-            else "an unknown cause")
-        return f"rank {ranks[0]} died without an error report ({cause}); see its output above"
-    last = next((line for line in reversed(tail) if line.strip()), "")
-    return f"torchrun exited with code {returncode}: {last.strip()}"
+        return head if not (errors or root) else f"{head}; {message}"
+    return message
 
 
 def run_plan(plan: Any, **kwargs: Any) -> dict[str, Any]:
@@ -319,8 +363,8 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
     work_dir : path, optional
         Where the config and per-rank files go; default a temporary folder, removed afterwards.
     dump_grads : bool
-        Save each rank's gradients after the last step (``grads-plan<I>-rank<R>.pt`` in
-        ``work_dir``).
+        Save each rank's gradients after the first step, before the optimizer
+        (``grads-plan<I>-rank<R>.pt`` in ``work_dir``).
     echo : bool
         Copy torchrun's output to stderr as it comes.
     env : dict, optional
@@ -413,7 +457,7 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
         result_path = out_dir / "ranks.json"
         if timed_out is not None or proc.returncode != 0 or not result_path.exists():
             raise RunFailedError(
-                "run: " + _failure_message(out_dir, list(tail), proc.returncode, timed_out)
+                "run: " + _failure_message(out_dir, list(tail), proc.returncode, timed_out, num_ranks)
             )
         gathered = json.loads(result_path.read_text(encoding="utf-8"))  # [rank][plan]
         return [build_report(

@@ -295,7 +295,7 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         pipeline_done = time.perf_counter()
-        if step == steps - 1 and config.get("dump_grads"):
+        if step == 0 and config.get("dump_grads"):
             grads = {name: p.grad.detach().cpu().clone() for module in modules
                      for name, p in module.named_parameters() if p.grad is not None}
             torch.save(grads, Path(config["out_dir"]) / f"grads-plan{plan_index}-rank{rank}.pt")

@@ -121,9 +121,6 @@ def test_check_reports_infeasible_as_failure(repo):
     assert "-" in render_check(report, "table")
 
 
-@pytest.mark.xfail(raises=IndexError, strict=False,
-                   reason="planner: partition.py's chain feasibility search raises IndexError instead of "
-                          "InfeasibleError under a tiny cap (reported to the lead)")
 def test_check_reports_infeasible_with_the_real_planner(repo):
     report = check_profiles(repo, repo / "baselines", memory_cap_bytes=1000)
     check = report.checks[0]

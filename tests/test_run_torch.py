@@ -1,0 +1,168 @@
+"""``pipeplan run`` on real torchrun jobs (CPU, gloo): every schedule, exactness, failures, two nodes.
+
+Each torchrun job costs seconds of start-up, so one job runs every schedule (the worker runs a
+list of plans in one process group), and each job uses a model of a few thousand parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pipeplan.formats.plan import SCHEDULES  # noqa: E402
+from pipeplan.formats.profile import Profile  # noqa: E402
+from pipeplan.run import RunFailedError, balanced_plan, run_plan, run_plans  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+TINY = {"hidden": 32, "heads": 2, "vocab": 64}
+SEQ_LEN = 8
+
+
+def _names(layers: int) -> list[str]:
+    return ["embed", *[f"blocks.{i}" for i in range(layers)], "norm", "head"]
+
+
+def _profile(layers: int) -> Profile:
+    """An analytic profile with the built-in GPT-2's unit names (the split only needs names)."""
+    return Profile.model_validate({
+        "schema_version": 1, "model": "gpt2-tiny", "source": "analytic", "device": {"name": "cpu"},
+        "dtype": "fp32", "sequence_length": SEQ_LEN,
+        "layers": [{"name": name, "param_bytes": 4096, "costs": [
+            {"microbatch_size": b, "forward_ms": 1.0 * b, "backward_ms": 2.0 * b,
+             "backward_input_ms": 1.0 * b, "backward_weight_ms": 1.0 * b,
+             "activation_bytes": 1024 * b, "output_bytes": 1024 * b} for b in (1, 2)]}
+            for name in _names(layers)],
+    })
+
+
+def _every_schedule(layers: int, ranks: int, microbatch_size: int, num_microbatches: int):
+    profile = _profile(layers)
+    return [balanced_plan(profile, schedule=s, ranks=ranks, microbatch_size=microbatch_size,
+                          num_microbatches=num_microbatches) for s in SCHEDULES]
+
+
+def _reference(layers: int, microbatch_size: int, num_microbatches: int):
+    """Loss and gradients of one single-process step on the batch the ranks use at step 0."""
+    from pipeplan.profile import build_model, load_bundle, loss_fn, make_microbatch
+
+    options = {**TINY, "layers": layers}
+    model = build_model("gpt2-tiny", seed=0, **options)
+    bundle = load_bundle("gpt2-tiny", materialise=[], **options)
+    (tokens,), target = make_microbatch(bundle, microbatch_size * num_microbatches, SEQ_LEN, seed=1)
+    pairs = zip(tokens.tensor_split(num_microbatches), target.tensor_split(num_microbatches))
+    loss = sum(loss_fn(model(x), y) for x, y in pairs) / num_microbatches
+    loss.backward()
+    return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
+
+
+def _check_exact(work: Path, index: int, report: dict, ranks: int, loss: float, grads: dict) -> None:
+    assert report["loss"][0] == pytest.approx(loss, rel=1e-5), report["schedule"]
+    seen = {}
+    for rank in range(ranks):
+        seen.update(torch.load(work / f"grads-plan{index}-rank{rank}.pt"))
+    assert sorted(seen) == sorted(grads), report["schedule"]
+    for name, grad in grads.items():
+        torch.testing.assert_close(seen[name], grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{report['schedule']} {name}: {m}")
+
+
+def _no_process_mentions(text: str) -> list[str]:
+    """Command lines of live processes that mention ``text`` (orphaned ranks)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.parametrize("ranks, layers, microbatch_size, num_microbatches", [
+    (2, 2, 2, 4),   # 2 ranks, 4 stages for the 2-stage-per-rank schedules (5 units)
+    (4, 6, 1, 8),   # 4 ranks, 8 stages for those (9 units); dualpipev needs m >= 8
+])
+def test_every_schedule_equals_a_single_process_step(tmp_path, ranks, layers, microbatch_size,
+                                                     num_microbatches):
+    plans = _every_schedule(layers, ranks, microbatch_size, num_microbatches)
+    reports = run_plans(plans, model="gpt2-tiny", model_options={**TINY, "layers": layers}, seq_len=SEQ_LEN,
+                        steps=2, work_dir=tmp_path, dump_grads=True, echo=False, timeout_s=60)
+    loss, grads = _reference(layers, microbatch_size, num_microbatches)
+    assert [r["schedule"] for r in reports] == list(SCHEDULES)
+    for index, report in enumerate(reports):
+        assert report["num_ranks"] == ranks and len(report["loss"]) == 2
+        assert all(row["busy_ms"] > 0 and row["pipeline_ms"] >= row["busy_ms"] * 0.5 for row in report["ranks"])
+        _check_exact(tmp_path, index, report, ranks, loss, grads)
+    assert _no_process_mentions(str(tmp_path)) == []
+
+
+def _two_rank_plan():
+    return balanced_plan(_profile(2), schedule="1f1b", ranks=2, microbatch_size=1, num_microbatches=2)
+
+
+@pytest.mark.parametrize("fault, expected", [
+    ("bad-name", "rank 1 failed: BadInputError: unit 'no_such_unit' is not in 'gpt2-tiny'"),
+    pytest.param("1:exit", "rank 1 died without an error report (exit code 3)", marks=pytest.mark.slow),
+])
+def test_a_failing_rank_ends_the_job_naming_it(tmp_path, fault, expected):
+    plan = _two_rank_plan()
+    env = {}
+    if fault == "bad-name":
+        plan.stages[1].layers[0] = "no_such_unit"
+    else:
+        env["PIPEPLAN_RUN_FAULT"] = fault
+    with pytest.raises(RunFailedError, match=expected.replace("(", r"\(").replace(")", r"\)")) as info:
+        run_plan(plan, model="gpt2-tiny", model_options={**TINY, "layers": 2}, seq_len=SEQ_LEN, steps=2,
+                 work_dir=tmp_path, echo=False, env=env, timeout_s=30, job_timeout_s=120)
+    assert info.value.exit_code != 0
+    assert _no_process_mentions(str(tmp_path)) == []
+
+
+@pytest.mark.slow
+def test_a_hung_rank_is_named_after_the_timeout(tmp_path):
+    with pytest.raises(RunFailedError, match=r"rank 1 stopped answering \(hung or stuck\)"):
+        run_plan(_two_rank_plan(), model="gpt2-tiny", model_options={**TINY, "layers": 2}, seq_len=SEQ_LEN,
+                 steps=2, work_dir=tmp_path, echo=False, env={"PIPEPLAN_RUN_FAULT": "1:hang"},
+                 timeout_s=5, job_timeout_s=120)
+    assert _no_process_mentions(str(tmp_path)) == []
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_rendezvous(tmp_path):
+    plan = _two_rank_plan()
+    endpoint = f"127.0.0.1:{_free_port()}"
+    out: dict = {}
+
+    def node(k: int) -> None:
+        try:
+            out[k] = run_plan(plan, model="gpt2-tiny", model_options={**TINY, "layers": 2}, seq_len=SEQ_LEN,
+                              steps=2, nnodes=2, node_rank=k, rdzv_endpoint=endpoint, rdzv_id="test",
+                              work_dir=tmp_path / f"node{k}", echo=False, job_timeout_s=120)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            out[k] = exc
+
+    threads = [threading.Thread(target=node, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k in (0, 1):
+        assert isinstance(out[k], dict), out[k]
+        assert [row["rank"] for row in out[k]["ranks"]] == [0, 1]
+    assert out[0]["loss"] == out[1]["loss"]

@@ -268,3 +268,57 @@ def test_shipped_baselines_pass():
     for check in report.checks:
         assert check.throughput_change == pytest.approx(0.0, abs=1e-9)
         assert not check.profile_changed
+
+
+def _copy_with_one_baseline(tmp_path, baseline):
+    import shutil
+
+    target = tmp_path / "profiles"
+    shutil.copytree(REPO_PROFILES, target)
+    for other in (target / "baselines").glob("*.json"):
+        if other.name != baseline.name:
+            other.unlink()
+    return target
+
+
+@pytest.mark.skipif(not _shipped_baselines(), reason="no baselines shipped in profiles/baselines/")
+def test_shipped_baselines_fail_when_one_unit_is_20_percent_slower(tmp_path):
+    """In a tmp copy, the heaviest unit of each baseline's bottleneck stage gets 20% slower."""
+    from pipeplan.check.regress import find_profile
+
+    failed = []
+    for index, baseline in enumerate(_shipped_baselines()):
+        repo = _copy_with_one_baseline(tmp_path / str(index), baseline)
+        plan = load_plan(baseline)
+        profile_path = find_profile(repo / "baselines" / baseline.name, plan, repo)
+        unit = _slowest_unit_of_bottleneck(plan, load_profile(profile_path))
+
+        def slower(data):
+            for layer in data["layers"]:
+                if layer["name"] == unit:
+                    for cost in layer["costs"]:
+                        for key in ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms"):
+                            if cost.get(key) is not None:
+                                cost[key] *= 1.2
+
+        _edit_profile(profile_path, slower)
+        report = check_profiles(repo, repo / "baselines")
+        check = report.checks[0]
+        assert check.profile_changed and check.throughput_change < 0
+        assert report.exit_code == (1 if check.throughput_change < -0.02 else 0)
+        if report.exit_code:
+            failed.append(baseline.name)
+            assert "predicted throughput fell" in render_check(report, "markdown")
+    assert failed, "no shipped baseline lost more than 2% from one unit 20% slower"
+
+
+@pytest.mark.skipif(not _shipped_baselines(), reason="no baselines shipped in profiles/baselines/")
+def test_shipped_baselines_fail_under_a_cap_below_their_peak(tmp_path):
+    from pipeplan.check.regress import rank_peaks
+
+    for index, baseline in enumerate(_shipped_baselines()):
+        repo = _copy_with_one_baseline(tmp_path / str(index), baseline)
+        peak = max(rank_peaks(load_plan(baseline)).values())
+        report = check_profiles(repo, repo / "baselines", memory_cap_bytes=peak - 1)
+        assert report.exit_code == 1
+        assert any("committed baseline: rank" in f.message for f in report.checks[0].findings)

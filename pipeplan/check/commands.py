@@ -73,9 +73,9 @@ def run_check(
 
 
 def _render_table(report: CheckReport) -> str:
-    from pipeplan.check.report import _render_rich, check_renderables
+    from pipeplan.check.report import check_renderables, render_rich
 
-    return _render_rich(check_renderables(report), width=_width())
+    return render_rich(check_renderables(report), width=_width())
 
 
 def run_diff(
@@ -105,7 +105,7 @@ def run_diff(
     -------
     str
     """
-    from pipeplan.check.report import _render_rich, diff_renderables
+    from pipeplan.check.report import diff_renderables, render_rich
     from pipeplan.quantities import parse_bytes
 
     _check_format(format)
@@ -116,4 +116,4 @@ def run_diff(
     diff = diff_files(path_a, path_b, settings=plan_settings, microbatch_size=microbatch_size)
     if format == "markdown":
         return render_diff(diff, "markdown")
-    return _render_rich(diff_renderables(diff), width=_width())
+    return render_rich(diff_renderables(diff), width=_width())

@@ -15,7 +15,7 @@ from pipeplan.check.diff import PlanDiff, ProfileDiff
 from pipeplan.check.regress import BaselineCheck, CheckReport, moved_layers, rank_peaks
 from pipeplan.quantities import format_bytes
 
-__all__ = ["FORMATS", "check_renderables", "render_check", "check_junit", "diff_renderables", "render_diff"]
+__all__ = ["FORMATS", "render_rich", "check_renderables", "render_check", "check_junit", "diff_renderables", "render_diff"]
 
 #: Output formats of ``check`` and ``diff``.
 FORMATS = ("table", "markdown")
@@ -93,7 +93,8 @@ def check_renderables(report: CheckReport) -> list:
     return out
 
 
-def _render_rich(renderables: Iterable, width: int = 160) -> str:
+def render_rich(renderables: Iterable, width: int = 160) -> str:
+    """Rich objects as plain text (no colour codes), ``width`` characters wide."""
     from rich.console import Console
 
     buffer = io.StringIO()
@@ -122,7 +123,7 @@ def render_check(report: CheckReport, format: str = "table") -> str:
         For another format (the CLI checks it first).
     """
     if format == "table":
-        return _render_rich(check_renderables(report))
+        return render_rich(check_renderables(report))
     if format != "markdown":
         raise ValueError(f"format {format!r} is not one of {FORMATS}")
     lines = [f"### {_summary(report)}", ""]
@@ -274,7 +275,7 @@ def diff_renderables(diff) -> list:
 def render_diff(diff, format: str = "table") -> str:
     """A diff as plain text (``table``) or Markdown (``markdown``)."""
     if format == "table":
-        return _render_rich(diff_renderables(diff))
+        return render_rich(diff_renderables(diff))
     if format != "markdown":
         raise ValueError(f"format {format!r} is not one of {FORMATS}")
     lines: list[str] = []

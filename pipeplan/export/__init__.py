@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeplan.errors import BadInputError
-from pipeplan.export.common import check_profile_matches
+from pipeplan.export.common import TORCH_SCHEDULE_NAME, check_profile_matches
 from pipeplan.export.deepspeed import export_deepspeed
 from pipeplan.export.megatron import export_megatron
 from pipeplan.export.torch_pipelining import export_torch
@@ -76,8 +76,6 @@ def export_plan(
         check_profile_matches(plan, profile, profile_sha256)
     suffix = FORMATS[format]
     if format == "torchtitan":
-        from pipeplan.export.common import TORCH_SCHEDULE_NAME
-
         csv = with_schedule_csv or plan.schedule not in TORCH_SCHEDULE_NAME
         files = {suffix: export_torchtitan(plan, schedule_csv_path=stem + _CSV_SUFFIX if csv else None)}
         if csv:

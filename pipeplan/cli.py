@@ -340,6 +340,65 @@ def diff(
                         stages=stages, global_batch=global_batch, memory_cap=memory_cap, schedule=schedule), nl=False)
 
 
+@app.command()
+@_handled
+def run(
+    plan_file: Path = typer.Argument(..., metavar="PLAN", help="Plan JSON file.", show_default=False),
+    model: Optional[str] = typer.Option(None, "--model", help="Built-in (gpt2-tiny, ...) or module:callable; default: the profile's."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="The profile the plan was made from (model size, units, dtype, seq-len; adds the simulator's prediction)."),
+    steps: int = typer.Option(20, "--steps", help="Training iterations; the first is a warm-up the report leaves out."),
+    threads: int = typer.Option(1, "--threads", help="torch threads per rank on CPU."),
+    report: Optional[Path] = typer.Option(None, "--report", help="Run report JSON to write (for pipeplan calibrate)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (default: the profile's, else 128)."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Blocks of a built-in, without --profile (default: read from the plan)."),
+    hidden: Optional[int] = typer.Option(None, "--hidden", help="Hidden size of a built-in, without --profile."),
+    heads: Optional[int] = typer.Option(None, "--heads", help="Attention heads of a built-in, without --profile."),
+    vocab: Optional[int] = typer.Option(None, "--vocab", help="Vocabulary of a built-in LM, without --profile."),
+    seed: int = typer.Option(0, "--seed", help="Weight and batch seed."),
+    lr: float = typer.Option(1e-3, "--lr", help="Learning rate of the plan's optimizer."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu (gloo) or cuda (NCCL); default: cuda when available."),
+    nnodes: int = typer.Option(1, "--nnodes", help="Nodes; run the same command on each."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's index (several nodes)."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous (several nodes)."),
+    rdzv_id: str = typer.Option("pipeplan", "--rdzv-id", help="Job id, the same on every node."),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Ranks on this node (default: ranks / nodes)."),
+    timeout: float = typer.Option(45.0, "--timeout", help="Seconds a rank waits for a peer before the job fails."),
+    job_timeout: float = typer.Option(3600.0, "--job-timeout", help="Wall-clock limit of the whole job, seconds."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the ranks' output."),
+):
+    """Run a plan with torch.distributed.pipelining under torchrun; report measured vs predicted."""
+    from pipeplan.run import report_table, run_plan_file
+
+    result = run_plan_file(
+        plan_file, report_path=report, profile_path=profile, model=model, steps=steps, threads=threads,
+        seq_len=seq_len, model_options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab},
+        seed=seed, lr=lr, device=device, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id, nproc_per_node=nproc_per_node, timeout_s=timeout, job_timeout_s=job_timeout,
+        echo=not quiet,
+    )
+    _console().print(report_table(result))
+    for note in result.get("notes", []):
+        typer.echo(f"note: {note}")
+    if report:
+        typer.echo(f"wrote {report}")
+
+
+@app.command()
+@_handled
+def calibrate(
+    plan_file: Path = typer.Argument(..., metavar="PLAN", help="The plan that was run.", show_default=False),
+    report_file: Path = typer.Argument(..., metavar="REPORT", help="Its run report (pipeplan run --report).", show_default=False),
+    output: Path = typer.Option(..., "-o", "--output", help="Calibrated profile JSON to write.", show_default=False),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Profile to scale (default: the one the report names)."),
+):
+    """Scale a profile's per-layer times by what a run measured, so the next plan uses real numbers."""
+    from pipeplan.run.calibrate import calibrate_files, calibration_table
+
+    _, factors = calibrate_files(plan_file, report_file, output, profile_path=profile)
+    _console().print(calibration_table(factors))
+    typer.echo(f"wrote {output}")
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

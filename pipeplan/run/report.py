@@ -19,6 +19,8 @@ Definitions (all times are medians over the steps after the first, a warm-up):
 - ``busy_ms``: time inside the rank's compute calls: forward, backward (input and, where not
   split, weight gradients), weight-gradient and loss; ``idle_ms = pipeline_ms - busy_ms``
   (bubble, waiting for transfers, the schedule's own overhead).
+- ``cpu_share`` (CPU only): CPU time over wall time inside the compute calls; below 1 the rank
+  shared its core with other work and its times are inflated by that much.
 - ``peak_memory_bytes``: CUDA, ``max_memory_allocated``; CPU, the growth of the resident set
   from before the stages were built to its peak (it includes the allocator's slack).
 """
@@ -108,6 +110,10 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
         loss = _median([c.get("loss", 0.0) for c in compute])
         busy = _median([c["forward"] + c["backward"] + c["weight"] + c.get("loss", 0.0) for c in compute])
         pipeline = _median([r["pipeline_ms"][i] for i in timed])
+        compute_walls = [c["forward"] + c["backward"] + c["weight"] for c in compute]
+        cpu_share = None
+        if compute and all("cpu" in c for c in compute) and sum(compute_walls) > 0:
+            cpu_share = sum(c["cpu"] for c in compute) / sum(compute_walls)
         summary = predicted_rank.get(r["rank"])
         stages = [stage_by_index[i] for i in r["stages"]]
         if summary is not None:
@@ -136,6 +142,7 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             "predicted_peak_memory_bytes": predicted_peak,
             "memory_ratio": _ratio(r.get("peak_memory_bytes"), predicted_peak),
             "memory_method": r.get("memory_method"),
+            "cpu_share": _r(cpu_share, 3),
             "device": r.get("device"),
             "backend": r.get("backend"),
             "host": r.get("host"),
@@ -182,6 +189,13 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
     }
     if simulation is not None:
         report["simulated_ratio"] = _ratio(iteration_ms, simulation.iteration_ms)
+    shares = [row["cpu_share"] for row in ranks if row.get("cpu_share") is not None]
+    if shares and min(shares) < 0.9:
+        report["notes"].append(
+            f"the ranks' compute got {min(shares):.0%}-{max(shares):.0%} of a core (CPU time / wall time "
+            f"inside forward and backward): other work shared the cores, so measured times are inflated; "
+            f"rerun on a quiet machine before reading the ratio as an error of the cost model"
+        )
     if profile_path is not None:
         report["profile_path"] = profile_path
     return report
@@ -207,7 +221,7 @@ def report_table(report: dict[str, Any]) -> Any:
              f"{report['microbatch_size']}")
     table = Table(title=title)
     for column in ("rank", "stages", "step ms", "busy ms", "predicted busy", "busy ratio",
-                   "idle ms", "peak memory", "predicted memory"):
+                   "idle ms", "core share", "peak memory", "predicted memory"):
         table.add_column(column, justify="left" if column == "stages" else "right")
     for row in report["ranks"]:
         peak = row.get("peak_memory_bytes")
@@ -219,13 +233,14 @@ def report_table(report: dict[str, Any]) -> Any:
             _ms(row["predicted_busy_ms"]),
             _x(row["busy_ratio"]),
             _ms(row["idle_ms"]),
+            "-" if row.get("cpu_share") is None else f"{row['cpu_share']:.0%}",
             "-" if peak is None else format_bytes(peak),
             format_bytes(row["predicted_peak_memory_bytes"]),
         )
     simulated = predicted.get("simulated_iteration_ms")
     table.add_row(
         "all", "", _ms(measured["iteration_ms"]), "", _ms(predicted["iteration_ms"]),
-        _x(report["ratio"]), "", "", "", end_section=True,
+        _x(report["ratio"]), "", "", "", "", end_section=True,
     )
     loss = report.get("loss") or []
     run = report.get("run", {})

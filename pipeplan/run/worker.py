@@ -81,6 +81,9 @@ class _Timer:
         self.device = device
         self.torch = torch
         self.ms = {"forward": 0.0, "backward": 0.0, "weight": 0.0}
+        # CPU time of this thread inside the same calls: on CPU with one torch thread, the share
+        # cpu / wall tells whether the rank had its core (1.0) or shared it with other work.
+        self.cpu_ms = 0.0
         self._pending: list[tuple[str, Any, Any]] = []
 
     def wrap(self, kind: str, func: Any) -> Any:
@@ -93,9 +96,10 @@ class _Timer:
                 end.record()
                 self._pending.append((kind, start, end))
                 return out
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             out = func(*args, **kwargs)
             self.ms[kind] += (time.perf_counter() - started) * 1000.0
+            self.cpu_ms += (time.thread_time() - cpu_started) * 1000.0
             return out
 
         return timed
@@ -108,7 +112,10 @@ class _Timer:
                 self.ms[kind] += start.elapsed_time(end)
             self._pending.clear()
         out = dict(self.ms)
+        if not self.cuda:
+            out["cpu"] = self.cpu_ms
         self.ms = {k: 0.0 for k in self.ms}
+        self.cpu_ms = 0.0
         return out
 
 

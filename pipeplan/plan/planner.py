@@ -1,18 +1,49 @@
 """The planner: profile and settings in, the fastest plan that fits out.
 
-For each candidate micro-batch size it builds the layer graph, solves the partition problem
-exactly (chain DP for chains; ILP, seeded with the best split along the topological order, for
-DAGs; the ideal-lattice DP on request), predicts the iteration, and keeps the fastest feasible.
+For every configuration in the search space (schedule, stages per rank ``v``, micro-batch
+size, which stages recompute their activations) it splits the layer graph into ``p * v``
+stages with the exact partitioners of :mod:`pipeplan.plan.partition`, then simulates the
+schedule with :func:`pipeplan.plan.simulate.simulate`. The simulator is the single source of
+truth: the plan's predicted time, bubble, per-rank busy and idle time and per-rank peak
+memory are the simulation's, and a configuration whose simulated per-rank peak exceeds the
+memory cap is never returned.
+
+Search
+------
+- ``--schedule auto`` tries every schedule of :data:`pipeplan.formats.plan.SCHEDULES` with
+  every ``v`` it accepts (:func:`pipeplan.plan.schedules.valid_virtual_stages`) where the
+  schedule's class accepts ``(p, m, v)``; a named schedule fixes it, ``--virtual-stages``
+  fixes ``v``.
+- Micro-batch sizes: every profiled size that divides the global batch (or the fixed one).
+- Recomputation (``--recompute auto``): stages are ranked by the micro-batches they hold in
+  flight (the early stages first); the candidates are prefixes of that ranking: none, the
+  fewest stages that make the split fit the cap, a few more while that still shortens the
+  slowest stage, and the fewest with which no rank can exceed the cap (see below).
+- Each configuration is simulated once (``O(p m v)``, up to ~80 ms at 16 ranks), not once
+  per candidate split: the partitioner picks the split, the simulator checks it.
+- Branch and bound: a rank cannot finish sooner than its own work, so ``m`` times its
+  per-micro-batch compute bounds the iteration from below; configurations are simulated in
+  the order of that bound, and those whose bound exceeds the best simulated time so far are
+  skipped (listed among the alternatives with the bound).
+
+Memory with ``v > 1``
+---------------------
+The partitioners constrain each stage; a rank holds ``v`` stages whose peaks need not
+coincide. The split is first solved with the whole cap per stage and checked by simulation;
+when a rank goes over, the per-stage cap shrinks in proportion (three tries), and finally to
+``cap / v``, at which the sum of the rank's stage peaks (an upper bound of its peak) fits.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.plan import (
+    SCHEDULES,
+    Alternative,
     Plan,
     PlanProfileRef,
     PlanSettings,
@@ -20,15 +51,13 @@ from pipeplan.formats.plan import (
     Predicted,
     RankSummary,
     SolverInfo,
-    Alternative,
 )
-from pipeplan.plan.cost import estimate_iteration
 from pipeplan.plan.graph import build_layer_graph
-from pipeplan.plan.memory import in_flight_microbatches, static_bytes_per_param_byte
+from pipeplan.plan.memory import static_bytes_per_param_byte, stage_in_flight
 from pipeplan.plan.partition import (
+    IDEALS_DP_MAX_IDEALS,
     Partition,
     PartitionProblem,
-    IDEALS_DP_MAX_IDEALS,
     count_ideals,
     fits_along_order,
     partition_along_orders,
@@ -36,12 +65,36 @@ from pipeplan.plan.partition import (
     partition_ideals,
     stage_memory_bytes,
 )
+from pipeplan.plan.schedules import check_schedule, stage_ranks, valid_virtual_stages
+from pipeplan.plan.simulate import Simulation, StageCost, simulate
 from pipeplan.quantities import format_bytes
 
-__all__ = ["make_plan", "solve_partition", "candidate_microbatch_sizes", "plan_from_partition", "PLANNER_SCHEDULES"]
+__all__ = [
+    "make_plan",
+    "solve_partition",
+    "candidate_microbatch_sizes",
+    "plan_from_partition",
+    "stage_costs",
+    "PLANNER_SCHEDULES",
+    "SPLIT_BACKWARD_SCHEDULES",
+]
 
-#: Schedules this planner predicts with the closed-form model (the simulator adds the rest).
-PLANNER_SCHEDULES = ("1f1b", "gpipe")
+#: Schedules the planner can plan (all of them; ``auto`` searches these, in this order of
+#: preference on ties).
+PLANNER_SCHEDULES = SCHEDULES
+
+#: Schedules that run the input and weight gradients as separate actions, so their
+#: prediction depends on the profile's B/W split.
+SPLIT_BACKWARD_SCHEDULES = ("zb", "zbv", "dualpipev")
+
+#: Beyond this many layers the recompute candidates are not searched: the chain DP that
+#: models recomputation is quadratic in the layers (the bisection solver does not model it).
+RECOMPUTE_SEARCH_MAX_LAYERS = 2000
+
+#: Most runners-up recorded in a plan.
+MAX_ALTERNATIVES = 24
+
+_TOLERANCE = 1e-9
 
 
 def candidate_microbatch_sizes(profile, settings: PlanSettings) -> list[int]:
@@ -72,18 +125,21 @@ def candidate_microbatch_sizes(profile, settings: PlanSettings) -> list[int]:
     return chosen
 
 
-def _problem(profile, graph, settings: PlanSettings, schedule: str, num_microbatches: int, memory_cap_bytes=None, num_stages=None):
-    p = num_stages or settings.stages
-    cap = settings.memory_cap_bytes if memory_cap_bytes is None else memory_cap_bytes
+def _cap(settings: PlanSettings) -> float:
+    return math.inf if settings.memory_cap_bytes is None else float(settings.memory_cap_bytes)
+
+
+def _problem(profile, graph, settings: PlanSettings, in_flight, recompute=(), memory_cap_bytes=None):
     return PartitionProblem(
         graph=graph,
-        num_stages=p,
-        in_flight=in_flight_microbatches(schedule, p, num_microbatches),
+        num_stages=len(in_flight),
+        in_flight=tuple(in_flight),
+        recompute=tuple(recompute),
         bandwidth_bytes_per_s=(
             math.inf if settings.bandwidth_bytes_per_s is None else settings.bandwidth_bytes_per_s
         ),
         static_bytes_per_param_byte=static_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes),
-        memory_cap_bytes=math.inf if cap is None else float(cap),
+        memory_cap_bytes=_cap(settings) if memory_cap_bytes is None else float(memory_cap_bytes),
     )
 
 
@@ -123,20 +179,102 @@ def _solve(problem: PartitionProblem, solver: str) -> Partition:
     return partition_ilp(problem, upper_bound=seed)
 
 
-def _check_schedule(settings: PlanSettings, schedule: str, m: int) -> str | None:
-    if schedule == "1f1b" and m < settings.stages:
-        return (
-            f"1f1b needs at least as many micro-batches as stages ({m} < {settings.stages})"
+def _search_solve(problem: PartitionProblem) -> Partition | None:
+    """The split used while searching: exact for chains, along a few orders for DAGs.
+
+    The winner of a DAG search is solved again exactly (:func:`solve_partition`).
+    """
+    try:
+        if problem.graph.chain:
+            return partition_chain(problem)
+        return partition_along_orders(problem)
+    except InfeasibleError:
+        return None
+
+
+# ----------------------------------------------------------------------------------------
+# From a split to the simulator
+
+
+def stage_costs(problem: PartitionProblem, partition: Partition) -> list[StageCost]:
+    """The simulator's per-stage costs of a split.
+
+    A recomputing stage runs its forward again before its input gradient, keeps only its
+    input per micro-batch in flight, and holds one micro-batch's full activations while it
+    recomputes (counted with its static bytes, as :func:`stage_memory_bytes` does).
+    Bytes are rounded up, so the simulated peak never undercuts the partitioner's model.
+    """
+    g = problem.graph
+    spb = problem.seconds_per_byte_ms
+    out = []
+    last = problem.num_stages - 1
+    for j, layers in enumerate(partition.stages):
+        layers = list(layers)
+        forward = float(g.forward_ms[layers].sum())
+        b_input = float(g.backward_input_ms[layers].sum())
+        b_weight = float(g.backward_weight_ms[layers].sum())
+        static = math.ceil(problem.static_bytes_per_param_byte * float(g.param_bytes[layers].sum()))
+        activations = math.ceil(float(g.activation_bytes[layers].sum()))
+        in_bytes = partition.boundary_bytes[j - 1] if j > 0 else 0
+        if problem.recompute[j]:
+            b_input += forward
+            static += activations
+            activations = int(in_bytes)
+        out.append(
+            StageCost(
+                forward_ms=forward,
+                backward_input_ms=b_input,
+                backward_weight_ms=b_weight,
+                send_ms=partition.boundary_bytes[j] * spb if j < last else 0.0,
+                static_memory_bytes=int(static),
+                activation_bytes=int(activations),
+            )
         )
-    return None
+    return out
+
+
+def _busy_lower_bound_ms(costs: list[StageCost], placement: list[int], num_microbatches: int) -> float:
+    """No iteration is shorter than its busiest rank's compute, nor than one micro-batch's trip."""
+    busy = [0.0] * (max(placement) + 1)
+    trip = 0.0
+    for cost, rank in zip(costs, placement):
+        busy[rank] += cost.forward_ms + cost.backward_ms
+        trip += cost.forward_ms + cost.backward_input_ms
+    return max(num_microbatches * max(busy), trip)
+
+
+def _rank_bound_bytes(problem: PartitionProblem, partition: Partition, placement: list[int]) -> float:
+    """Sum of each rank's stage peaks: an upper bound of the rank's simulated peak."""
+    per_rank = [0.0] * (max(placement) + 1)
+    for j, layers in enumerate(partition.stages):
+        in_b = partition.boundary_bytes[j - 1] if j > 0 else 0
+        per_rank[placement[j]] += stage_memory_bytes(problem, j, layers, in_b)
+    return max(per_rank)
 
 
 def plan_from_partition(profile, settings, graph, problem, partition: Partition, schedule: str,
                         microbatch_size: int, num_microbatches: int, profile_sha256: str,
-                        seconds: float, alternatives=(), notes=()) -> Plan:
-    """Assemble the plan file's model from a solved partition."""
+                        seconds: float, alternatives=(), notes=(), *, virtual_stages: int = 1,
+                        simulation: Simulation | None = None) -> Plan:
+    """Assemble the plan file's model from a solved partition and its simulation.
+
+    Parameters
+    ----------
+    simulation : Simulation, optional
+        The split's simulation under ``schedule``; simulated here when absent.
+
+    Notes
+    -----
+    Predicted time, bubble, per-rank busy/idle time and per-rank peak memory come from the
+    simulation; per-stage peaks are the partitioner's model (static plus in-flight
+    activations), whose sum over a rank bounds the rank's simulated peak.
+    """
+    p = settings.stages
+    if simulation is None:
+        simulation = simulate(stage_costs(problem, partition), schedule, p, num_microbatches, virtual_stages)
+    sim = simulation
     spb = problem.seconds_per_byte_ms
-    stages, compute, transfer = [], [], []
+    stages = []
     for j, layers in enumerate(partition.stages):
         layers = list(layers)
         in_b = partition.boundary_bytes[j - 1] if j > 0 else 0
@@ -145,56 +283,53 @@ def plan_from_partition(profile, settings, graph, problem, partition: Partition,
         backward = float(graph.backward_ms[layers].sum())
         if problem.recompute[j]:
             backward += forward
-        stage_transfer = (in_b + out_b) * spb
-        compute.append(forward + backward)
-        transfer.append(stage_transfer)
         stages.append(
             PlanStage(
                 index=j,
-                rank=j,
+                rank=sim.stage_ranks[j],
                 layers=[graph.names[v] for v in layers],
                 forward_ms=round(forward, 6),
                 backward_ms=round(backward, 6),
-                transfer_ms=round(stage_transfer, 6),
+                transfer_ms=round((in_b + out_b) * spb, 6),
                 send_bytes=int(out_b),
                 param_bytes=int(graph.param_bytes[layers].sum()),
                 activation_bytes=int(graph.activation_bytes[layers].sum()),
                 in_flight=problem.in_flight[j],
                 recompute=bool(problem.recompute[j]),
-                peak_memory_bytes=int(stage_memory_bytes(problem, j, layers, in_b)),
+                peak_memory_bytes=int(math.ceil(stage_memory_bytes(problem, j, layers, in_b))),
             )
         )
-    estimate = estimate_iteration(compute, transfer, num_microbatches)
-    samples = settings.global_batch * 1000.0 / estimate.iteration_ms if estimate.iteration_ms > 0 else 0.0
-    ranks = []
-    for stage, c, t in zip(stages, compute, transfer):
-        busy = num_microbatches * (c + t)
-        ranks.append(
-            RankSummary(
-                rank=stage.rank,
-                stages=[stage.index],
-                busy_ms=round(busy, 6),
-                idle_ms=round(estimate.iteration_ms - busy, 6),
-                peak_memory_bytes=stage.peak_memory_bytes,
-            )
+    times = partition.stage_times_ms
+    bottleneck = max(range(len(times)), key=lambda s: (times[s], -s))
+    iteration = sim.iteration_ms
+    samples = settings.global_batch * 1000.0 / iteration if iteration > 0 else 0.0
+    ranks = [
+        RankSummary(
+            rank=r,
+            stages=[s for s, owner in enumerate(sim.stage_ranks) if owner == r],
+            busy_ms=round(sim.rank_busy_ms[r], 6),
+            idle_ms=round(sim.rank_idle_ms[r], 6),
+            peak_memory_bytes=int(sim.rank_peak_memory_bytes[r]),
         )
+        for r in range(p)
+    ]
     return Plan(
         schema_version=1,
         profile=PlanProfileRef(model=profile.model, sha256=profile_sha256),
         settings=settings,
         schedule=schedule,
-        virtual_stages=1,
+        virtual_stages=virtual_stages,
         microbatch_size=microbatch_size,
         num_microbatches=num_microbatches,
         stages=stages,
         predicted=Predicted(
-            iteration_ms=round(estimate.iteration_ms, 6),
-            bubble_fraction=round(estimate.bubble_fraction, 6),
+            iteration_ms=round(iteration, 6),
+            bubble_fraction=round(sim.bubble_fraction, 6),
             samples_per_second=round(samples, 6),
-            bottleneck_stage=estimate.bottleneck_stage,
-            compute_ms=round(estimate.compute_ms, 6),
-            bubble_ms=round(estimate.bubble_ms, 6),
-            transfer_ms=round(estimate.transfer_ms, 6),
+            bottleneck_stage=bottleneck,
+            compute_ms=round(sim.compute_ms, 6),
+            bubble_ms=round(sim.bubble_ms, 6),
+            transfer_ms=round(sim.transfer_ms, 6),
         ),
         ranks=ranks,
         alternatives=list(alternatives),
@@ -204,90 +339,215 @@ def plan_from_partition(profile, settings, graph, problem, partition: Partition,
     )
 
 
+# ----------------------------------------------------------------------------------------
+# The search
+
+
 @dataclass
 class _Candidate:
+    """One configuration: schedule, v, micro-batch size and recompute set, with its split."""
+
     schedule: str
+    virtual_stages: int
     microbatch_size: int
     num_microbatches: int
-    graph: object
-    problem: PartitionProblem
-    partition: Partition | None
-    iteration_ms: float | None
-    reason: str | None
-    seconds: float
+    recompute: tuple[bool, ...]
+    problem: PartitionProblem | None = None
+    partition: Partition | None = None
+    lower_bound_ms: float = math.inf
+    simulation: Simulation | None = None
+    status: str = "new"
+    """new, fits, over (simulated over the cap), nosplit (no split fits), pruned, refused."""
+    over_bytes: int = 0
+    reason: str = ""
+    seconds: float = 0.0
+    order: int = 0
+
+    @property
+    def recompute_count(self) -> int:
+        return sum(self.recompute)
+
+    @property
+    def iteration_ms(self) -> float:
+        return self.simulation.iteration_ms if self.simulation is not None else math.inf
+
+    def label(self) -> str:
+        return (f"{self.schedule} v={self.virtual_stages} micro-batch {self.microbatch_size} "
+                f"recompute {_recompute_text(self.recompute)}")
 
 
-def _smallest_fitting_cap(profile, settings, schedule, sizes) -> tuple[float, int] | None:
-    """Bisection on the cap with the along-order feasibility test: (cap, micro-batch size)."""
-    best = None
-    for b in sizes:
-        m = settings.global_batch // b
-        if _check_schedule(settings, schedule, m):
-            continue
-        graph = build_layer_graph(profile, b)
-        hi = None
-        probe = 1.0
-        while probe < 1e16:
-            if fits_along_order(_problem(profile, graph, settings, schedule, m, memory_cap_bytes=probe)):
-                hi = probe
-                break
-            probe *= 2
-        if hi is None:
-            continue
-        lo = hi / 2
-        while hi - lo > hi * 1e-4:
-            mid = (lo + hi) / 2
-            if fits_along_order(_problem(profile, graph, settings, schedule, m, memory_cap_bytes=mid)):
+def _recompute_text(recompute) -> str:
+    chosen = [j for j, r in enumerate(recompute) if r]
+    if not chosen:
+        return "none"
+    if len(chosen) == len(recompute):
+        return "all"
+    runs, start = [], chosen[0]
+    for a, b in zip(chosen, chosen[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return "stages " + ",".join(runs)
+
+
+def _schedule_space(settings: PlanSettings, num_layers: int) -> list[tuple[str, int]]:
+    """(schedule, v) pairs to try, in order of preference on ties."""
+    p = settings.stages
+    if settings.schedule == "auto":
+        schedules = PLANNER_SCHEDULES
+    elif settings.schedule in PLANNER_SCHEDULES:
+        schedules = (settings.schedule,)
+    else:
+        raise BadInputError(
+            f"--schedule: {settings.schedule!r} is not a schedule; use auto or one of {', '.join(PLANNER_SCHEDULES)}"
+        )
+    space = []
+    for schedule in schedules:
+        allowed = valid_virtual_stages(schedule)
+        vs = allowed if settings.virtual_stages is None else tuple(v for v in allowed if v == settings.virtual_stages)
+        if not vs and settings.schedule != "auto":
+            raise BadInputError(
+                f"--virtual-stages: {schedule} takes {' or '.join(map(str, allowed))} stages per rank, "
+                f"not {settings.virtual_stages}; use one of those or leave it unset"
+            )
+        for v in vs:
+            if p * v <= num_layers:
+                space.append((schedule, v))
+            elif settings.schedule != "auto" and settings.virtual_stages is not None:
+                raise BadInputError(
+                    f"--virtual-stages: {p} ranks x {v} stages per rank = {p * v} stages but the profile "
+                    f"has only {num_layers} layers; use fewer stages per rank or ranks"
+                )
+    if not space:
+        raise BadInputError(
+            f"--schedule {settings.schedule}: no stages-per-rank value fits {p} ranks and "
+            f"{num_layers} layers (each stage needs a layer); use fewer ranks"
+        )
+    return space
+
+
+def _recompute_order(in_flight: tuple[int, ...]) -> list[int]:
+    """Stages ranked for recomputation: most micro-batches in flight first, then earliest."""
+    return sorted(range(len(in_flight)), key=lambda s: (-in_flight[s], s))
+
+
+def _prefix(order: list[int], k: int, num_stages: int) -> tuple[bool, ...]:
+    chosen = set(order[:k])
+    return tuple(s in chosen for s in range(num_stages))
+
+
+def _recompute_sets(profile, graph, settings, in_flight, placement) -> list[tuple[tuple[bool, ...], Partition | None]]:
+    """The recompute sets worth simulating for one (schedule, v, b), with their splits.
+
+    See the module docstring. Feasibility is taken to be monotone in the prefix length
+    (more recomputation, less memory); the stages that hold one micro-batch come last,
+    where recomputing saves nothing.
+    """
+    num_stages = len(in_flight)
+    none = (False,) * num_stages
+    cap = _cap(settings)
+
+    def solve(recompute):
+        return _search_solve(_problem(profile, graph, settings, in_flight, recompute))
+
+    if settings.recompute == "all":
+        everything = (True,) * num_stages
+        return [(everything, solve(everything))]
+    base = solve(none)
+    if (settings.recompute == "none" or math.isinf(cap)
+            or graph.num_layers > RECOMPUTE_SEARCH_MAX_LAYERS):
+        return [(none, base)]
+    order = _recompute_order(in_flight)
+    problem0 = _problem(profile, graph, settings, in_flight, none)
+    if base is not None:
+        free = _search_solve(_problem(profile, graph, settings, in_flight, none, memory_cap_bytes=math.inf))
+        binding = free is not None and base.bottleneck_ms > free.bottleneck_ms * (1 + _TOLERANCE)
+        if not binding and _rank_bound_bytes(problem0, base, placement) <= cap:
+            return [(none, base)]
+    found: dict[int, Partition | None] = {0: base}
+
+    def at(k):
+        if k not in found:
+            found[k] = solve(_prefix(order, k, num_stages))
+        return found[k]
+
+    def safe(k):
+        part = at(k)
+        if part is None:
+            return False
+        problem = _problem(profile, graph, settings, in_flight, _prefix(order, k, num_stages))
+        return _rank_bound_bytes(problem, part, placement) <= cap
+
+    def smallest(test, lo):
+        # Smallest k in [lo, num_stages] passing ``test``, or None.
+        if not test(num_stages):
+            return None
+        hi = num_stages
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if test(mid):
                 hi = mid
             else:
-                lo = mid
-        if best is None or hi < best[0]:
-            best = (hi, b)
-    return best
+                lo = mid + 1
+        return hi
+
+    keep = [0] if base is not None else []
+    first = smallest(lambda k: at(k) is not None, 1)
+    if first is not None:
+        keep.append(first)
+        k = first
+        # A little more recomputation can buy a better balance; stop once it stops paying.
+        while k + 1 <= num_stages and at(k + 1) is not None and at(k + 1).bottleneck_ms < at(k).bottleneck_ms * (1 - _TOLERANCE):
+            k += 1
+            keep.append(k)
+        sure = smallest(safe, first)
+        if sure is not None:
+            keep.append(sure)
+    if not keep:
+        return [(none, None), ((True,) * num_stages, None)]
+    return [(_prefix(order, k, num_stages), at(k)) for k in sorted(set(keep))]
 
 
-def _smallest_fitting_stages(profile, settings, schedule, sizes) -> int | None:
-    n = len(profile.layers)
-    for p in range(settings.stages + 1, min(n, 8 * settings.stages) + 1):
-        for b in sizes:
-            m = settings.global_batch // b
-            if schedule == "1f1b" and m < p:
-                continue
-            graph = build_layer_graph(profile, b)
-            if fits_along_order(_problem(profile, graph, settings, schedule, m, num_stages=p)):
-                return p
-    return None
+def _evaluate(profile, graph, settings, cand: _Candidate, in_flight) -> None:
+    """Simulate a candidate; for ``v > 1`` shrink the per-stage cap until its ranks fit."""
+    cap = _cap(settings)
+    p, v, m = settings.stages, cand.virtual_stages, cand.num_microbatches
+    share = 1.0
+    for attempt in range(5):
+        sim = simulate(stage_costs(cand.problem, cand.partition), cand.schedule, p, m, v)
+        cand.simulation = sim
+        peak = sim.peak_memory_bytes
+        if peak <= cap:
+            cand.status = "fits"
+            return
+        cand.status = "over"
+        cand.over_bytes = int(peak - cap)
+        rank = sim.rank_peak_memory_bytes.index(peak)
+        cand.reason = (f"over the cap by {format_bytes(peak - cap)}: rank {rank} peaks at "
+                       f"{format_bytes(peak)} (cap {format_bytes(cap)})")
+        if v == 1 or share <= 1.0 / v:
+            return
+        share = max(1.0 / v, share * cap / peak * (1 - 1e-6)) if attempt < 3 else 1.0 / v
+        problem = _problem(profile, graph, settings, in_flight, cand.recompute, memory_cap_bytes=share * cap)
+        partition = _search_solve(problem)
+        if partition is None:
+            return
+        cand.problem, cand.partition = problem, partition
 
 
-def _infeasible_message(profile, settings, schedule, sizes) -> str:
-    cap = settings.memory_cap_bytes
-    head = (
-        f"nothing fits --memory-cap {format_bytes(cap)} with {settings.stages} stages "
-        f"({schedule}, micro-batch sizes {sizes})"
-    )
-    hints = []
-    smallest = _smallest_fitting_cap(profile, settings, schedule, sizes)
-    if smallest is not None:
-        exact = "" if build_layer_graph(profile, smallest[1]).chain else " or less"
-        hints.append(
-            f"a cap of {format_bytes(math.ceil(smallest[0]))}{exact} fits at micro-batch size {smallest[1]}"
-        )
-    more = _smallest_fitting_stages(profile, settings, schedule, sizes)
-    if more is not None:
-        hints.append(f"{more} stages fit under this cap")
-    if not hints:
-        hints.append("no cap fits: a single layer exceeds it; split that layer or use a smaller micro-batch")
-    return head + "; " + "; ".join(hints)
+def _tie_key(cand: _Candidate, space):
+    return (cand.recompute_count, -cand.microbatch_size, space.index((cand.schedule, cand.virtual_stages)))
 
 
 def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
-    """The fastest plan of ``profile`` that fits ``settings``.
+    """The fastest plan of ``profile`` that fits ``settings``, as simulated.
 
     Parameters
     ----------
     profile : Profile
     settings : PlanSettings
-        Stages, global batch, memory cap, optimizer, bandwidth, schedule, solver.
+        Ranks (``stages``), global batch, memory cap, optimizer, bandwidth, schedule
+        (``auto`` searches), stages per rank, recompute (``auto``, ``none``, ``all``), solver.
     profile_sha256 : str
         Recorded in the plan so that ``check`` can tell which profile it came from.
     record_time : bool
@@ -296,78 +556,306 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
     Returns
     -------
     Plan
+        Predicted time, bubble and per-rank memory from the simulator; ``alternatives`` lists
+        the runners-up with why they lost; ``notes`` says why this one won and what was assumed.
 
     Raises
     ------
     BadInputError
-        Settings that contradict the profile (more stages than layers, unprofiled sizes).
+        Settings that contradict the profile (more stages than layers, unprofiled sizes), or
+        a fixed schedule whose class refuses every micro-batch count on offer.
     InfeasibleError
-        Nothing fits the memory cap; the message says the smallest cap or stage count that does.
+        Nothing fits the memory cap; the message says what would (a cap, more ranks, or
+        recomputation).
+
+    Notes
+    -----
+    With a fixed ``1f1b`` or ``gpipe`` and no recomputation the split of each micro-batch size
+    is the exact min-max optimum (the partitioners' model of those schedules' memory is exact).
+    The search solves one partition per (schedule, v, micro-batch size, recompute set) and
+    simulates each at most a few times; see the module docstring.
     """
-    if settings.stages > len(profile.layers):
+    started = time.perf_counter()
+    n = len(profile.layers)
+    if settings.stages > n:
         raise BadInputError(
-            f"--stages: {settings.stages} stages but the profile has only {len(profile.layers)} "
-            f"layers; use at most {len(profile.layers)}"
+            f"--stages: {settings.stages} stages but the profile has only {n} "
+            f"layers; use at most {n}"
         )
-    schedules = PLANNER_SCHEDULES if settings.schedule == "auto" else (settings.schedule,)
-    for schedule in schedules:
-        if schedule not in PLANNER_SCHEDULES:
-            raise BadInputError(
-                f"--schedule: {schedule!r} is not supported by this planner; use one of "
-                f"{', '.join(PLANNER_SCHEDULES)} or auto"
-            )
+    space = _schedule_space(settings, n)
     sizes = candidate_microbatch_sizes(profile, settings)
+    p, cap = settings.stages, _cap(settings)
+    graphs = {b: build_layer_graph(profile, b) for b in sizes}
+
     candidates: list[_Candidate] = []
-    for schedule in schedules:
+    refusals: list[str] = []
+    for schedule, v in space:
         for b in sizes:
             m = settings.global_batch // b
-            graph = build_layer_graph(profile, b)
-            problem = _problem(profile, graph, settings, schedule, m)
-            reason = _check_schedule(settings, schedule, m)
-            partition, iteration, started = None, None, time.perf_counter()
-            if reason is None:
-                try:
-                    partition = solve_partition(problem, settings.solver)
-                except InfeasibleError:
-                    reason = "over the memory cap at every split"
-            if partition is not None:
-                times = partition.stage_times_ms
-                iteration = sum(times) + (m - 1) * max(times)
-            candidates.append(
-                _Candidate(schedule, b, m, graph, problem, partition, iteration, reason,
-                           time.perf_counter() - started)
-            )
-    feasible = [c for c in candidates if c.partition is not None]
-    if not feasible:
-        raise InfeasibleError(_infeasible_message(profile, settings, schedules[0], sizes))
-    # Fastest per sample; ties go to the larger micro-batch (fewer, fuller kernels), then schedule order.
-    feasible.sort(key=lambda c: (c.iteration_ms, -c.microbatch_size, schedules.index(c.schedule)))
-    best = feasible[0]
-    alternatives = []
-    for c in candidates:
-        if c is best:
+            try:
+                check_schedule(schedule, p, m, v)
+            except BadInputError as error:
+                refusals.append(str(error))
+                candidates.append(_Candidate(schedule, v, b, m, (False,) * (p * v), status="refused",
+                                             reason=f"refused: {error}"))
+                continue
+            in_flight = stage_in_flight(schedule, p, m, v)
+            placement = stage_ranks(schedule, p, v)
+            for recompute, partition in _recompute_sets(profile, graphs[b], settings, in_flight, placement):
+                problem = _problem(profile, graphs[b], settings, in_flight, recompute)
+                cand = _Candidate(schedule, v, b, m, recompute, problem, partition)
+                if partition is None:
+                    cand.status = "nosplit"
+                    cand.reason = "over the memory cap at every split"
+                else:
+                    cand.lower_bound_ms = _busy_lower_bound_ms(stage_costs(problem, partition), placement, m)
+                candidates.append(cand)
+    for index, cand in enumerate(candidates):
+        cand.order = index
+    if refusals and all(c.status == "refused" for c in candidates):
+        raise BadInputError(refusals[0] if len(set(refusals)) == 1 else "; ".join(sorted(set(refusals))))
+
+    # Branch and bound on the busy-rank lower bound: simulate in its order.
+    best: _Candidate | None = None
+    pending = sorted((c for c in candidates if c.status == "new"),
+                     key=lambda c: (c.lower_bound_ms, _tie_key(c, space)))
+    for cand in pending:
+        if best is not None and cand.lower_bound_ms > best.iteration_ms:
+            cand.status = "pruned"
             continue
-        if c.partition is None:
-            reason = c.reason
-        else:
-            reason = f"slower: {c.iteration_ms:.3f} ms per iteration vs {best.iteration_ms:.3f} ms"
-        alternatives.append(
-            Alternative(
-                schedule=c.schedule, virtual_stages=1, microbatch_size=c.microbatch_size,
-                recompute="none", iteration_ms=None if c.iteration_ms is None else round(c.iteration_ms, 6),
-                reason=reason,
-            )
-        )
-    alternatives.sort(key=lambda a: (a.iteration_ms is None, a.iteration_ms or 0.0, a.microbatch_size))
+        _evaluate(profile, graphs[cand.microbatch_size], settings, cand,
+                  cand.problem.in_flight)
+        if cand.status == "fits" and (best is None or (cand.iteration_ms, _tie_key(cand, space))
+                                      < (best.iteration_ms, _tie_key(best, space))):
+            best = cand
+    if best is None:
+        raise InfeasibleError(_infeasible_message(profile, settings, space, sizes, candidates))
+
+    graph = graphs[best.microbatch_size]
+    partition, simulation, problem = best.partition, best.simulation, best.problem
     notes = []
-    if not best.graph.chain:
+    if not graph.chain or settings.solver == "ilp":
+        # The search split DAGs along a few orders; solve the winner exactly.
+        try:
+            exact = solve_partition(problem, settings.solver)
+        except InfeasibleError:
+            exact = None
+        if exact is not None:
+            exact_sim = simulate(stage_costs(problem, exact), best.schedule, p, best.num_microbatches,
+                                 best.virtual_stages)
+            if exact_sim.peak_memory_bytes <= cap:
+                partition, simulation = exact, exact_sim
+            else:
+                notes.append("the exact split goes over the cap on some rank when simulated; "
+                             "kept the best split along the layer orders")
+    notes.extend(_explain(best, simulation, candidates, settings, space, graph, profile))
+    alternatives = _alternatives(best, simulation, candidates)
+    seconds = time.perf_counter() - started if record_time else 0.0
+    return plan_from_partition(
+        profile, settings, graph, problem, partition, best.schedule,
+        best.microbatch_size, best.num_microbatches, profile_sha256, seconds, alternatives, notes,
+        virtual_stages=best.virtual_stages, simulation=simulation,
+    )
+
+
+def _explain(best: _Candidate, sim: Simulation, candidates, settings, space, graph, profile) -> list[str]:
+    notes = []
+    cap = _cap(settings)
+    evaluated = [c for c in candidates if c.status in ("fits", "over")]
+    fitting = [c for c in evaluated if c.status == "fits"]
+    chosen = (f"{best.schedule}, {best.virtual_stages} stage(s) per rank, micro-batch size "
+              f"{best.microbatch_size} ({best.num_microbatches} micro-batches), recompute "
+              f"{_recompute_text(best.recompute)}")
+    if len(space) > 1 or len(candidates) > 1:
+        runner = min((c for c in fitting if c is not best),
+                     key=lambda c: (c.iteration_ms, _tie_key(c, space)), default=None)
+        text = (f"chose {chosen}: the fastest of {len(fitting)} simulated configurations that fit "
+                f"({len(candidates)} considered)")
+        if runner is not None:
+            gap = runner.iteration_ms - sim.iteration_ms
+            text += (f"; the runner-up ({runner.label()}) is {gap:.3f} ms "
+                     f"({100 * gap / sim.iteration_ms:.1f}%) slower")
+        notes.append(text)
+    else:
+        notes.append(f"chose {chosen}")
+    if best.recompute_count:
+        same = [c for c in candidates if (c.schedule, c.virtual_stages, c.microbatch_size)
+                == (best.schedule, best.virtual_stages, best.microbatch_size) and not c.recompute_count]
+        why = "without it this configuration does not fit the cap"
+        if same and same[0].status == "over":
+            why = f"without it this configuration is {same[0].reason}"
+        elif same and same[0].status == "fits":
+            why = (f"it allows a better-balanced split: without it this configuration takes "
+                   f"{same[0].iteration_ms:.3f} ms")
+        elif best.virtual_stages == 1 and not math.isinf(cap) and graph.chain:
+            need = _smallest_cap_without_recompute(profile, graph, settings, best.problem.in_flight)
+            if need is not None:
+                why = (f"without it no split fits: the smallest per-rank peak is "
+                       f"{format_bytes(need)}, over the {format_bytes(cap)} cap")
+        notes.append(
+            f"recomputation on {_recompute_text(best.recompute)} (they keep only their input per "
+            f"micro-batch in flight and run the forward again before the backward): {why}"
+        )
+    if best.schedule in SPLIT_BACKWARD_SCHEDULES and not graph.backward_split_measured:
+        notes.append(
+            f"{best.schedule} runs input and weight gradients apart, but the profile lacks "
+            f"backward_input_ms/backward_weight_ms: the split was estimated as half of backward_ms "
+            f"each, so the prediction depends on that estimate"
+        )
+    if not graph.chain:
         notes.append(
             "branchy layer graph: stages are ideals of the DAG; a boundary sends every tensor crossing it"
         )
     if profile.source == "imported":
         notes.append("imported profile: activation_bytes approximated by each layer's output size")
-    seconds = sum(c.seconds for c in candidates) if record_time else 0.0
-    return plan_from_partition(
-        profile, settings, best.graph, best.problem, best.partition, best.schedule,
-        best.microbatch_size, best.num_microbatches, profile_sha256, seconds, alternatives, notes,
+    notes.append("time and per-rank memory predicted by the event simulator of the schedule "
+                 "(docs/schedules.md, docs/cost-model.md)")
+    return notes
+
+
+def _alternatives(best: _Candidate, sim: Simulation, candidates) -> list[Alternative]:
+    """Runners-up ranked: simulated and fitting by time, then pruned by bound, then over the cap."""
+    rank = {"fits": 0, "pruned": 1, "over": 2, "nosplit": 3, "refused": 4}
+    others = [c for c in candidates if c is not best]
+    others.sort(key=lambda c: (
+        rank[c.status],
+        c.iteration_ms if c.status == "fits" else (c.lower_bound_ms if c.status == "pruned" else c.over_bytes),
+        c.order,
+    ))
+    out = []
+    for c in others[:MAX_ALTERNATIVES]:
+        iteration = None
+        peak = None
+        if c.status == "fits":
+            gap = c.iteration_ms - sim.iteration_ms
+            reason = f"slower by {gap:.3f} ms ({100 * gap / sim.iteration_ms:.1f}%)"
+            iteration, peak = c.iteration_ms, c.simulation.peak_memory_bytes
+        elif c.status == "pruned":
+            gap = c.lower_bound_ms - sim.iteration_ms
+            reason = (f"slower by at least {gap:.3f} ms: its busiest rank alone needs "
+                      f"{c.lower_bound_ms:.3f} ms (not simulated)")
+        elif c.status == "over":
+            reason = c.reason
+            iteration, peak = c.iteration_ms, c.simulation.peak_memory_bytes
+        else:
+            reason = c.reason
+        out.append(Alternative(
+            schedule=c.schedule, virtual_stages=c.virtual_stages, microbatch_size=c.microbatch_size,
+            recompute=_recompute_text(c.recompute),
+            iteration_ms=None if iteration is None else round(iteration, 6),
+            peak_memory_bytes=peak, reason=reason,
+        ))
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# What would fit
+
+
+def _smallest_cap_without_recompute(profile, graph, settings, in_flight) -> float | None:
+    """Bisection on the cap with the along-order feasibility test (exact for chains)."""
+    def fits(cap):
+        return fits_along_order(_problem(profile, graph, settings, in_flight, memory_cap_bytes=cap))
+
+    hi = 1.0
+    while not fits(hi):
+        hi *= 2
+        if hi > 1e18:
+            return None
+    lo = hi / 2
+    while hi - lo > hi * 1e-4:
+        mid = (lo + hi) / 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _smallest_cap_with_recompute(profile, graph, settings, in_flight) -> float | None:
+    """Bisection on the cap with every stage recomputing (chains only)."""
+    recompute = (True,) * len(in_flight)
+
+    def fits(cap):
+        return _search_solve(_problem(profile, graph, settings, in_flight, recompute, memory_cap_bytes=cap)) is not None
+
+    if not graph.chain or graph.num_layers > RECOMPUTE_SEARCH_MAX_LAYERS:
+        return None
+    hi = 1.0
+    while not fits(hi):
+        hi *= 2
+        if hi > 1e18:
+            return None
+    lo = hi / 2
+    while hi - lo > hi * 1e-3:
+        mid = (lo + hi) / 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _smallest_fitting_stages(profile, settings, sizes) -> int | None:
+    n = len(profile.layers)
+    for p in range(settings.stages + 1, min(n, 8 * settings.stages) + 1):
+        for b in sizes:
+            m = settings.global_batch // b
+            schedule = "1f1b" if m >= p else "gpipe"
+            graph = build_layer_graph(profile, b)
+            in_flight = stage_in_flight(schedule, p, m, 1)
+            if fits_along_order(_problem(profile, graph, settings, in_flight)):
+                return p
+    return None
+
+
+def _infeasible_message(profile, settings, space, sizes, candidates) -> str:
+    cap = _cap(settings)
+    schedules = sorted({s for s, _ in space}, key=PLANNER_SCHEDULES.index)
+    head = (
+        f"nothing fits --memory-cap {format_bytes(cap)} with {settings.stages} ranks "
+        f"(schedules {', '.join(schedules)}; micro-batch sizes {sizes}; recompute {settings.recompute})"
     )
+    over = [c for c in candidates if c.status == "over"]
+    hints = []
+    if over:
+        least = min(over, key=lambda c: (c.over_bytes, c.order))
+        hints.append(f"closest: {least.label()} is {least.reason}")
+    # The smallest caps with the most frugal v = 1 schedule: 1F1B where it runs, else GPipe.
+    best_plain, best_recompute = None, None
+    for b in sizes:
+        m = settings.global_batch // b
+        schedule = "1f1b" if m >= settings.stages else "gpipe"
+        if settings.schedule not in ("auto", schedule):
+            schedule = settings.schedule if settings.schedule in ("1f1b", "gpipe") else schedule
+        try:
+            in_flight = stage_in_flight(schedule, settings.stages, m, 1)
+        except BadInputError:
+            continue
+        graph = build_layer_graph(profile, b)
+        need = _smallest_cap_without_recompute(profile, graph, settings, in_flight)
+        if need is not None and (best_plain is None or need < best_plain[0]):
+            best_plain = (need, b, schedule)
+        if settings.recompute != "none":
+            need = _smallest_cap_with_recompute(profile, graph, settings, in_flight)
+            if need is not None and (best_recompute is None or need < best_recompute[0]):
+                best_recompute = (need, b, schedule)
+    if best_plain is not None:
+        exact = "" if profile.edges is None else " or less"
+        hints.append(
+            f"a cap of {format_bytes(math.ceil(best_plain[0]))}{exact} fits {best_plain[2]} at micro-batch "
+            f"size {best_plain[1]} without recomputation"
+        )
+    if best_recompute is not None:
+        hints.append(
+            f"a cap of {format_bytes(math.ceil(best_recompute[0]))} fits {best_recompute[2]} at micro-batch "
+            f"size {best_recompute[1]} with every stage recomputing"
+        )
+    elif settings.recompute == "none":
+        hints.append("--recompute auto may fit (stages keep only their inputs)")
+    more = _smallest_fitting_stages(profile, settings, sizes)
+    if more is not None:
+        hints.append(f"{more} ranks fit under this cap without recomputation")
+    if not hints:
+        hints.append("no cap fits: a single layer exceeds it; split that layer or use a smaller micro-batch")
+    return head + "; " + "; ".join(hints)

@@ -50,7 +50,7 @@ ILP_RELATIVE_GAP = 1e-7
 
 #: ``--solver auto`` runs the ILP only below this many free binaries (after narrowing): above
 #: it HiGHS' root alone can take minutes (NASNet), and the split along several orders is kept.
-ILP_AUTO_MAX_BINARIES = 600
+ILP_AUTO_MAX_BINARIES = 1000
 #: ... and only on graphs of at most this many layers (NASNet's 900+ stall even when narrowed).
 ILP_AUTO_MAX_LAYERS = 500
 

@@ -21,6 +21,9 @@ Definitions (all times are medians over the steps after the first, a warm-up):
   (bubble, waiting for transfers, the schedule's own overhead).
 - ``cpu_share`` (CPU only): CPU time over wall time inside the compute calls; below 1 the rank
   shared its core with other work and its times are inflated by that much.
+- ``busy_cpu_ms`` (CPU only): the CPU time of the compute calls (forward, backward, weight; not
+  the loss), which other work on the machine does not inflate; ``busy_cpu_ratio`` compares it
+  with the predicted busy time.
 - ``peak_memory_bytes``: CUDA, ``max_memory_allocated``; CPU, the growth of the resident set
   from before the stages were built to its peak (it includes the allocator's slack).
 """
@@ -111,9 +114,10 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
         busy = _median([c["forward"] + c["backward"] + c["weight"] + c.get("loss", 0.0) for c in compute])
         pipeline = _median([r["pipeline_ms"][i] for i in timed])
         compute_walls = [c["forward"] + c["backward"] + c["weight"] for c in compute]
-        cpu_share = None
+        cpu_share = busy_cpu = None
         if compute and all("cpu" in c for c in compute) and sum(compute_walls) > 0:
             cpu_share = sum(c["cpu"] for c in compute) / sum(compute_walls)
+            busy_cpu = _median([c["cpu"] for c in compute])
         summary = predicted_rank.get(r["rank"])
         stages = [stage_by_index[i] for i in r["stages"]]
         if summary is not None:
@@ -143,6 +147,8 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             "memory_ratio": _ratio(r.get("peak_memory_bytes"), predicted_peak),
             "memory_method": r.get("memory_method"),
             "cpu_share": _r(cpu_share, 3),
+            "busy_cpu_ms": _r(busy_cpu),
+            "busy_cpu_ratio": _ratio(busy_cpu, predicted_busy),
             "device": r.get("device"),
             "backend": r.get("backend"),
             "host": r.get("host"),

@@ -41,6 +41,7 @@ __all__ = [
     "partition_along_orders",
     "count_ideals",
     "trivial_lower_bound_ms",
+    "chain_bottleneck_ms",
     "split_fits",
     "DIRECT_DP_MAX_WORK",
     "IDEALS_DP_MAX_IDEALS",
@@ -165,13 +166,21 @@ def evaluate_split(problem: PartitionProblem, stages, method: str = "given", opt
         stage_of[list(layers)] = j
     if (stage_of < 0).any():
         raise ValueError("every layer needs a stage")
-    for u, v in g.graph.edges():
-        if stage_of[u] > stage_of[v]:
-            raise ValueError(f"edge {g.names[u]} -> {g.names[v]} goes to an earlier stage")
-    boundaries = []
-    for j in range(problem.num_stages - 1):
-        mask = stage_of <= j
-        boundaries.append(g.boundary_bytes(mask))
+    if g.chain:
+        # Only the edge out of a stage's last layer crosses its boundary; the planner costs
+        # thousands of splits, so skip the general edge walk.
+        if (np.diff(stage_of) < 0).any():
+            bad = int(np.flatnonzero(np.diff(stage_of) < 0)[0])
+            raise ValueError(f"edge {g.names[bad]} -> {g.names[bad + 1]} goes to an earlier stage")
+        boundaries = [int(g.output_bytes[max(stages[j])]) for j in range(problem.num_stages - 1)]
+    else:
+        for u, v in g.graph.edges():
+            if stage_of[u] > stage_of[v]:
+                raise ValueError(f"edge {g.names[u]} -> {g.names[v]} goes to an earlier stage")
+        boundaries = []
+        for j in range(problem.num_stages - 1):
+            mask = stage_of <= j
+            boundaries.append(g.boundary_bytes(mask))
     times = []
     for j, layers in enumerate(stages):
         in_b = boundaries[j - 1] if j > 0 else 0
@@ -247,7 +256,7 @@ def _chain_stage_matrix(problem, j, compute, forward, params, acts, cut_bytes, r
 _DIRECT_MATRIX_MAX_ENTRIES = 4_000_000
 
 
-def _chain_direct(problem: PartitionProblem, arrays):
+def _chain_direct(problem: PartitionProblem, arrays, bottleneck_only: bool = False):
     """Min-max DP, then a second DP for the most balanced split at that bottleneck.
 
     O(k n^2) time. Up to :data:`_DIRECT_MATRIX_MAX_ENTRIES` it works on whole (start, end)
@@ -283,34 +292,37 @@ def _chain_direct(problem: PartitionProblem, arrays):
             fits_cache[key] = (memory <= cap) & upper
         return fits_cache[key]
 
-    columns = np.arange(n + 1)
-
     def run(limit):
         best = np.full((k, n + 1), inf)
         arg = np.zeros((k, n + 1), dtype=int)
         for j in range(k):
+            # Stage j ends at a cut r in [lo, hi] and starts at a cut l in [j, hi - 1]
+            # (stage 0 starts at 0): only that block of the matrices matters.
             lo, hi = j + 1, n - (k - 1 - j)
             if lo > hi:
                 continue
-            time = times[problem.recompute[j]]
+            first, last = (0, 1) if j == 0 else (j, hi)
+            rows, cols = slice(first, last), slice(lo, hi + 1)
+            time = times[problem.recompute[j]][rows, cols]
             if j == 0:
-                prev = np.full(n + 1, inf)
-                prev[0] = 0.0
+                prev = np.zeros(1)
             else:
-                prev = best[j - 1]
-            ok = fits(j) & np.isfinite(prev)[:, None]
+                prev = best[j - 1, rows]
+            ok = fits(j)[rows, cols] & np.isfinite(prev)[:, None]
             if limit is None:
                 value = np.where(ok, np.maximum(prev[:, None], time), inf)
             else:
                 ok &= time <= limit
                 value = np.where(ok, prev[:, None] + time * time, inf)
             pick = np.argmin(value, axis=0)
-            best[j, lo : hi + 1] = value[pick, columns][lo : hi + 1]
-            arg[j, lo : hi + 1] = pick[lo : hi + 1]
+            best[j, cols] = value[pick, np.arange(hi + 1 - lo)]
+            arg[j, cols] = pick + first
         return best, arg
 
     best, _ = run(None)
     bottleneck = best[k - 1, n]
+    if bottleneck_only:
+        return float(bottleneck)
     if not math.isfinite(bottleneck):
         return None
     best, arg = run(bottleneck * (1 + _TOLERANCE) + 1e-12)
@@ -320,6 +332,24 @@ def _chain_direct(problem: PartitionProblem, arrays):
     cuts.append(0)
     cuts.reverse()
     return [tuple(range(cuts[j], cuts[j + 1])) for j in range(k)]
+
+
+def chain_bottleneck_ms(problem: PartitionProblem) -> float:
+    """The optimal bottleneck along the layer order, without the split (``inf``: nothing fits).
+
+    Half the work of :func:`partition_chain` (no tie-break pass, no split to cost): the
+    planner uses it to test which recompute sets fit.
+
+    Notes
+    -----
+    O(k n^2); for a chain the value is exact, for a DAG an upper bound.
+    """
+    arrays = _chain_arrays(problem)
+    n = problem.graph.num_layers
+    if (n + 1) * (n + 1) > _DIRECT_MATRIX_MAX_ENTRIES:
+        split = _chain_direct_loop(problem, arrays)
+        return math.inf if split is None else evaluate_split(problem, split).bottleneck_ms
+    return _chain_direct(problem, arrays, bottleneck_only=True)
 
 
 def _chain_direct_loop(problem: PartitionProblem, arrays):

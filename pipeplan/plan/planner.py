@@ -53,11 +53,12 @@ from pipeplan.formats.plan import (
     SolverInfo,
 )
 from pipeplan.plan.graph import build_layer_graph
-from pipeplan.plan.memory import static_bytes_per_param_byte, stage_in_flight
+from pipeplan.plan.memory import rank_peak_bytes, static_bytes_per_param_byte, stage_in_flight
 from pipeplan.plan.partition import (
     IDEALS_DP_MAX_IDEALS,
     Partition,
     PartitionProblem,
+    chain_bottleneck_ms,
     count_ideals,
     fits_along_order,
     partition_along_orders,
@@ -234,22 +235,33 @@ def stage_costs(problem: PartitionProblem, partition: Partition) -> list[StageCo
 
 
 def _busy_lower_bound_ms(costs: list[StageCost], placement: list[int], num_microbatches: int) -> float:
-    """No iteration is shorter than its busiest rank's compute, nor than one micro-batch's trip."""
-    busy = [0.0] * (max(placement) + 1)
+    """A lower bound of the simulated iteration.
+
+    Rank ``r`` cannot start before the first micro-batch's forward has reached its first
+    stage, and then has all its own work to do; no iteration is shorter than one
+    micro-batch's trip forward and back either.
+    """
+    ranks = max(placement) + 1
+    busy = [0.0] * ranks
+    first = [None] * ranks
     trip = 0.0
-    for cost, rank in zip(costs, placement):
+    for stage, (cost, rank) in enumerate(zip(costs, placement)):
         busy[rank] += cost.forward_ms + cost.backward_ms
         trip += cost.forward_ms + cost.backward_input_ms
-    return max(num_microbatches * max(busy), trip)
+        if first[rank] is None:
+            first[rank] = stage
+    head = [0.0]
+    for stage, cost in enumerate(costs):
+        crossing = cost.send_ms if stage + 1 < len(costs) and placement[stage + 1] != placement[stage] else 0.0
+        head.append(head[-1] + cost.forward_ms + crossing)
+    return max(trip, max(head[first[r]] + num_microbatches * busy[r] for r in range(ranks)))
 
 
-def _rank_bound_bytes(problem: PartitionProblem, partition: Partition, placement: list[int]) -> float:
-    """Sum of each rank's stage peaks: an upper bound of the rank's simulated peak."""
-    per_rank = [0.0] * (max(placement) + 1)
-    for j, layers in enumerate(partition.stages):
-        in_b = partition.boundary_bytes[j - 1] if j > 0 else 0
-        per_rank[placement[j]] += stage_memory_bytes(problem, j, layers, in_b)
-    return max(per_rank)
+def _rank_peaks(problem: PartitionProblem, partition: Partition, schedule: str, p: int, m: int, v: int):
+    """Exact simulated per-rank peaks of a split (memory depends on the order only)."""
+    costs = stage_costs(problem, partition)
+    return rank_peak_bytes(schedule, p, m, v, [c.static_memory_bytes for c in costs],
+                           [c.activation_bytes for c in costs])
 
 
 def plan_from_partition(profile, settings, graph, problem, partition: Partition, schedule: str,
@@ -359,6 +371,7 @@ class _Candidate:
     status: str = "new"
     """new, fits, over (simulated over the cap), nosplit (no split fits), pruned, refused."""
     over_bytes: int = 0
+    peak_bytes: int | None = None
     reason: str = ""
     seconds: float = 0.0
     order: int = 0
@@ -436,13 +449,15 @@ def _prefix(order: list[int], k: int, num_stages: int) -> tuple[bool, ...]:
     return tuple(s in chosen for s in range(num_stages))
 
 
-def _recompute_sets(profile, graph, settings, in_flight, placement) -> list[tuple[tuple[bool, ...], Partition | None]]:
+def _recompute_sets(profile, graph, settings, schedule, m, v) -> list[tuple[tuple[bool, ...], Partition | None]]:
     """The recompute sets worth simulating for one (schedule, v, b), with their splits.
 
     See the module docstring. Feasibility is taken to be monotone in the prefix length
     (more recomputation, less memory); the stages that hold one micro-batch come last,
     where recomputing saves nothing.
     """
+    p = settings.stages
+    in_flight = stage_in_flight(schedule, p, m, v)
     num_stages = len(in_flight)
     none = (False,) * num_stages
     cap = _cap(settings)
@@ -462,7 +477,7 @@ def _recompute_sets(profile, graph, settings, in_flight, placement) -> list[tupl
     if base is not None:
         free = _search_solve(_problem(profile, graph, settings, in_flight, none, memory_cap_bytes=math.inf))
         binding = free is not None and base.bottleneck_ms > free.bottleneck_ms * (1 + _TOLERANCE)
-        if not binding and _rank_bound_bytes(problem0, base, placement) <= cap:
+        if not binding and max(_rank_peaks(problem0, base, schedule, p, m, v)) <= cap:
             return [(none, base)]
     found: dict[int, Partition | None] = {0: base}
 
@@ -476,7 +491,7 @@ def _recompute_sets(profile, graph, settings, in_flight, placement) -> list[tupl
         if part is None:
             return False
         problem = _problem(profile, graph, settings, in_flight, _prefix(order, k, num_stages))
-        return _rank_bound_bytes(problem, part, placement) <= cap
+        return max(_rank_peaks(problem, part, schedule, p, m, v)) <= cap
 
     def smallest(test, lo):
         # Smallest k in [lo, num_stages] passing ``test``, or None.
@@ -491,8 +506,15 @@ def _recompute_sets(profile, graph, settings, in_flight, placement) -> list[tupl
                 lo = mid + 1
         return hi
 
+    def fits(k):
+        # Feasibility alone: the cheaper bottleneck-only DP for chains.
+        if k in found or not graph.chain:
+            return at(k) is not None
+        return math.isfinite(chain_bottleneck_ms(
+            _problem(profile, graph, settings, in_flight, _prefix(order, k, num_stages))))
+
     keep = [0] if base is not None else []
-    first = smallest(lambda k: at(k) is not None, 1)
+    first = smallest(fits, 1)
     if first is not None:
         keep.append(first)
         k = first
@@ -500,7 +522,8 @@ def _recompute_sets(profile, graph, settings, in_flight, placement) -> list[tupl
         while k + 1 <= num_stages and at(k + 1) is not None and at(k + 1).bottleneck_ms < at(k).bottleneck_ms * (1 - _TOLERANCE):
             k += 1
             keep.append(k)
-        sure = smallest(safe, first)
+        # With one stage per rank the partitioner's memory is the rank's: what fits is safe.
+        sure = first if v == 1 else smallest(safe, first)
         if sure is not None:
             keep.append(sure)
     if not keep:
@@ -509,20 +532,22 @@ def _recompute_sets(profile, graph, settings, in_flight, placement) -> list[tupl
 
 
 def _evaluate(profile, graph, settings, cand: _Candidate, in_flight) -> None:
-    """Simulate a candidate; for ``v > 1`` shrink the per-stage cap until its ranks fit."""
+    """Check a candidate's per-rank peaks (for ``v > 1`` shrinking the per-stage cap until its
+    ranks fit), then simulate it once."""
     cap = _cap(settings)
     p, v, m = settings.stages, cand.virtual_stages, cand.num_microbatches
     share = 1.0
     for attempt in range(5):
-        sim = simulate(stage_costs(cand.problem, cand.partition), cand.schedule, p, m, v)
-        cand.simulation = sim
-        peak = sim.peak_memory_bytes
+        peaks = _rank_peaks(cand.problem, cand.partition, cand.schedule, p, m, v)
+        peak = max(peaks)
         if peak <= cap:
+            cand.simulation = simulate(stage_costs(cand.problem, cand.partition), cand.schedule, p, m, v)
             cand.status = "fits"
             return
         cand.status = "over"
         cand.over_bytes = int(peak - cap)
-        rank = sim.rank_peak_memory_bytes.index(peak)
+        cand.peak_bytes = int(peak)
+        rank = peaks.index(peak)
         cand.reason = (f"over the cap by {format_bytes(peak - cap)}: rank {rank} peaks at "
                        f"{format_bytes(peak)} (cap {format_bytes(cap)})")
         if v == 1 or share <= 1.0 / v:
@@ -601,7 +626,7 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
                 continue
             in_flight = stage_in_flight(schedule, p, m, v)
             placement = stage_ranks(schedule, p, v)
-            for recompute, partition in _recompute_sets(profile, graphs[b], settings, in_flight, placement):
+            for recompute, partition in _recompute_sets(profile, graphs[b], settings, schedule, m, v):
                 problem = _problem(profile, graphs[b], settings, in_flight, recompute)
                 cand = _Candidate(schedule, v, b, m, recompute, problem, partition)
                 if partition is None:
@@ -736,7 +761,7 @@ def _alternatives(best: _Candidate, sim: Simulation, candidates) -> list[Alterna
                       f"{c.lower_bound_ms:.3f} ms (not simulated)")
         elif c.status == "over":
             reason = c.reason
-            iteration, peak = c.iteration_ms, c.simulation.peak_memory_bytes
+            peak = c.peak_bytes
         else:
             reason = c.reason
         out.append(Alternative(

@@ -24,6 +24,9 @@ Definitions (all times are medians over the steps after the first, a warm-up):
 - ``busy_cpu_ms`` (CPU only): the CPU time of the compute calls (forward, backward, weight; not
   the loss), which other work on the machine does not inflate; ``busy_cpu_ratio`` compares it
   with the predicted busy time.
+- ``gap``: on the rank that finished last, how much of ``measured - predicted`` iteration is
+  compute (``busy_ms - predicted_busy_ms``: the profile's per-layer times) and how much idle
+  (``idle_ms - predicted_idle_ms``: bubble, transfers, the schedule's own work).
 - ``peak_memory_bytes``: CUDA, ``max_memory_allocated``; CPU, the growth of the resident set
   from before the stages were built to its peak (it includes the allocator's slack).
 """
@@ -122,9 +125,11 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
         stages = [stage_by_index[i] for i in r["stages"]]
         if summary is not None:
             predicted_busy = summary.busy_ms
+            predicted_idle = summary.idle_ms
             predicted_peak = summary.peak_memory_bytes
         else:
             predicted_busy = plan.num_microbatches * sum(s.forward_ms + s.backward_ms for s in stages)
+            predicted_idle = max(0.0, plan.predicted.iteration_ms - predicted_busy)
             predicted_peak = sum(s.peak_memory_bytes for s in stages)
         row = {
             "rank": r["rank"],
@@ -138,6 +143,7 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             "weight_ms": _r(weight),
             "loss_ms": _r(loss),
             "idle_ms": _r(None if pipeline is None or busy is None else pipeline - busy),
+            "predicted_idle_ms": _r(predicted_idle),
             "predicted_busy_ms": _r(predicted_busy),
             "predicted_forward_ms": _r(plan.num_microbatches * sum(s.forward_ms for s in stages)),
             "predicted_backward_ms": _r(plan.num_microbatches * sum(s.backward_ms for s in stages)),
@@ -195,6 +201,16 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
     }
     if simulation is not None:
         report["simulated_ratio"] = _ratio(iteration_ms, simulation.iteration_ms)
+    # Where the gap comes from, on the rank that finished last: its compute (the profile's
+    # per-layer times) or its idle time (bubble, transfers, the schedule's own work).
+    last = max(ranks, key=lambda row: row["pipeline_ms"] or 0.0)
+    if last["busy_ms"] is not None and last["idle_ms"] is not None:
+        report["gap"] = {
+            "rank": last["rank"],
+            "iteration_ms": _r(iteration_ms - plan.predicted.iteration_ms) if iteration_ms is not None else None,
+            "compute_ms": _r(last["busy_ms"] - last["predicted_busy_ms"]),
+            "idle_ms": _r(last["idle_ms"] - last["predicted_idle_ms"]),
+        }
     shares = [row["cpu_share"] for row in ranks if row.get("cpu_share") is not None]
     if shares and min(shares) < 0.9:
         report["notes"].append(

@@ -272,6 +272,10 @@ def report_table(report: dict[str, Any]) -> Any:
     ]
     if simulated is not None:
         parts.append(f"simulated from the profile {_ms(simulated)} ms (ratio {_x(report.get('simulated_ratio'))})")
+    gap = report.get("gap")
+    if gap and gap.get("iteration_ms") is not None:
+        parts.append(f"gap {gap['iteration_ms']:+.1f} ms on rank {gap['rank']}: compute {gap['compute_ms']:+.1f}, "
+                     f"idle {gap['idle_ms']:+.1f}")
     parts.append(f"median of {measured['timed_steps']} steps after a {_ms(measured['warmup_iteration_ms'])} ms warm-up")
     if loss:
         parts.append(f"loss {loss[0]:.4f} -> {loss[-1]:.4f}")

@@ -827,6 +827,8 @@ def _smallest_fitting_stages(profile, settings, sizes) -> int | None:
         for b in sizes:
             m = settings.global_batch // b
             schedule = "1f1b" if m >= p else "gpipe"
+            if settings.schedule == "gpipe":
+                schedule = "gpipe"
             graph = build_layer_graph(profile, b)
             in_flight = stage_in_flight(schedule, p, m, 1)
             if fits_along_order(_problem(profile, graph, settings, in_flight)):
@@ -871,7 +873,7 @@ def _infeasible_message(profile, settings, space, sizes, candidates) -> str:
             f"a cap of {format_bytes(math.ceil(best_plain[0]))}{exact} fits {best_plain[2]} at micro-batch "
             f"size {best_plain[1]} without recomputation"
         )
-    if best_recompute is not None:
+    if best_recompute is not None and (best_plain is None or best_recompute[0] < best_plain[0]):
         hints.append(
             f"a cap of {format_bytes(math.ceil(best_recompute[0]))} fits {best_recompute[2]} at micro-batch "
             f"size {best_recompute[1]} with every stage recomputing"
@@ -880,7 +882,8 @@ def _infeasible_message(profile, settings, space, sizes, candidates) -> str:
         hints.append("--recompute auto may fit (stages keep only their inputs)")
     more = _smallest_fitting_stages(profile, settings, sizes)
     if more is not None:
-        hints.append(f"{more} ranks fit under this cap without recomputation")
+        hints.append(f"{more} ranks fit under this cap without recomputation "
+                     f"({'gpipe' if settings.schedule == 'gpipe' else '1f1b'})")
     if not hints:
         hints.append("no cap fits: a single layer exceeds it; split that layer or use a smaller micro-batch")
     return head + "; " + "; ".join(hints)

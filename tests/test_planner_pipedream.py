@@ -52,3 +52,23 @@ def test_memory_cap_is_respected_and_shifts_layers_later():
     _, capped = _plan("resnet50", 8, memory_cap_bytes=cap)
     assert all(s.peak_memory_bytes <= cap for s in capped.stages)
     assert capped.stages[0].activation_bytes <= free.stages[0].activation_bytes
+
+
+@pytest.mark.parametrize("name,stages", [("resnet18", 4), ("resnet50", 8), ("squeezenet1_0", 4)])
+def test_ilp_and_ideal_dp_agree_on_real_profiles(name, stages):
+    import math
+
+    from pipeplan.plan.graph import build_layer_graph
+    from pipeplan.plan.ilp import partition_ilp
+    from pipeplan.plan.memory import in_flight_microbatches
+    from pipeplan.plan.partition import PartitionProblem, partition_along_orders, partition_ideals
+
+    batch = PIPEDREAM_BATCH[name]
+    profile = import_pipedream(pipedream_path(name), batch)
+    graph = build_layer_graph(profile, batch)
+    problem = PartitionProblem(graph=graph, num_stages=stages, in_flight=in_flight_microbatches("1f1b", stages, 8),
+                               bandwidth_bytes_per_s=25e9, static_bytes_per_param_byte=4.0, memory_cap_bytes=math.inf)
+    dp = partition_ideals(problem)
+    ilp = partition_ilp(problem, upper_bound=partition_along_orders(problem))
+    assert ilp.optimal and dp.optimal
+    assert ilp.bottleneck_ms == pytest.approx(dp.bottleneck_ms, rel=1e-6)

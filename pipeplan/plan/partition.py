@@ -174,13 +174,22 @@ def evaluate_split(problem: PartitionProblem, stages, method: str = "given", opt
             raise ValueError(f"edge {g.names[bad]} -> {g.names[bad + 1]} goes to an earlier stage")
         boundaries = [int(g.output_bytes[max(stages[j])]) for j in range(problem.num_stages - 1)]
     else:
-        for u, v in g.graph.edges():
-            if stage_of[u] > stage_of[v]:
-                raise ValueError(f"edge {g.names[u]} -> {g.names[v]} goes to an earlier stage")
-        boundaries = []
-        for j in range(problem.num_stages - 1):
-            mask = stage_of <= j
-            boundaries.append(g.boundary_bytes(mask))
+        edges = np.array(list(g.graph.edges()), dtype=np.int64).reshape(-1, 2)
+        src, dst = edges[:, 0], edges[:, 1]
+        backwards = stage_of[src] > stage_of[dst]
+        if backwards.any():
+            u, v = (int(x) for x in edges[np.flatnonzero(backwards)[0]])
+            raise ValueError(f"edge {g.names[u]} -> {g.names[v]} goes to an earlier stage")
+        # A layer's output crosses every boundary from its own stage to its last consumer's
+        # (once, however many consumers): a difference array over the boundaries.
+        last = np.full(g.num_layers, -1)
+        np.maximum.at(last, src, stage_of[dst])
+        crossing = last > stage_of
+        delta = np.zeros(problem.num_stages + 1, dtype=np.int64)
+        out = g.output_bytes.astype(np.int64)
+        np.add.at(delta, stage_of[crossing], out[crossing])
+        np.add.at(delta, last[crossing], -out[crossing])
+        boundaries = [int(b) for b in np.cumsum(delta)[: problem.num_stages - 1]]
     times = []
     for j, layers in enumerate(stages):
         in_b = boundaries[j - 1] if j > 0 else 0

@@ -181,14 +181,13 @@ def _solve(problem: PartitionProblem, solver: str) -> Partition:
 
 
 def _search_solve(problem: PartitionProblem) -> Partition | None:
-    """The split used while searching: exact for chains, along a few orders for DAGs.
+    """The split used while searching: the optimal split along the profile's layer order.
 
-    The winner of a DAG search is solved again exactly (:func:`solve_partition`).
+    Exact for chains; for DAGs a split into prefixes of the topological order (costed
+    exactly), and the search's winner is solved again exactly (:func:`solve_partition`).
     """
     try:
-        if problem.graph.chain:
-            return partition_chain(problem)
-        return partition_along_orders(problem)
+        return partition_chain(problem)
     except InfeasibleError:
         return None
 

@@ -14,6 +14,7 @@ hidden unit per block. See docs/cost-model.md.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -87,26 +88,37 @@ def _profile(num_blocks):
     return Profile.model_validate(transformer_profile(num_blocks))
 
 
-def run(ranks=(8, 16), num_blocks: int = 80, global_batch: int = 128, cap_gib: int = 80) -> list[dict]:
-    """Plan ``--schedule auto --recompute auto`` at each rank count; wall time and choice."""
+def run(ranks=(8, 16), num_blocks: int = 80, global_batch: int = 128, caps_gib=(80, 40)) -> list[dict]:
+    """Plan ``--schedule auto --recompute auto`` at each rank count and cap; wall time and choice."""
     from pipeplan.formats.plan import PlanSettings
     from pipeplan.plan.planner import make_plan
 
     profile = _profile(num_blocks)
     rows = []
-    for p in ranks:
-        settings = PlanSettings(stages=p, global_batch=global_batch, memory_cap_bytes=cap_gib * 2**30,
-                                bandwidth_bytes_per_s=25e9, schedule="auto", recompute="auto")
-        started = time.perf_counter()
-        plan = make_plan(profile, settings, profile_sha256="bench")
-        seconds = time.perf_counter() - started
-        rows.append({
-            "layers": len(profile.layers), "ranks": p, "seconds": seconds, "schedule": plan.schedule,
-            "v": plan.virtual_stages, "microbatch_size": plan.microbatch_size,
-            "recompute": sum(s.recompute for s in plan.stages), "iteration_ms": plan.predicted.iteration_ms,
-            "considered": len(plan.alternatives) + 1,
-        })
+    for cap_gib in caps_gib:
+        for p in ranks:
+            settings = PlanSettings(stages=p, global_batch=global_batch, memory_cap_bytes=cap_gib * 2**30,
+                                    bandwidth_bytes_per_s=25e9, schedule="auto", recompute="auto")
+            started, cpu = time.perf_counter(), time.process_time()
+            plan = make_plan(profile, settings, profile_sha256="bench")
+            seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu
+            rows.append({
+                "layers": len(profile.layers), "ranks": p, "cap_gib": cap_gib, "seconds": seconds,
+                "cpu_seconds": cpu_seconds, "schedule": plan.schedule, "v": plan.virtual_stages,
+                "microbatch_size": plan.microbatch_size, "recompute": sum(s.recompute for s in plan.stages),
+                "stages": len(plan.stages), "iteration_ms": plan.predicted.iteration_ms,
+                "considered": _considered(plan),
+            })
     return rows
+
+
+def _considered(plan) -> int:
+    """Configurations the search considered, from the plan's own note."""
+    for note in plan.notes:
+        found = re.search(r"\((\d+) considered\)", note)
+        if found:
+            return int(found.group(1))
+    return len(plan.alternatives) + 1
 
 
 def main(argv=None) -> int:
@@ -115,7 +127,7 @@ def main(argv=None) -> int:
                         help="write profiles/transformer32-analytic.json and exit")
     parser.add_argument("--blocks", type=int, default=80, help="transformer blocks (layers = blocks + 3)")
     parser.add_argument("--global-batch", type=int, default=128)
-    parser.add_argument("--cap-gib", type=int, default=80)
+    parser.add_argument("--cap-gib", type=int, nargs="+", default=[80, 40])
     args = parser.parse_args(argv)
     if args.write_profiles:
         sys.path.insert(0, str(ROOT))
@@ -125,13 +137,13 @@ def main(argv=None) -> int:
         write_text_atomic(path, dump_model(_profile(32)))
         print(f"wrote {path}")
         return 0
-    print(f"| layers | ranks | micro-batch sizes | seconds | chosen | iteration ms |")
-    print(f"|---|---|---|---|---|---|")
-    for row in run(num_blocks=args.blocks, global_batch=args.global_batch, cap_gib=args.cap_gib):
+    print("| layers | ranks | cap | micro-batch sizes | configurations | wall s | CPU s | chosen | iteration ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in run(num_blocks=args.blocks, global_batch=args.global_batch, caps_gib=args.cap_gib):
         chosen = (f"{row['schedule']} v={row['v']} b={row['microbatch_size']} "
-                  f"recompute {row['recompute']} stages")
-        print(f"| {row['layers']} | {row['ranks']} | {len(MICROBATCH_SIZES)} | {row['seconds']:.2f} | "
-              f"{chosen} | {row['iteration_ms']:.1f} |")
+                  f"recompute {row['recompute']}/{row['stages']} stages")
+        print(f"| {row['layers']} | {row['ranks']} | {row['cap_gib']} GiB | {len(MICROBATCH_SIZES)} | {row['considered']} | "
+              f"{row['seconds']:.2f} | {row['cpu_seconds']:.2f} | {chosen} | {row['iteration_ms']:.1f} |")
     return 0
 
 

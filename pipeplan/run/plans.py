@@ -44,7 +44,8 @@ def _layer_costs(profile: Any, microbatch_size: int) -> dict[str, tuple[float, f
 
 
 def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: int,
-                optimizer: str = "adam", bandwidth_bytes_per_s: Optional[float] = None) -> list:
+                optimizer: str = "adam", bandwidth_bytes_per_s: Optional[float] = None,
+                latency_ms: float = 0.0) -> list:
     """One :class:`pipeplan.plan.simulate.StageCost` per stage, from the profile's layers.
 
     Parameters
@@ -58,6 +59,8 @@ def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: 
         Sets the static bytes per parameter byte (:mod:`pipeplan.plan.memory`).
     bandwidth_bytes_per_s : float, optional
         Point-to-point bandwidth; None means transfers are free.
+    latency_ms : float
+        Fixed time per transfer, added to ``bytes / bandwidth``.
 
     Raises
     ------
@@ -79,9 +82,9 @@ def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: 
             )
         rows = [costs[name] for name in layers]
         send_bytes = rows[-1][3]
-        send_ms = 0.0
+        send_ms = latency_ms
         if bandwidth_bytes_per_s and math.isfinite(bandwidth_bytes_per_s):
-            send_ms = send_bytes / bandwidth_bytes_per_s * 1000.0
+            send_ms += send_bytes / bandwidth_bytes_per_s * 1000.0
         out.append(StageCost(
             forward_ms=sum(r[0] for r in rows),
             backward_input_ms=sum(r[1] for r in rows),
@@ -118,8 +121,16 @@ def _balanced_cuts(weights: Sequence[float], parts: int) -> list[int]:
     return cuts[::-1]
 
 
-def simulate_plan(plan: Plan, profile: Any) -> Any:
+def simulate_plan(plan: Plan, profile: Any, *, bandwidth_bytes_per_s: Optional[float] = None,
+                  latency_ms: float = 0.0) -> Any:
     """Simulate ``plan``'s schedule with its stages' costs taken from ``profile``.
+
+    Parameters
+    ----------
+    plan : Plan
+    profile : Profile
+    bandwidth_bytes_per_s, latency_ms : optional
+        A measured link instead of the plan's bandwidth setting (and no latency).
 
     Returns
     -------
@@ -128,8 +139,9 @@ def simulate_plan(plan: Plan, profile: Any) -> Any:
     from pipeplan.plan.simulate import simulate
 
     ordered = sorted(plan.stages, key=lambda s: s.index)
+    bandwidth = bandwidth_bytes_per_s if bandwidth_bytes_per_s is not None else plan.settings.bandwidth_bytes_per_s
     costs = stage_costs(profile, [s.layers for s in ordered], plan.microbatch_size,
-                        plan.settings.optimizer, plan.settings.bandwidth_bytes_per_s)
+                        plan.settings.optimizer, bandwidth, latency_ms)
     num_ranks = 1 + max(s.rank for s in ordered)
     return simulate(costs, plan.schedule, num_ranks, plan.num_microbatches, plan.virtual_stages)
 

@@ -24,6 +24,9 @@ Definitions (all times are medians over the steps after the first, a warm-up):
 - ``busy_cpu_ms`` (CPU only): the CPU time of the compute calls (forward, backward, weight; not
   the loss), which other work on the machine does not inflate; ``busy_cpu_ratio`` compares it
   with the predicted busy time.
+- ``link``: point-to-point latency and bandwidth between ranks 0 and 1, measured by ping-pong
+  before the plans run; with a profile, ``predicted.simulated_with_link_iteration_ms`` is the
+  simulation with every cross-rank transfer costing ``latency + bytes / bandwidth``.
 - ``gap``: on the rank that finished last, how much of ``measured - predicted`` iteration is
   compute (``busy_ms - predicted_busy_ms``: the profile's per-layer times) and how much idle
   (``idle_ms - predicted_idle_ms``: bubble, transfers, the schedule's own work).
@@ -173,9 +176,16 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
         "bubble_fraction": plan.predicted.bubble_fraction,
         "samples_per_second": plan.predicted.samples_per_second,
     }
+    link = next((r.get("link") for r in results if r.get("link")), None)
     if simulation is not None:
         predicted["simulated_iteration_ms"] = _r(simulation.iteration_ms)
         predicted["simulated_bubble_fraction"] = _r(simulation.bubble_fraction)
+        if link is not None:
+            from pipeplan.run.plans import simulate_plan
+
+            with_link = simulate_plan(plan, profile, bandwidth_bytes_per_s=link["bandwidth_bytes_per_s"],
+                                      latency_ms=link["latency_ms"])
+            predicted["simulated_with_link_iteration_ms"] = _r(with_link.iteration_ms)
     batch = plan.microbatch_size * plan.num_microbatches
     report: dict[str, Any] = {
         "schema": SCHEMA,
@@ -196,11 +206,14 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
         "ratio": _ratio(iteration_ms, plan.predicted.iteration_ms),
         "ranks": ranks,
         "loss": [_r(x, 6) for x in losses],
+        "link": link,
         "run": dict(run or {}),
         "notes": [],
     }
     if simulation is not None:
         report["simulated_ratio"] = _ratio(iteration_ms, simulation.iteration_ms)
+        if "simulated_with_link_iteration_ms" in predicted:
+            report["simulated_with_link_ratio"] = _ratio(iteration_ms, predicted["simulated_with_link_iteration_ms"])
     # Where the gap comes from, on the rank that finished last: its compute (the profile's
     # per-layer times) or its idle time (bubble, transfers, the schedule's own work).
     last = max(ranks, key=lambda row: row["pipeline_ms"] or 0.0)
@@ -272,6 +285,12 @@ def report_table(report: dict[str, Any]) -> Any:
     ]
     if simulated is not None:
         parts.append(f"simulated from the profile {_ms(simulated)} ms (ratio {_x(report.get('simulated_ratio'))})")
+    link = report.get("link")
+    if link:
+        parts.append(f"measured link {link['latency_ms']:.2f} ms + {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
+        if predicted.get("simulated_with_link_iteration_ms") is not None:
+            parts.append(f"simulated with that link {_ms(predicted['simulated_with_link_iteration_ms'])} ms "
+                         f"(ratio {_x(report.get('simulated_with_link_ratio'))})")
     gap = report.get("gap")
     if gap and gap.get("iteration_ms") is not None:
         parts.append(f"gap {gap['iteration_ms']:+.1f} ms on rank {gap['rank']}: compute {gap['compute_ms']:+.1f}, "

@@ -38,7 +38,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["main", "run_rank", "RESULT_FILE", "error_file"]
+__all__ = ["main", "run_rank", "measure_link", "RESULT_FILE", "error_file"]
 
 #: The file, in ``out_dir``, with every rank's results (a JSON list, by rank).
 RESULT_FILE = "ranks.json"
@@ -178,8 +178,60 @@ def run_rank(config: dict[str, Any]) -> list[dict[str, Any]]:
     dist.init_process_group(**init_kwargs)
 
     plans = [Plan.model_validate(p) for p in config["plans"]]
-    return [_run_one(index, plan, config, rank, world_size, device, backend)
-            for index, plan in enumerate(plans)]
+    largest = max(s.send_bytes for plan in plans for s in plan.stages)
+    link = measure_link(rank, world_size, device, largest) if config.get("measure_link", True) else None
+    results = []
+    for index, plan in enumerate(plans):
+        result = _run_one(index, plan, config, rank, world_size, device, backend)
+        result["link"] = link
+        results.append(result)
+    return results
+
+
+def measure_link(rank: int, world_size: int, device: Any, large_bytes: int, repeats: int = 20) -> Optional[dict]:
+    """Point-to-point latency and bandwidth between ranks 0 and 1, by ping-pong.
+
+    One-way time is taken as ``latency + bytes / bandwidth``: half the median round trip of a
+    4-byte tensor gives the latency, that of a ``large_bytes`` tensor (at least 64 KiB) the
+    bandwidth. Every rank joins the barriers; only ranks 0 and 1 exchange.
+
+    Returns
+    -------
+    dict or None
+        ``latency_ms``, ``bandwidth_bytes_per_s``, ``large_bytes``, ``large_one_way_ms`` (on every
+        rank, broadcast from rank 0), or None with one rank.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if world_size < 2:
+        return None
+    large_bytes = max(int(large_bytes), 64 * 1024)
+    one_way = []
+    for size in (4, large_bytes):
+        tensor = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
+        times = []
+        dist.barrier()
+        for i in range(repeats + 2):
+            started = time.perf_counter()
+            if rank == 0:
+                dist.send(tensor, 1)
+                dist.recv(tensor, 1)
+            elif rank == 1:
+                dist.recv(tensor, 0)
+                dist.send(tensor, 0)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= 2:  # the first exchanges set up the connection
+                times.append((time.perf_counter() - started) * 1000.0 / 2)
+        one_way.append(sorted(times)[len(times) // 2] if rank == 0 else 0.0)
+    values = torch.tensor(one_way, dtype=torch.float64, device=device)
+    dist.broadcast(values, 0)
+    latency_ms, large_ms = (float(v) for v in values.cpu())
+    per_byte_ms = max(large_ms - latency_ms, 1e-9) / large_bytes
+    return {"latency_ms": round(latency_ms, 4), "bandwidth_bytes_per_s": round(1000.0 / per_byte_ms, 1),
+            "large_bytes": large_bytes, "large_one_way_ms": round(large_ms, 4),
+            "method": "ping-pong between ranks 0 and 1 before the plans: median of 20 round trips / 2"}
 
 
 def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, world_size: int, device: Any,

@@ -80,9 +80,10 @@ __all__ = [
     "SPLIT_BACKWARD_SCHEDULES",
 ]
 
-#: Schedules the planner can plan (all of them; ``auto`` searches these, in this order of
-#: preference on ties).
-PLANNER_SCHEDULES = SCHEDULES
+#: Schedules the planner can plan (all of them); ``auto`` searches these, in this order of
+#: preference on ties (1F1B before GPipe: same time, less memory).
+PLANNER_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb", "zbv", "dualpipev")
+assert set(PLANNER_SCHEDULES) == set(SCHEDULES)
 
 #: Schedules that run the input and weight gradients as separate actions, so their
 #: prediction depends on the profile's B/W split.
@@ -560,7 +561,10 @@ def _evaluate(profile, graph, settings, cand: _Candidate, in_flight) -> None:
 
 
 def _tie_key(cand: _Candidate, space):
-    return (cand.recompute_count, -cand.microbatch_size, space.index((cand.schedule, cand.virtual_stages)))
+    """Between equally fast configurations: fewer recomputing stages, larger micro-batches,
+    lower peak memory, then the schedule order."""
+    peak = cand.simulation.peak_memory_bytes if cand.simulation is not None else 0
+    return (cand.recompute_count, -cand.microbatch_size, peak, space.index((cand.schedule, cand.virtual_stages)))
 
 
 def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:

@@ -183,8 +183,11 @@ def test_transformer32_tight_cap_recomputes_only_where_needed(transformer32):
     # It explains the choice: what it chose, why recomputation, and the runners-up.
     assert any(n.startswith("chose ") for n in plan.notes)
     assert any("recomputation on" in n and "24.00 GiB" in n for n in plan.notes)
-    assert plan.alternatives
     assert all(a.reason for a in plan.alternatives)
+    plain = plan.alternatives[0]  # the same configuration without recomputation, and by how much it is over
+    assert (plain.schedule, plain.virtual_stages, plain.microbatch_size, plain.recompute) == (
+        plan.schedule, plan.virtual_stages, plan.microbatch_size, "none")
+    assert "over" in plain.reason and "GiB" in plain.reason
 
 
 def test_transformer32_generous_cap_does_not_recompute(transformer32):

@@ -513,7 +513,7 @@ def _recompute_sets(profile, graph, settings, schedule, m, v) -> list[tuple[tupl
         return math.isfinite(chain_bottleneck_ms(
             _problem(profile, graph, settings, in_flight, _prefix(order, k, num_stages))))
 
-    keep = [0] if base is not None else []
+    keep = [0]  # listed even when nothing fits: it shows why recomputation is needed
     first = smallest(fits, 1)
     if first is not None:
         keep.append(first)
@@ -526,8 +526,8 @@ def _recompute_sets(profile, graph, settings, schedule, m, v) -> list[tuple[tupl
         sure = first if v == 1 else smallest(safe, first)
         if sure is not None:
             keep.append(sure)
-    if not keep:
-        return [(none, None), ((True,) * num_stages, None)]
+    if first is None:
+        return [(none, base), ((True,) * num_stages, None)]
     return [(_prefix(order, k, num_stages), at(k)) for k in sorted(set(keep))]
 
 
@@ -697,8 +697,14 @@ def _explain(best: _Candidate, sim: Simulation, candidates, settings, space, gra
     if len(space) > 1 or len(candidates) > 1:
         runner = min((c for c in fitting if c is not best),
                      key=lambda c: (c.iteration_ms, _tie_key(c, space)), default=None)
-        text = (f"chose {chosen}: the fastest of {len(fitting)} simulated configurations that fit "
-                f"({len(candidates)} considered)")
+        counts = {}
+        for c in candidates:
+            counts[c.status] = counts.get(c.status, 0) + 1
+        others = [f"{counts[k]} {label}" for k, label in (
+            ("pruned", "slower by their lower bound alone"), ("over", "over the cap"),
+            ("nosplit", "without a split under the cap"), ("refused", "refused by the schedule")) if counts.get(k)]
+        text = (f"chose {chosen}: the fastest of {len(fitting)} simulated configurations that fit"
+                + (f"; {', '.join(others)}" if others else "") + f" ({len(candidates)} considered)")
         if runner is not None:
             gap = runner.iteration_ms - sim.iteration_ms
             text += (f"; the runner-up ({runner.label()}) is {gap:.3f} ms "
@@ -720,6 +726,10 @@ def _explain(best: _Candidate, sim: Simulation, candidates, settings, space, gra
             if need is not None:
                 why = (f"without it no split fits: the smallest per-rank peak is "
                        f"{format_bytes(need)}, over the {format_bytes(cap)} cap")
+                if same:
+                    same[0].reason = (f"over the cap at every split: its smallest per-rank peak is "
+                                      f"{format_bytes(need)}, {format_bytes(need - cap)} over")
+                    same[0].over_bytes = int(need - cap)
         notes.append(
             f"recomputation on {_recompute_text(best.recompute)} (they keep only their input per "
             f"micro-batch in flight and run the forward again before the backward): {why}"
@@ -743,10 +753,18 @@ def _explain(best: _Candidate, sim: Simulation, candidates, settings, space, gra
 
 def _alternatives(best: _Candidate, sim: Simulation, candidates) -> list[Alternative]:
     """Runners-up ranked: simulated and fitting by time, then pruned by bound, then over the cap."""
-    rank = {"fits": 0, "pruned": 1, "over": 2, "nosplit": 3, "refused": 4}
+    rank = {"fits": 0, "pruned": 2, "over": 3, "nosplit": 4, "refused": 5}
+    own = (best.schedule, best.virtual_stages, best.microbatch_size)
+
+    def group(c):
+        # The winner without its recomputation shows why it recomputes.
+        if c.status != "fits" and not c.recompute_count and (c.schedule, c.virtual_stages, c.microbatch_size) == own:
+            return 1
+        return rank[c.status]
+
     others = [c for c in candidates if c is not best]
     others.sort(key=lambda c: (
-        rank[c.status],
+        group(c),
         c.iteration_ms if c.status == "fits" else (c.lower_bound_ms if c.status == "pruned" else c.over_bytes),
         c.order,
     ))

@@ -17,7 +17,7 @@ from pipeplan.formats.io import dump_model, load_profile
 from pipeplan.formats.plan import PlanSettings
 from pipeplan.formats.profile import Profile
 from pipeplan.plan.memory import rank_peak_bytes, stage_in_flight, static_bytes_per_param_byte
-from pipeplan.plan.planner import make_plan
+from pipeplan.plan.planner import make_plan, plan_simulation
 from pipeplan.plan.schedules import SCHEDULES, check_schedule, stage_ranks, valid_virtual_stages
 from pipeplan.plan.simulate import StageCost, simulate
 
@@ -305,3 +305,13 @@ def test_never_returns_a_plan_over_the_cap(forward, acts, p, global_batch, cap, 
         assert not any(s.recompute for s in plan.stages)
     if recompute == "all":
         assert all(s.recompute for s in plan.stages)
+
+
+@pytest.mark.parametrize("schedule,recompute", [("zb", "none"), ("1f1b", "all"), ("auto", "auto")])
+def test_a_plan_file_simulates_again_from_its_own_numbers(transformer32, schedule, recompute):
+    settings = PlanSettings(stages=4, global_batch=16, memory_cap_bytes=60 * GIB, bandwidth_bytes_per_s=25e9,
+                            schedule=schedule, recompute=recompute)
+    plan = make_plan(transformer32, settings, profile_sha256="x")
+    again = plan_simulation(plan)
+    assert again.iteration_ms == pytest.approx(plan.predicted.iteration_ms, rel=1e-6)
+    assert list(again.rank_peak_memory_bytes) == [r.peak_memory_bytes for r in plan.ranks]

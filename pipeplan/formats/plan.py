@@ -62,6 +62,11 @@ class PlanStage(_Strict):
     layers: list[str] = Field(min_length=1, description="Layer names, in order.")
     forward_ms: float = Field(description="Forward time of one micro-batch.")
     backward_ms: float = Field(description="Backward time of one micro-batch (recompute included).")
+    backward_input_ms: Optional[float] = Field(
+        default=None,
+        description="Input-gradient part (B) of backward_ms, recompute included; the rest is the weight "
+                    "gradient (W). Null: half of the backward is assumed.",
+    )
     transfer_ms: float = Field(default=0.0, description="Receive time per micro-batch at the bandwidth.")
     send_bytes: int = Field(description="Bytes sent to later stages per micro-batch.")
     param_bytes: int = Field(default=0, description="Bytes of the stage's parameters.")

@@ -76,6 +76,7 @@ __all__ = [
     "candidate_microbatch_sizes",
     "plan_from_partition",
     "stage_costs",
+    "plan_simulation",
     "PLANNER_SCHEDULES",
     "SPLIT_BACKWARD_SCHEDULES",
 ]
@@ -264,6 +265,52 @@ def _rank_peaks(problem: PartitionProblem, partition: Partition, schedule: str, 
                            [c.activation_bytes for c in costs])
 
 
+def plan_simulation(plan: Plan) -> Simulation:
+    """Simulate a plan file again from its own numbers (no profile needed), e.g. for its timeline.
+
+    Rebuilds each stage's :class:`StageCost` from the plan: ``forward_ms``, the input and
+    weight gradients (``backward_input_ms``, or half the backward in plans without it),
+    ``send_bytes`` at the plan's bandwidth, and static and activation bytes from
+    ``peak_memory_bytes``, ``in_flight`` and, for a recomputing stage, the previous stage's
+    ``send_bytes`` (its input, the only thing it keeps per micro-batch).
+
+    Returns
+    -------
+    Simulation
+        Equal to the planner's own simulation up to the plan's rounding of times to 1 ns;
+        per-rank peaks are equal.
+
+    Examples
+    --------
+    >>> from pipeplan.formats.io import load_plan  # doctest: +SKIP
+    >>> plan_simulation(load_plan("plan.json")).iteration_ms  # doctest: +SKIP
+    """
+    stages = sorted(plan.stages, key=lambda s: s.index)
+    bandwidth = plan.settings.bandwidth_bytes_per_s
+    ms_per_byte = 0.0 if bandwidth is None or math.isinf(bandwidth) else 1000.0 / bandwidth
+    costs = []
+    for j, stage in enumerate(stages):
+        if stage.backward_input_ms is not None:
+            b_input = stage.backward_input_ms
+        elif stage.recompute:
+            b_input = stage.forward_ms + (stage.backward_ms - stage.forward_ms) / 2
+        else:
+            b_input = stage.backward_ms / 2
+        if stage.recompute:
+            kept = stages[j - 1].send_bytes if j > 0 else 0
+        else:
+            kept = stage.activation_bytes
+        costs.append(StageCost(
+            forward_ms=stage.forward_ms,
+            backward_input_ms=b_input,
+            backward_weight_ms=max(0.0, stage.backward_ms - b_input),
+            send_ms=stage.send_bytes * ms_per_byte if j + 1 < len(stages) else 0.0,
+            static_memory_bytes=max(0, stage.peak_memory_bytes - stage.in_flight * kept),
+            activation_bytes=int(kept),
+        ))
+    return simulate(costs, plan.schedule, plan.settings.stages, plan.num_microbatches, plan.virtual_stages)
+
+
 def plan_from_partition(profile, settings, graph, problem, partition: Partition, schedule: str,
                         microbatch_size: int, num_microbatches: int, profile_sha256: str,
                         seconds: float, alternatives=(), notes=(), *, virtual_stages: int = 1,
@@ -293,8 +340,10 @@ def plan_from_partition(profile, settings, graph, problem, partition: Partition,
         out_b = partition.boundary_bytes[j] if j < problem.num_stages - 1 else 0
         forward = float(graph.forward_ms[layers].sum())
         backward = float(graph.backward_ms[layers].sum())
+        b_input = float(graph.backward_input_ms[layers].sum())
         if problem.recompute[j]:
             backward += forward
+            b_input += forward
         stages.append(
             PlanStage(
                 index=j,
@@ -302,6 +351,7 @@ def plan_from_partition(profile, settings, graph, problem, partition: Partition,
                 layers=[graph.names[v] for v in layers],
                 forward_ms=round(forward, 6),
                 backward_ms=round(backward, 6),
+                backward_input_ms=round(b_input, 6),
                 transfer_ms=round((in_b + out_b) * spb, 6),
                 send_bytes=int(out_b),
                 param_bytes=int(graph.param_bytes[layers].sum()),

@@ -916,9 +916,7 @@ def _infeasible_message(profile, settings, space, sizes, candidates) -> str:
     )
     over = [c for c in candidates if c.status == "over"]
     hints = []
-    if over:
-        least = min(over, key=lambda c: (c.over_bytes, c.order))
-        hints.append(f"closest: {least.label()} is {least.reason}")
+    least = min(over, key=lambda c: (c.over_bytes, c.order)) if over else None
     # The smallest caps with the most frugal v = 1 schedule: 1F1B where it runs, else GPipe.
     best_plain, best_recompute = None, None
     for b in sizes:
@@ -938,6 +936,9 @@ def _infeasible_message(profile, settings, space, sizes, candidates) -> str:
             need = _smallest_cap_with_recompute(profile, graph, settings, in_flight)
             if need is not None and (best_recompute is None or need < best_recompute[0]):
                 best_recompute = (need, b, schedule)
+    smallest_cap = min((x[0] for x in (best_plain, best_recompute) if x is not None), default=math.inf)
+    if least is not None and least.peak_bytes is not None and least.peak_bytes < smallest_cap:
+        hints.append(f"closest: {least.label()} is {least.reason}")
     if best_plain is not None:
         exact = "" if profile.edges is None else " or less"
         hints.append(

@@ -77,22 +77,7 @@ def comparison_table(rows, title: str) -> Table:
 
 
 def simulation_from_plan(plan: Plan):
-    """Re-simulate a plan's schedule from its per-stage numbers (for the timeline)."""
-    from pipeplan.plan.simulate import StageCost, simulate
+    """Re-simulate a plan's schedule from its own numbers (for the timeline)."""
+    from pipeplan.plan.planner import plan_simulation
 
-    costs = []
-    for s in plan.stages:
-        # The plan keeps whole-backward times; split them evenly for B/W schedules.
-        half = s.backward_ms / 2
-        costs.append(
-            StageCost(
-                forward_ms=s.forward_ms,
-                backward_input_ms=half,
-                backward_weight_ms=s.backward_ms - half,
-                send_ms=s.transfer_ms / 2,
-                static_memory_bytes=max(0, s.peak_memory_bytes - s.in_flight * s.activation_bytes) if not s.recompute else s.param_bytes,
-                activation_bytes=s.activation_bytes,
-            )
-        )
-    num_ranks = max(s.rank for s in plan.stages) + 1
-    return simulate(costs, plan.schedule, num_ranks, plan.num_microbatches, plan.virtual_stages)
+    return plan_simulation(plan)

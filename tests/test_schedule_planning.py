@@ -315,3 +315,33 @@ def test_a_plan_file_simulates_again_from_its_own_numbers(transformer32, schedul
     again = plan_simulation(plan)
     assert again.iteration_ms == pytest.approx(plan.predicted.iteration_ms, rel=1e-6)
     assert list(again.rank_peak_memory_bytes) == [r.peak_memory_bytes for r in plan.ranks]
+
+
+@hyp_settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(4, 8),
+    extra=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 7)), max_size=4),
+    acts=st.lists(st.integers(1, 400), min_size=8, max_size=8),
+    p=st.integers(2, 3),
+    cap=st.integers(5_000, 14_000),
+    recompute=st.sampled_from(["auto", "none"]),
+)
+def test_branchy_graphs_never_go_over_the_cap_either(n, extra, acts, p, cap, recompute):
+    names = [f"l{i}" for i in range(n)]
+    edges = {(names[i], names[i + 1]) for i in range(n - 1)}
+    edges |= {(names[a], names[b]) for a, b in extra if a < b < n}
+    layers = [{"name": name, "param_bytes": 1000, "costs": [
+        {"microbatch_size": 1, "forward_ms": 1.0 + (i % 3), "backward_ms": 2.0 + 2 * (i % 3),
+         "activation_bytes": acts[i], "output_bytes": 30}]} for i, name in enumerate(names)]
+    profile = Profile.model_validate({"schema_version": 1, "model": "dag", "source": "analytic",
+                                      "device": {"name": "t"}, "dtype": "fp32", "layers": layers,
+                                      "edges": sorted(edges)})
+    try:
+        plan = plan_of(profile, stages=p, global_batch=8, memory_cap_bytes=cap, schedule="auto",
+                       recompute=recompute, bandwidth_bytes_per_s=1e6)
+    except InfeasibleError:
+        return
+    again = plan_simulation(plan)
+    assert max(again.rank_peak_memory_bytes) <= cap
+    assert [r.peak_memory_bytes for r in plan.ranks] == list(again.rank_peak_memory_bytes)
+    assert again.iteration_ms == pytest.approx(plan.predicted.iteration_ms, rel=1e-6)

@@ -124,7 +124,8 @@ def calibrate_profile(plan: Any, report: dict[str, Any], profile: Any,
                         "measured_forward_ms": round(measured_forward, 4),
                         "predicted_forward_ms": round(predicted_forward, 4),
                         "measured_backward_ms": round(measured_backward, 4),
-                        "predicted_backward_ms": round(predicted_backward, 4)})
+                        "predicted_backward_ms": round(predicted_backward, 4),
+                        "cpu_share": row.get("cpu_share")})
     data = profile.model_dump()
     new_layers = []
     for layer in profile.layers:
@@ -183,4 +184,8 @@ def calibration_table(factors: list[dict[str, Any]]) -> Any:
         table.add_row(str(f["rank"]), names, f"{f['measured_forward_ms']:.1f}", f"{f['predicted_forward_ms']:.1f}",
                       f"{f['forward_factor']:.2f}", f"{f['measured_backward_ms']:.1f}",
                       f"{f['predicted_backward_ms']:.1f}", f"{f['backward_factor']:.2f}")
+    shares = [f["cpu_share"] for f in factors if f.get("cpu_share") is not None]
+    if shares and min(shares) < 0.9:
+        table.caption = (f"the run's ranks got {min(shares):.0%} of a core at worst: other work shared the "
+                         f"machine and these factors include it; calibrate from a run on a quiet machine")
     return table

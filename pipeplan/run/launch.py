@@ -494,7 +494,12 @@ def run_plan_file(plan_path: str | Path, *, report_path: Optional[str | Path] = 
         profile = load_profile(profile_path)
     report = run_plan(plan, profile=profile, profile_path=str(profile_path) if profile_path else None, **kwargs)
     report["plan_path"] = str(plan_path)
-    if profile_path is not None:
+    if profile_path is None:
+        report.setdefault("notes", []).append(
+            "no --profile: the model's sizes come from its preset and the options given, which may differ "
+            "from the profile the plan was made from; give --profile to run exactly that model"
+        )
+    else:
         sha = file_sha256(profile_path)
         report["profile_sha256"] = sha
         if sha != plan.profile.sha256:

@@ -19,6 +19,10 @@ Definitions (all times are medians over the steps after the first, a warm-up):
 - ``busy_ms``: time inside the rank's compute calls: forward, backward (input and, where not
   split, weight gradients), weight-gradient and loss; ``idle_ms = pipeline_ms - busy_ms``
   (bubble, waiting for transfers, the schedule's own overhead).
+- ``wait_ms``, ``post_ms``, ``overhead_ms``: the idle time split into waiting on transfers
+  (torch's ``_wait_batch_p2p``: the bubble, and peers that are late), posting them
+  (``_batch_p2p``), and the rest of ``schedule.step()`` outside compute and transfers (the
+  schedule's own work: splitting the batch, bookkeeping, gradient scaling).
 - ``cpu_share`` (CPU only): CPU time over wall time inside the compute calls; below 1 the rank
   shared its core with other work and its times are inflated by that much.
 - ``busy_cpu_ms`` (CPU only): the CPU time of the compute calls (forward, backward, weight; not
@@ -119,6 +123,12 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
         loss = _median([c.get("loss", 0.0) for c in compute])
         busy = _median([c["forward"] + c["backward"] + c["weight"] + c.get("loss", 0.0) for c in compute])
         pipeline = _median([r["pipeline_ms"][i] for i in timed])
+        wait = _median([c.get("wait", 0.0) for c in compute]) if compute and "wait" in compute[0] else None
+        post = _median([c.get("post", 0.0) for c in compute]) if compute and "post" in compute[0] else None
+        overhead = None
+        if wait is not None and post is not None:
+            overhead = _median([r["pipeline_ms"][i] - (c["forward"] + c["backward"] + c["weight"] + c.get("loss", 0.0))
+                                - c["wait"] - c["post"] for i, c in zip(timed, compute)])
         compute_walls = [c["forward"] + c["backward"] + c["weight"] for c in compute]
         cpu_share = busy_cpu = None
         if compute and all("cpu" in c for c in compute) and sum(compute_walls) > 0:
@@ -147,6 +157,9 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             "loss_ms": _r(loss),
             "idle_ms": _r(None if pipeline is None or busy is None else pipeline - busy),
             "predicted_idle_ms": _r(predicted_idle),
+            "wait_ms": _r(wait),
+            "post_ms": _r(post),
+            "overhead_ms": _r(overhead),
             "predicted_busy_ms": _r(predicted_busy),
             "predicted_forward_ms": _r(plan.num_microbatches * sum(s.forward_ms for s in stages)),
             "predicted_backward_ms": _r(plan.num_microbatches * sum(s.backward_ms for s in stages)),

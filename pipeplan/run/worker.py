@@ -80,7 +80,7 @@ class _Timer:
         self.cuda = device.type == "cuda"
         self.device = device
         self.torch = torch
-        self.ms = {"forward": 0.0, "backward": 0.0, "weight": 0.0}
+        self.ms = {"forward": 0.0, "backward": 0.0, "weight": 0.0, "wait": 0.0, "post": 0.0}
         # CPU time of this thread inside the same calls: on CPU with one torch thread, the share
         # cpu / wall tells whether the rank had its core (1.0) or shared it with other work.
         self.cpu_ms = 0.0
@@ -117,6 +117,32 @@ class _Timer:
         self.ms = {k: 0.0 for k in self.ms}
         self.cpu_ms = 0.0
         return out
+
+
+def _time_transfers(module: Any, timer: _Timer) -> None:
+    """Time the schedule's transfer calls: posting them (``_batch_p2p``) and waiting on them
+    (``_wait_batch_p2p``), so that idle time splits into waiting for peers and the schedule's own
+    work. torch 2.13 calls both by their module-level names; where they are missing (another
+    torch), nothing is timed."""
+    for name, kind in (("_batch_p2p", "post"), ("_wait_batch_p2p", "wait")):
+        func = getattr(module, name, None)
+        if func is None:
+            continue
+        func = getattr(func, "__wrapped_by_pipeplan__", func)
+        timed = _wall_timed(timer, kind, func)
+        timed.__wrapped_by_pipeplan__ = func
+        setattr(module, name, timed)
+
+
+def _wall_timed(timer: _Timer, kind: str, func: Any) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            timer.ms[kind] += (time.perf_counter() - started) * 1000.0
+
+    return timed
 
 
 def _fault(rank: int) -> Optional[str]:
@@ -279,6 +305,7 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         for module, stage in zip(modules, stages_here)
     ]
     timer = _Timer(device)
+    _time_transfers(torch_schedules, timer)
     for ps in pipeline_stages:
         ps.forward_one_chunk = timer.wrap("forward", ps.forward_one_chunk)
         ps.backward_one_chunk = timer.wrap("backward", ps.backward_one_chunk)

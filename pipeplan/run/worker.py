@@ -218,7 +218,7 @@ def measure_link(rank: int, world_size: int, device: Any, large_bytes: int, repe
     """Point-to-point latency and bandwidth between ranks 0 and 1, by ping-pong.
 
     One-way time is taken as ``latency + bytes / bandwidth``: half the fastest round trip of a
-    4-byte tensor gives the latency, that of a ``large_bytes`` tensor (at least 64 KiB) the
+    4-byte tensor gives the latency, that of a ``large_bytes`` tensor (at least 4 MiB) the
     bandwidth. The fastest, not the median: on a shared machine a round trip also waits for
     both processes to be scheduled, which is not the link's cost. Every rank joins the barriers; only ranks 0 and 1 exchange.
 
@@ -233,7 +233,8 @@ def measure_link(rank: int, world_size: int, device: Any, large_bytes: int, repe
 
     if world_size < 2:
         return None
-    large_bytes = max(int(large_bytes), 64 * 1024)
+    # At least 4 MiB: smaller messages take about the latency alone, leaving the bandwidth noise.
+    large_bytes = max(int(large_bytes), 4 * 2**20)
     one_way, typical = [], []
     for size in (4, large_bytes):
         tensor = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)

@@ -500,7 +500,7 @@ def _prefix(order: list[int], k: int, num_stages: int) -> tuple[bool, ...]:
     return tuple(s in chosen for s in range(num_stages))
 
 
-def _recompute_sets(profile, graph, settings, schedule, m, v) -> list[tuple[tuple[bool, ...], Partition | None]]:
+def _recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> list[tuple[tuple[bool, ...], Partition | None]]:
     """The recompute sets worth simulating for one (schedule, v, b), with their splits.
 
     See the module docstring. Feasibility is taken to be monotone in the prefix length
@@ -514,7 +514,13 @@ def _recompute_sets(profile, graph, settings, schedule, m, v) -> list[tuple[tupl
     cap = _cap(settings)
 
     def solve(recompute):
-        return _search_solve(_problem(profile, graph, settings, in_flight, recompute))
+        problem = _problem(profile, graph, settings, in_flight, recompute)
+        if not exact:
+            return _search_solve(problem)
+        try:
+            return solve_partition(problem, settings.solver)
+        except InfeasibleError:
+            return None
 
     if settings.recompute == "all":
         everything = (True,) * num_stages
@@ -666,6 +672,9 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
     p, cap = settings.stages, _cap(settings)
     graphs = {b: build_layer_graph(profile, b) for b in sizes}
 
+    # A fixed one-stage-per-rank schedule without recomputation is a small search: solve each
+    # micro-batch size's split exactly, so its choice is among exact optima.
+    exact = len(space) == 1 and space[0][1] == 1 and settings.recompute == "none"
     candidates: list[_Candidate] = []
     refusals: list[str] = []
     for schedule, v in space:
@@ -680,7 +689,7 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
                 continue
             in_flight = stage_in_flight(schedule, p, m, v)
             placement = stage_ranks(schedule, p, v)
-            for recompute, partition in _recompute_sets(profile, graphs[b], settings, schedule, m, v):
+            for recompute, partition in _recompute_sets(profile, graphs[b], settings, schedule, m, v, exact):
                 problem = _problem(profile, graphs[b], settings, in_flight, recompute)
                 cand = _Candidate(schedule, v, b, m, recompute, problem, partition)
                 if partition is None:
@@ -713,7 +722,7 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
     graph = graphs[best.microbatch_size]
     partition, simulation, problem = best.partition, best.simulation, best.problem
     notes = []
-    if not graph.chain or settings.solver == "ilp":
+    if not exact and (not graph.chain or settings.solver == "ilp"):
         # The search split DAGs along a few orders; solve the winner exactly.
         try:
             exact = solve_partition(problem, settings.solver)

@@ -155,7 +155,9 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             "backward_ms": _r(backward),
             "weight_ms": _r(weight),
             "loss_ms": _r(loss),
-            "idle_ms": _r(None if pipeline is None or busy is None else pipeline - busy),
+            # Per step, then the median: like the parts below, so that they compare.
+            "idle_ms": _r(_median([r["pipeline_ms"][i] - (c["forward"] + c["backward"] + c["weight"]
+                                                        + c.get("loss", 0.0)) for i, c in zip(timed, compute)])),
             "predicted_idle_ms": _r(predicted_idle),
             "wait_ms": _r(wait),
             "post_ms": _r(post),

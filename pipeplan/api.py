@@ -57,68 +57,51 @@ class ComparisonRow:
 def compare_splits(profile_path: str | Path, settings: PlanSettings) -> list[ComparisonRow]:
     """``pipeplan compare``: the optimal plan beside the splits users make by hand.
 
-    Every row is costed by the same model at the optimal plan's micro-batch size and schedule.
+    Every row is simulated by the planner's own machinery, at the optimal plan's micro-batch size
+    and schedule (or, when nothing fits the cap, at the largest micro-batch size that divides the
+    global batch), so the rows differ only in the split.
     """
     from pipeplan.plan.baselines import BASELINES, baseline_partition
     from pipeplan.plan.graph import build_layer_graph
-    from pipeplan.plan.memory import in_flight_microbatches, static_bytes_per_param_byte
-    from pipeplan.plan.partition import PartitionProblem, split_fits, stage_memory_bytes
-    from pipeplan.plan.planner import make_plan
+    from pipeplan.plan.memory import stage_in_flight
+    from pipeplan.plan.planner import _problem, candidate_microbatch_sizes, make_plan, plan_from_partition
 
+    if settings.schedule not in ("1f1b", "gpipe"):
+        raise BadInputError(f"--schedule: compare takes gpipe or 1f1b (the schedules the baselines use), not {settings.schedule!r}")
     profile = load_profile(profile_path)
+    sha = file_sha256(profile_path)
+    fixed = settings.model_copy(update={"recompute": "none", "virtual_stages": 1})
     try:
-        plan = make_plan(profile, settings, profile_sha256=file_sha256(profile_path))
-        b, m, schedule = plan.microbatch_size, plan.num_microbatches, plan.schedule
+        plan = make_plan(profile, fixed, profile_sha256=sha)
+        b = plan.microbatch_size
     except InfeasibleError:
         plan = None
-        b = (settings.microbatch_size or max(s for s in profile.microbatch_sizes if settings.global_batch % s == 0)
-             if any(settings.global_batch % s == 0 for s in profile.microbatch_sizes) else None)
-        if b is None:
-            raise
-        m, schedule = settings.global_batch // b, ("gpipe" if settings.schedule == "gpipe" else "1f1b")
+        b = max(candidate_microbatch_sizes(profile, fixed))
+    m = settings.global_batch // b
     graph = build_layer_graph(profile, b)
-    problem = PartitionProblem(
-        graph=graph,
-        num_stages=settings.stages,
-        in_flight=in_flight_microbatches(schedule, settings.stages, m),
-        bandwidth_bytes_per_s=math.inf if settings.bandwidth_bytes_per_s is None else settings.bandwidth_bytes_per_s,
-        static_bytes_per_param_byte=static_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes),
-        memory_cap_bytes=math.inf if settings.memory_cap_bytes is None else float(settings.memory_cap_bytes),
-    )
+    problem = _problem(profile, graph, fixed, stage_in_flight(settings.schedule, settings.stages, m))
+    cap = settings.memory_cap_bytes
+
+    def row(name, description, costed, method_plan):
+        peaks = [r.peak_memory_bytes for r in costed.ranks] or [s.peak_memory_bytes for s in costed.stages]
+        return ComparisonRow(
+            name=name,
+            description=description,
+            stage_layers=tuple(len(s.layers) for s in costed.stages),
+            bottleneck_ms=max(s.forward_ms + s.backward_ms + s.transfer_ms for s in costed.stages),
+            iteration_ms=costed.predicted.iteration_ms,
+            samples_per_second=costed.predicted.samples_per_second,
+            peak_memory_bytes=int(max(peaks)),
+            fits=cap is None or max(peaks) <= cap,
+        )
+
     rows = []
     if plan is not None:
-        rows.append(
-            ComparisonRow(
-                name="optimal",
-                description=f"pipeplan ({plan.solver.method}{', proven' if plan.solver.optimal else ''})",
-                stage_layers=tuple(len(s.layers) for s in plan.stages),
-                bottleneck_ms=max(s.forward_ms + s.backward_ms + s.transfer_ms for s in plan.stages),
-                iteration_ms=plan.predicted.iteration_ms,
-                samples_per_second=plan.predicted.samples_per_second,
-                peak_memory_bytes=max(s.peak_memory_bytes for s in plan.stages),
-                fits=True,
-            )
-        )
+        rows.append(row("optimal", f"pipeplan ({plan.solver.method}{', proven' if plan.solver.optimal else ''})", plan, plan))
     for name, description in BASELINES.items():
         split = baseline_partition(problem, name)
-        times = split.stage_times_ms
-        iteration = sum(times) + (m - 1) * max(times)
-        peaks = [
-            stage_memory_bytes(problem, j, layers, split.boundary_bytes[j - 1] if j else 0)
-            for j, layers in enumerate(split.stages)
-        ]
-        rows.append(
-            ComparisonRow(
-                name=name,
-                description=description,
-                stage_layers=tuple(len(s) for s in split.stages),
-                bottleneck_ms=split.bottleneck_ms,
-                iteration_ms=iteration,
-                samples_per_second=settings.global_batch * 1000.0 / iteration,
-                peak_memory_bytes=int(max(peaks)),
-                fits=split_fits(problem, split),
-            )
-        )
+        costed = plan_from_partition(profile, fixed, graph, problem, split, settings.schedule, b, m, sha, 0.0)
+        rows.append(row(name, description, costed, None))
     return rows
 
 

@@ -1,5 +1,5 @@
 """Planning: profile in, plan out. Pure Python; no torch.
 
-graph.py (layer graph), partition.py and ilp.py (exact splits), memory.py and cost.py (the models),
+graph.py (layer graph), partition.py and ilp.py (exact splits), memory.py (the memory model),
 schedules.py and simulate.py (the schedule simulator), planner.py (the search), baselines.py.
 """

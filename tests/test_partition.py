@@ -231,3 +231,17 @@ def test_direct_and_bisection_agree_on_a_long_chain():
     a = partition_chain(problem, method="direct")
     b = partition_chain(problem, method="bisect")
     assert a.bottleneck_ms == pytest.approx(b.bottleneck_ms, rel=1e-9)
+
+
+@SETTINGS
+@given(dag_problems())
+def test_refine_keeps_a_valid_split_and_never_gets_worse(problem):
+    from pipeplan.plan.partition import partition_chain, refine_split
+
+    try:
+        seed = partition_chain(problem)  # along the profile's order
+    except InfeasibleError:
+        return
+    refined = refine_split(problem, seed)
+    assert_valid_split(problem, refined)
+    assert refined.bottleneck_ms <= seed.bottleneck_ms + 1e-12

@@ -266,6 +266,27 @@ def _chain_stage_matrix(problem, j, compute, forward, params, acts, cut_bytes, r
 _DIRECT_MATRIX_MAX_ENTRIES = 4_000_000
 
 
+def _two_pass(run, n: int, k: int, bottleneck_only: bool = False):
+    """Run a chain DP twice: min-max for the bottleneck, then most balanced at it; backtrack.
+
+    ``run(None)`` gives the min-max table, ``run(limit)`` the sum-of-squares table over splits
+    whose stages stay within ``limit``; both return ``(best, arg)`` indexed ``[stage, end]``.
+    """
+    best, _ = run(None)
+    bottleneck = best[k - 1, n]
+    if bottleneck_only:
+        return float(bottleneck)
+    if not math.isfinite(bottleneck):
+        return None
+    best, arg = run(bottleneck * (1 + _TOLERANCE) + 1e-12)
+    cuts = [n]
+    for j in range(k - 1, 0, -1):
+        cuts.append(int(arg[j, cuts[-1]]))
+    cuts.append(0)
+    cuts.reverse()
+    return [tuple(range(cuts[j], cuts[j + 1])) for j in range(k)]
+
+
 def _chain_direct(problem: PartitionProblem, arrays, bottleneck_only: bool = False):
     """Min-max DP, then a second DP for the most balanced split at that bottleneck.
 
@@ -329,19 +350,7 @@ def _chain_direct(problem: PartitionProblem, arrays, bottleneck_only: bool = Fal
             arg[j, cols] = pick + first
         return best, arg
 
-    best, _ = run(None)
-    bottleneck = best[k - 1, n]
-    if bottleneck_only:
-        return float(bottleneck)
-    if not math.isfinite(bottleneck):
-        return None
-    best, arg = run(bottleneck * (1 + _TOLERANCE) + 1e-12)
-    cuts = [n]
-    for j in range(k - 1, 0, -1):
-        cuts.append(int(arg[j, cuts[-1]]))
-    cuts.append(0)
-    cuts.reverse()
-    return [tuple(range(cuts[j], cuts[j + 1])) for j in range(k)]
+    return _two_pass(run, n, k, bottleneck_only)
 
 
 def chain_bottleneck_ms(problem: PartitionProblem) -> float:
@@ -392,17 +401,7 @@ def _chain_direct_loop(problem: PartitionProblem, arrays):
                 best[j, r], arg[j, r] = value[pick], pick
         return best, arg
 
-    best, _ = run(None)
-    bottleneck = best[k - 1, n]
-    if not math.isfinite(bottleneck):
-        return None
-    best, arg = run(bottleneck * (1 + _TOLERANCE) + 1e-12)
-    cuts = [n]
-    for j in range(k - 1, 0, -1):
-        cuts.append(int(arg[j, cuts[-1]]))
-    cuts.append(0)
-    cuts.reverse()
-    return [tuple(range(cuts[j], cuts[j + 1])) for j in range(k)]
+    return _two_pass(run, n, k)
 
 
 def _range_min(values: np.ndarray):

@@ -232,3 +232,25 @@ def test_cli_calibrate_and_run_errors(tmp_path):
     assert result.exit_code == 2 and "--steps: 1 must be an integer >= 2" in result.output
     result = runner.invoke(app, ["run", str(tmp_path / "plan.json")])
     assert result.exit_code == 2 and "--profile PROFILE.json" in result.output
+
+
+def test_failure_message_names_a_crashed_rank_even_when_torchrun_saw_its_peer_first(tmp_path):
+    # The race seen in CI: rank 1 exits 3, rank 0 fails on the closed connection and torchrun
+    # reports rank 0 as the root cause; rank 1's exit is listed among the other failures.
+    _write_error(tmp_path, 0, "RuntimeError", "Connection closed by peer [127.0.0.1]:46294", 2.0)
+    tail = """Failures:
+[1]:
+  time      : 2026-11-30_01:13:00
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 3 (pid: 4242)
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-30_01:13:00
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 4241)
+""".splitlines()
+    text = _failure_message(tmp_path, tail, 1, None, 2)
+    assert text.startswith("rank 1 died without an error report (exit code 3)")
+    assert "rank 0 then failed: RuntimeError: Connection closed by peer" in text

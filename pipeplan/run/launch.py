@@ -233,6 +233,18 @@ def _root_cause(tail: Sequence[str]) -> Optional[tuple[int, Optional[int]]]:
     return int(rank.group(1)), (int(code.group(1)) if code else None)
 
 
+def _exit_codes(tail: Sequence[str]) -> dict[int, int]:
+    """Every (rank -> exit code) torchrun's failure summary lists, root cause or not."""
+    text = "\n".join(tail)
+    codes: dict[int, int] = {}
+    for block in re.split(r"\n\s*\[\d+\]\s*:|Root Cause", text):
+        rank = re.search(r"rank\s*:\s*(\d+)", block)
+        code = re.search(r"exitcode\s*:\s*(-?\d+)", block)
+        if rank and code:
+            codes.setdefault(int(rank.group(1)), int(code.group(1)))
+    return codes
+
+
 def _exit_text(code: Optional[int]) -> str:
     if code is None:
         return "an unknown exit status"
@@ -275,7 +287,14 @@ def _failure_message(out_dir: Path, tail: Sequence[str], returncode: Optional[in
     elif errors:
         silent = sorted(set(range(num_ranks)) - reported)
         first = errors[0]
-        if silent:
+        # A silent rank that exited on its own (not torchrun's SIGTERM to the survivors) died:
+        # the peer's "connection closed" is the consequence, whichever torchrun saw first.
+        codes = _exit_codes(tail)
+        died = [r for r in silent if codes.get(r, 0) > 0 or codes.get(r, 0) in (-signal.SIGKILL, -signal.SIGSEGV, -signal.SIGABRT)]
+        if died:
+            message = (f"rank {died[0]} died without an error report ({_exit_text(codes[died[0]])}); "
+                       f"see its output above; rank {first['rank']} then failed: {describe(first)}")
+        elif silent:
             message = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped answering "
                        f"(hung or stuck); rank {first['rank']} gave up waiting: {describe(first)}")
         else:

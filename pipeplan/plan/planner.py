@@ -858,24 +858,29 @@ def _alternatives(best: _Candidate, sim: Simulation, candidates) -> list[Alterna
 # What would fit
 
 
-def _smallest_cap_without_recompute(profile, graph, settings, in_flight) -> float | None:
-    """Bisection on the cap with the along-order feasibility test (exact for chains)."""
-    def fits(cap):
-        return fits_along_order(_problem(profile, graph, settings, in_flight, memory_cap_bytes=cap))
-
+def _smallest_cap(fits, relative_tolerance: float) -> float | None:
+    """Smallest cap in bytes for which ``fits(cap)`` holds (monotone): doubling, then bisection."""
     hi = 1.0
     while not fits(hi):
         hi *= 2
         if hi > 1e18:
             return None
     lo = hi / 2
-    while hi - lo > hi * 1e-4:
+    while hi - lo > hi * relative_tolerance:
         mid = (lo + hi) / 2
         if fits(mid):
             hi = mid
         else:
             lo = mid
     return hi
+
+
+def _smallest_cap_without_recompute(profile, graph, settings, in_flight) -> float | None:
+    """Bisection on the cap with the along-order feasibility test (exact for chains)."""
+    def fits(cap):
+        return fits_along_order(_problem(profile, graph, settings, in_flight, memory_cap_bytes=cap))
+
+    return _smallest_cap(fits, relative_tolerance=1e-4)
 
 
 def _smallest_cap_with_recompute(profile, graph, settings, in_flight) -> float | None:
@@ -887,19 +892,7 @@ def _smallest_cap_with_recompute(profile, graph, settings, in_flight) -> float |
 
     if not graph.chain or graph.num_layers > RECOMPUTE_SEARCH_MAX_LAYERS:
         return None
-    hi = 1.0
-    while not fits(hi):
-        hi *= 2
-        if hi > 1e18:
-            return None
-    lo = hi / 2
-    while hi - lo > hi * 1e-3:
-        mid = (lo + hi) / 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return _smallest_cap(fits, relative_tolerance=1e-3)
 
 
 def _smallest_fitting_stages(profile, settings, sizes) -> int | None:

@@ -103,10 +103,13 @@ def test_profile_gpt2_tiny_is_a_valid_measured_profile(tmp_path):
     assert "measured with the loss" in prof.layers[-1].description
     for layer in prof.layers:
         for cost in layer.costs:
-            assert cost.backward_input_ms + cost.backward_weight_ms == pytest.approx(cost.backward_ms, rel=1e-3)
+            # Timed as torch's split passes: both present; splitting may cost more than B alone.
+            assert cost.backward_input_ms >= 0 and cost.backward_weight_ms >= 0
             assert cost.forward_spread is not None and cost.backward_spread is not None
     # Token ids need no gradient: the embedding's backward is all weight gradient.
     assert prof.layers[0].costs[0].backward_input_ms == 0
+    assert prof.layers[0].costs[0].backward_weight_ms == prof.layers[0].costs[0].backward_ms
+    assert "stage_backward_input" in prof.measurement["backward_split"]
     # Output of a block: micro-batch * seq * hidden fp32 values.
     assert prof.layers[1].cost_at(2).output_bytes == 2 * 16 * 32 * 4
     assert prof.layers[1].cost_at(2).activation_bytes > prof.layers[1].cost_at(1).activation_bytes

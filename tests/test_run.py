@@ -74,9 +74,12 @@ def test_balanced_plan_refuses_what_torch_refuses():
 
 def test_stage_costs_split_backward_and_transfers():
     profile = _profile(layers=2)
-    cost = stage_costs(profile, [["embed", "blocks.0"]], 1, bandwidth_bytes_per_s=1e4)[0]
+    cost, last = stage_costs(profile, [["embed", "blocks.0"], ["blocks.1", "norm", "head"]], 1,
+                             bandwidth_bytes_per_s=1e4, latency_ms=0.5)
     assert (cost.forward_ms, cost.backward_input_ms, cost.backward_weight_ms) == (3.0, 3.0, 3.0)
-    assert cost.send_ms == pytest.approx(10 / 1e4 * 1000)
+    assert cost.backward_ms == 6.0
+    assert cost.send_ms == pytest.approx(10 / 1e4 * 1000 + 0.5)
+    assert last.send_ms == 0.0
     with pytest.raises(BadInputError, match="'nope' is not in the profile"):
         stage_costs(profile, [["nope"]], 1)
 

@@ -64,8 +64,13 @@ class PlanStage(_Strict):
     backward_ms: float = Field(description="Backward time of one micro-batch (recompute included).")
     backward_input_ms: Optional[float] = Field(
         default=None,
-        description="Input-gradient part (B) of backward_ms, recompute included; the rest is the weight "
-                    "gradient (W). Null: half of the backward is assumed.",
+        description="Input-gradient pass (B) of a split backward, recompute included. Null: half of "
+                    "the backward is assumed.",
+    )
+    backward_weight_ms: Optional[float] = Field(
+        default=None,
+        description="Weight-gradient pass (W) of a split backward; B + W may exceed backward_ms, since "
+                    "splitting costs extra work. Null: backward_ms minus backward_input_ms.",
     )
     transfer_ms: float = Field(default=0.0, description="Receive time per micro-batch at the bandwidth.")
     send_bytes: int = Field(description="Bytes sent to later stages per micro-batch.")

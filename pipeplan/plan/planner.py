@@ -77,6 +77,7 @@ __all__ = [
     "plan_from_partition",
     "stage_costs",
     "plan_simulation",
+    "plan_stage_costs",
     "PLANNER_SCHEDULES",
     "SPLIT_BACKWARD_SCHEDULES",
 ]
@@ -215,11 +216,13 @@ def stage_costs(problem: PartitionProblem, partition: Partition) -> list[StageCo
         forward = float(g.forward_ms[layers].sum())
         b_input = float(g.backward_input_ms[layers].sum())
         b_weight = float(g.backward_weight_ms[layers].sum())
+        b_full = float(g.backward_ms[layers].sum())
         static = math.ceil(problem.static_bytes_per_param_byte * float(g.param_bytes[layers].sum()))
         activations = math.ceil(float(g.activation_bytes[layers].sum()))
         in_bytes = partition.boundary_bytes[j - 1] if j > 0 else 0
         if problem.recompute[j]:
             b_input += forward
+            b_full += forward
             static += activations
             activations = int(in_bytes)
         out.append(
@@ -227,6 +230,7 @@ def stage_costs(problem: PartitionProblem, partition: Partition) -> list[StageCo
                 forward_ms=forward,
                 backward_input_ms=b_input,
                 backward_weight_ms=b_weight,
+                full_backward_ms=b_full,
                 send_ms=partition.boundary_bytes[j] * spb if j < last else 0.0,
                 static_memory_bytes=int(static),
                 activation_bytes=int(activations),
@@ -247,8 +251,11 @@ def _busy_lower_bound_ms(costs: list[StageCost], placement: list[int], num_micro
     first = [None] * ranks
     trip = 0.0
     for stage, (cost, rank) in enumerate(zip(costs, placement)):
-        busy[rank] += cost.forward_ms + cost.backward_ms
-        trip += cost.forward_ms + cost.backward_input_ms
+        # Whichever way the schedule runs the backward (whole, or split at some cost).
+        backward = min(cost.backward_ms, cost.backward_input_ms + cost.backward_weight_ms)
+        busy[rank] += cost.forward_ms + backward
+        # A split schedule runs no input pass on stage 0.
+        trip += cost.forward_ms + (0.0 if stage == 0 else min(cost.backward_input_ms, backward))
         if first[rank] is None:
             first[rank] = stage
     head = [0.0]
@@ -285,6 +292,13 @@ def plan_simulation(plan: Plan) -> Simulation:
     >>> from pipeplan.formats.io import load_plan  # doctest: +SKIP
     >>> plan_simulation(load_plan("plan.json")).iteration_ms  # doctest: +SKIP
     """
+    return simulate(plan_stage_costs(plan), plan.schedule, plan.settings.stages, plan.num_microbatches,
+                    plan.virtual_stages)
+
+
+def plan_stage_costs(plan: Plan) -> list[StageCost]:
+    """Each stage's :class:`StageCost` rebuilt from a plan file's own numbers, in stage order
+    (see :func:`plan_simulation`)."""
     stages = sorted(plan.stages, key=lambda s: s.index)
     bandwidth = plan.settings.bandwidth_bytes_per_s
     ms_per_byte = 0.0 if bandwidth is None or math.isinf(bandwidth) else 1000.0 / bandwidth
@@ -300,15 +314,20 @@ def plan_simulation(plan: Plan) -> Simulation:
             kept = stages[j - 1].send_bytes if j > 0 else 0
         else:
             kept = stage.activation_bytes
+        if stage.backward_weight_ms is not None:
+            b_weight = stage.backward_weight_ms
+        else:
+            b_weight = max(0.0, stage.backward_ms - b_input)
         costs.append(StageCost(
             forward_ms=stage.forward_ms,
             backward_input_ms=b_input,
-            backward_weight_ms=max(0.0, stage.backward_ms - b_input),
+            backward_weight_ms=b_weight,
+            full_backward_ms=stage.backward_ms,
             send_ms=stage.send_bytes * ms_per_byte if j + 1 < len(stages) else 0.0,
             static_memory_bytes=max(0, stage.peak_memory_bytes - stage.in_flight * kept),
             activation_bytes=int(kept),
         ))
-    return simulate(costs, plan.schedule, plan.settings.stages, plan.num_microbatches, plan.virtual_stages)
+    return costs
 
 
 def plan_from_partition(profile, settings, graph, problem, partition: Partition, schedule: str,
@@ -341,6 +360,7 @@ def plan_from_partition(profile, settings, graph, problem, partition: Partition,
         forward = float(graph.forward_ms[layers].sum())
         backward = float(graph.backward_ms[layers].sum())
         b_input = float(graph.backward_input_ms[layers].sum())
+        b_weight = float(graph.backward_weight_ms[layers].sum())
         if problem.recompute[j]:
             backward += forward
             b_input += forward
@@ -352,6 +372,7 @@ def plan_from_partition(profile, settings, graph, problem, partition: Partition,
                 forward_ms=round(forward, 6),
                 backward_ms=round(backward, 6),
                 backward_input_ms=round(b_input, 6),
+                backward_weight_ms=round(b_weight, 6),
                 transfer_ms=round((in_b + out_b) * spb, 6),
                 send_bytes=int(out_b),
                 param_bytes=int(graph.param_bytes[layers].sum()),

@@ -18,6 +18,11 @@ Model
   ``send_ms`` of stage ``s`` (the gradient of its output has its output's size)
   when ``s+1`` is on another rank; the last stage's backward follows its own
   forward. ``W`` follows the ``B`` of the same stage and micro-batch.
+- ``FULL_B`` takes ``full_backward_ms``; a split backward takes ``B`` then ``W``,
+  whose sum may be more. As in torch 2.13, stage 0's ``B`` takes no time and its
+  ``W`` runs the whole backward (``stage_backward_weight`` needs the input pass's
+  intermediate gradients, which stage 0, with no input to send a gradient to,
+  does not make).
 - Transfers are asynchronous: they never block the sender and never occupy a
   rank; a receiver only waits for the data.
 - Memory: a rank starts at the static bytes of its stages; a forward adds its
@@ -32,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from pipeplan.errors import BadInputError
 from pipeplan.plan.schedules import _rank_actions_cached, check_schedule, stage_ranks
@@ -59,10 +64,17 @@ class StageCost:
     """Parameters, gradients and optimizer state: held for the whole iteration."""
     activation_bytes: int = 0
     """Bytes a forward keeps for its backward, per micro-batch in flight."""
+    full_backward_ms: Optional[float] = None
+    """The whole backward as one action (``FULL_B``, torch's ``stage_backward``); None means
+    ``backward_input_ms + backward_weight_ms``. Splitting a backward costs extra work (the
+    input pass keeps intermediate gradients, the weight pass walks the graph again), so a
+    profile timed the way torch splits gives less here than the two passes' sum."""
 
     def __post_init__(self) -> None:
-        for name in ("forward_ms", "backward_input_ms", "backward_weight_ms", "send_ms"):
+        for name in ("forward_ms", "backward_input_ms", "backward_weight_ms", "send_ms", "full_backward_ms"):
             value = getattr(self, name)
+            if value is None and name == "full_backward_ms":
+                continue
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise BadInputError(f"StageCost.{name} = {value!r} must be a finite number >= 0")
         for name in ("static_memory_bytes", "activation_bytes"):
@@ -72,7 +84,9 @@ class StageCost:
 
     @property
     def backward_ms(self) -> float:
-        """The whole backward, ``backward_input_ms + backward_weight_ms``."""
+        """The whole backward as one action: ``full_backward_ms``, else the two passes' sum."""
+        if self.full_backward_ms is not None:
+            return self.full_backward_ms
         return self.backward_input_ms + self.backward_weight_ms
 
 
@@ -210,9 +224,12 @@ def simulate(
             forward_in_ms[s] = costs[s - 1].send_ms
             backward_in_ms[s - 1] = costs[s - 1].send_ms
 
+    # torch's split schedules skip the first stage's input pass (no stage wants that gradient)
+    # and run its whole backward as the W action.
     duration_ms = [
-        (c.forward_ms, c.backward_input_ms, c.backward_weight_ms, c.backward_input_ms + c.backward_weight_ms)
-        for c in costs
+        (c.forward_ms, 0.0, c.backward_ms, c.backward_ms) if s == 0 else
+        (c.forward_ms, c.backward_input_ms, c.backward_weight_ms, c.backward_ms)
+        for s, c in enumerate(costs)
     ]
     times = _run(orders, duration_ms, forward_in_ms, backward_in_ms, p, m)
     rank_events = [

@@ -195,6 +195,7 @@ def profile_model(
         parameter_storages,
         timing_rounds,
     )
+    from pipeplan.profile.allocator import keep_freed_memory
     from pipeplan.profile.models import _torch_dtype
     from pipeplan.profile.units import default_units, select_units, trace_units
 
@@ -213,6 +214,7 @@ def profile_model(
         threads = 1
     if threads is not None:
         torch.set_num_threads(threads)
+    allocator_kept = torch_device.type == "cpu" and keep_freed_memory()
     try:
         bundle = load_bundle(model, seed=seed, device=torch_device, dtype=torch_dtype, **options)
         net = bundle.model
@@ -319,18 +321,15 @@ def profile_model(
                 remeasured += len(noisy)
                 for name in order:
                     m = timers[name].result()
-                    b_in = None if m.backward_input_ms is None else _r(m.backward_input_ms)
                     backward = _r(m.backward_ms)
-                    if b_in is not None:
-                        b_in = min(b_in, backward)
                     costs.setdefault(name, []).append(LayerCost(
                         microbatch_size=size,
                         forward_ms=_r(m.forward_ms),
                         backward_ms=backward,
                         activation_bytes=int(m.activation_bytes),
                         output_bytes=int(m.output_bytes),
-                        backward_input_ms=b_in,
-                        backward_weight_ms=None if b_in is None else _r(backward - b_in),
+                        backward_input_ms=None if m.backward_input_ms is None else _r(m.backward_input_ms),
+                        backward_weight_ms=None if m.backward_weight_ms is None else _r(m.backward_weight_ms),
                         forward_spread=_r(m.forward_spread),
                         backward_spread=_r(m.backward_spread),
                     ))
@@ -380,6 +379,8 @@ def profile_model(
             **device_extra,
             "cpu_count": os.cpu_count(),
             "threads": torch.get_num_threads(),
+            "allocator": ("glibc keeps freed memory (pipeplan.profile.allocator)" if allocator_kept
+                          else "the C library's defaults"),
             "dtype": dtype,
             "repeats": repeats,
             "warmup": warmup,
@@ -395,8 +396,9 @@ def profile_model(
                          "driven by a random output gradient (the last unit: by the loss)"),
             "activation_bytes_method": "unique storages saved by autograd (saved_tensors_hooks), "
                                        "parameters and buffers excluded",
-            "backward_split": ("backward_input_ms: torch.autograd.grad w.r.t. the unit's inputs only, "
-                               "timed apart; backward_weight_ms = backward_ms - backward_input_ms")
+            "backward_split": ("backward_input_ms, then backward_weight_ms: torch's stage_backward_input "
+                               "and stage_backward_weight, timed apart as the zero-bubble schedules run "
+                               "them; their sum exceeds backward_ms by what splitting costs")
             if split_backward else None,
             "remeasured_unit_sizes": remeasured,
             "unused_units": list(graph.unused),

@@ -30,10 +30,7 @@ def _scale(cost: Any, forward: float, backward: float) -> Any:
     data["backward_ms"] = round(cost.backward_ms * backward, 4)
     if cost.backward_input_ms is not None:
         data["backward_input_ms"] = round(cost.backward_input_ms * backward, 4)
-        data["backward_weight_ms"] = round(data["backward_ms"] - data["backward_input_ms"], 4)
-        if data["backward_weight_ms"] < 0:
-            data["backward_weight_ms"] = 0.0
-            data["backward_input_ms"] = data["backward_ms"]
+        data["backward_weight_ms"] = round(cost.backward_weight_ms * backward, 4)
     return type(cost).model_validate(data)
 
 

@@ -3,50 +3,55 @@
 The planner (:func:`pipeplan.plan.planner.make_plan`) searches splits for the schedules it
 supports. To run every schedule the simulator knows (interleaved, zero-bubble, V-shapes) on a
 real model, :func:`balanced_plan` builds a plan directly: it cuts the profile's layer chain into
-``ranks * virtual_stages`` contiguous stages of near-equal compute, places them with
-:func:`pipeplan.plan.schedules.stage_ranks`, and fills ``predicted`` and ``ranks`` from
-:func:`pipeplan.plan.simulate.simulate`. :func:`simulate_plan` predicts any plan the same way.
-No torch needed.
+``ranks * virtual_stages`` contiguous stages of near-equal compute and hands the split to the
+planner's own costing and simulation (:func:`pipeplan.plan.planner.plan_from_partition`).
+:func:`simulate_plan` predicts any plan the same way. No torch needed.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 from pipeplan.errors import BadInputError
-from pipeplan.formats.plan import (
-    Plan,
-    PlanProfileRef,
-    PlanSettings,
-    PlanStage,
-    Predicted,
-    RankSummary,
-    SolverInfo,
-)
+from pipeplan.formats.plan import Plan, PlanSettings
 
 __all__ = ["balanced_plan", "simulate_plan", "stage_costs"]
 
 
-def _layer_costs(profile: Any, microbatch_size: int) -> dict[str, tuple[float, float, float, int, int, int]]:
-    """Per layer: forward, input-gradient, weight-gradient ms; output, activation, param bytes."""
-    if microbatch_size not in profile.microbatch_sizes:
-        raise BadInputError(
-            f"micro-batch size {microbatch_size} was not profiled; the profile has {profile.microbatch_sizes}"
-        )
-    out = {}
-    for layer in profile.layers:
-        c = layer.cost_at(microbatch_size)
-        b_in = c.backward_input_ms if c.backward_input_ms is not None else c.backward_ms
-        b_w = c.backward_weight_ms if c.backward_weight_ms is not None else 0.0
-        out[layer.name] = (c.forward_ms, b_in, b_w, c.output_bytes, c.activation_bytes, layer.param_bytes)
-    return out
+def _split(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: int, settings: PlanSettings,
+           in_flight: Sequence[int], method: str = "given") -> tuple[Any, Any, Any]:
+    """The planner's ``(graph, problem, partition)`` for a split given by layer names.
+
+    Raises
+    ------
+    BadInputError
+        A layer name the profile does not have, or a micro-batch size it was not measured at.
+    """
+    from pipeplan.plan.graph import build_layer_graph
+    from pipeplan.plan.partition import evaluate_split
+    from pipeplan.plan.planner import _problem
+
+    graph = build_layer_graph(profile, microbatch_size)
+    index = {name: i for i, name in enumerate(graph.names)}
+    for number, layers in enumerate(stages):
+        unknown = [name for name in layers if name not in index]
+        if unknown:
+            raise BadInputError(
+                f"stage {number}: layer {unknown[0]!r} is not in the profile of {profile.model}; "
+                f"its layers are {', '.join(graph.names)}"
+            )
+    problem = _problem(profile, graph, settings, in_flight)
+    partition = evaluate_split(problem, [[index[name] for name in layers] for layers in stages], method=method)
+    return graph, problem, partition
 
 
 def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: int,
                 optimizer: str = "adam", bandwidth_bytes_per_s: Optional[float] = None,
                 latency_ms: float = 0.0) -> list:
-    """One :class:`pipeplan.plan.simulate.StageCost` per stage, from the profile's layers.
+    """One :class:`pipeplan.plan.simulate.StageCost` per stage, from the profile's layers, as
+    the planner costs them (:func:`pipeplan.plan.planner.stage_costs`).
 
     Parameters
     ----------
@@ -67,33 +72,14 @@ def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: 
     BadInputError
         A layer name the profile does not have.
     """
-    from pipeplan.plan.memory import static_bytes_per_param_byte
-    from pipeplan.plan.simulate import StageCost
+    from pipeplan.plan import planner
 
-    costs = _layer_costs(profile, microbatch_size)
-    static_per_byte = static_bytes_per_param_byte(optimizer, profile.dtype_bytes)
-    out = []
-    for index, layers in enumerate(stages):
-        unknown = [name for name in layers if name not in costs]
-        if unknown:
-            raise BadInputError(
-                f"stage {index}: layer {unknown[0]!r} is not in the profile of {profile.model}; "
-                f"its layers are {', '.join(costs)}"
-            )
-        rows = [costs[name] for name in layers]
-        send_bytes = rows[-1][3]
-        send_ms = latency_ms
-        if bandwidth_bytes_per_s and math.isfinite(bandwidth_bytes_per_s):
-            send_ms += send_bytes / bandwidth_bytes_per_s * 1000.0
-        out.append(StageCost(
-            forward_ms=sum(r[0] for r in rows),
-            backward_input_ms=sum(r[1] for r in rows),
-            backward_weight_ms=sum(r[2] for r in rows),
-            send_ms=send_ms,
-            static_memory_bytes=int(static_per_byte * sum(r[5] for r in rows)),
-            activation_bytes=int(sum(r[4] for r in rows)),
-        ))
-    return out
+    settings = PlanSettings(stages=1, global_batch=microbatch_size, optimizer=optimizer,
+                            bandwidth_bytes_per_s=bandwidth_bytes_per_s)
+    _, problem, partition = _split(profile, stages, microbatch_size, settings, [1] * len(stages))
+    last = len(stages) - 1
+    return [replace(cost, send_ms=cost.send_ms + latency_ms) if j < last else cost
+            for j, cost in enumerate(planner.stage_costs(problem, partition))]
 
 
 def _balanced_cuts(weights: Sequence[float], parts: int) -> list[int]:
@@ -190,7 +176,11 @@ def balanced_plan(profile: Any, *, schedule: str, ranks: int, microbatch_size: i
     >>> [(s.rank, s.layers) for s in plan.stages]
     [(0, ['l0']), (1, ['l1']), (1, ['l2']), (0, ['l3'])]
     """
-    from pipeplan.plan.schedules import check_schedule, stage_ranks, valid_virtual_stages
+    from pipeplan.plan.graph import build_layer_graph
+    from pipeplan.plan.planner import plan_from_partition
+    from pipeplan.plan.planner import stage_costs as planner_stage_costs
+    from pipeplan.plan.schedules import check_schedule, valid_virtual_stages
+    from pipeplan.plan.simulate import simulate
 
     if virtual_stages is None:
         virtual_stages = valid_virtual_stages(schedule)[0]
@@ -202,62 +192,20 @@ def balanced_plan(profile: Any, *, schedule: str, ranks: int, microbatch_size: i
             f"{schedule} with {ranks} ranks x {virtual_stages} virtual stages needs {num_stages} stages "
             f"but the profile has only {len(names)} layers; use fewer ranks or a deeper model"
         )
-    costs = _layer_costs(profile, microbatch_size)
-    cuts = _balanced_cuts([costs[n][0] + costs[n][1] + costs[n][2] for n in names], num_stages)
-    groups, start = [], 0
-    for end in cuts:
-        groups.append(names[start:end])
-        start = end
-    placement = stage_ranks(schedule, ranks, virtual_stages)
+    graph = build_layer_graph(profile, microbatch_size)
+    cuts = _balanced_cuts(list(graph.forward_ms + graph.backward_ms), num_stages)
+    groups = [names[start:end] for start, end in zip([0, *cuts[:-1]], cuts)]
     settings = PlanSettings(stages=ranks, global_batch=microbatch_size * num_microbatches,
                             microbatch_size=microbatch_size, optimizer=optimizer, schedule=schedule,
                             virtual_stages=virtual_stages)
-    stage_cost = stage_costs(profile, groups, microbatch_size, optimizer)
-    from pipeplan.plan.simulate import simulate
-
-    sim = simulate(stage_cost, schedule, ranks, num_microbatches, virtual_stages)
-    stages = []
-    for index, (layers, cost) in enumerate(zip(groups, stage_cost)):
-        stages.append(PlanStage(
-            index=index,
-            rank=placement[index],
-            layers=list(layers),
-            forward_ms=round(cost.forward_ms, 6),
-            backward_ms=round(cost.backward_ms, 6),
-            send_bytes=int(costs[layers[-1]][3]) if index < num_stages - 1 else 0,
-            param_bytes=int(sum(costs[n][5] for n in layers)),
-            activation_bytes=cost.activation_bytes,
-            in_flight=int(sim.stage_peak_in_flight[index]),
-            peak_memory_bytes=int(cost.static_memory_bytes
-                                  + sim.stage_peak_in_flight[index] * cost.activation_bytes),
-        ))
-    samples = settings.global_batch * 1000.0 / sim.iteration_ms if sim.iteration_ms > 0 else 0.0
-    return Plan(
-        schema_version=1,
-        profile=PlanProfileRef(model=profile.model, sha256=profile_sha256),
-        settings=settings,
-        schedule=schedule,
-        virtual_stages=virtual_stages,
-        microbatch_size=microbatch_size,
-        num_microbatches=num_microbatches,
-        stages=stages,
-        predicted=Predicted(
-            iteration_ms=round(sim.iteration_ms, 6),
-            bubble_fraction=round(sim.bubble_fraction, 6),
-            samples_per_second=round(samples, 6),
-            bottleneck_stage=max(range(num_stages), key=lambda s: (
-                stage_cost[s].forward_ms + stage_cost[s].backward_ms, -s)),
-            compute_ms=round(sim.compute_ms, 6),
-            bubble_ms=round(sim.bubble_ms, 6),
-            transfer_ms=round(sim.transfer_ms, 6),
-        ),
-        ranks=[
-            RankSummary(rank=r, stages=[s for s in range(num_stages) if placement[s] == r],
-                        busy_ms=round(sim.rank_busy_ms[r], 6), idle_ms=round(sim.rank_idle_ms[r], 6),
-                        peak_memory_bytes=int(sim.rank_peak_memory_bytes[r]))
-            for r in range(ranks)
-        ],
+    # The schedule decides how many micro-batches each stage holds: simulate once to learn it,
+    # then cost the split with those counts.
+    _, problem, partition = _split(profile, groups, microbatch_size, settings, [1] * num_stages)
+    sim = simulate(planner_stage_costs(problem, partition), schedule, ranks, num_microbatches, virtual_stages)
+    graph, problem, partition = _split(profile, groups, microbatch_size, settings, sim.stage_peak_in_flight,
+                                       method="balanced")
+    return plan_from_partition(
+        profile, settings, graph, problem, partition, schedule, microbatch_size, num_microbatches,
+        profile_sha256, 0.0, virtual_stages=virtual_stages, simulation=sim,
         notes=["split by pipeplan.run.plans.balanced_plan: near-equal compute per stage, "
-               "predicted by the event simulator"],
-        solver=SolverInfo(method="balanced", optimal=False, seconds=0.0),
-    )
+               "predicted by the event simulator"])

@@ -34,6 +34,11 @@ Definitions (all times are medians over the steps after the first, a warm-up):
 - ``gap``: on the rank that finished last, how much of ``measured - predicted`` iteration is
   compute (``busy_ms - predicted_busy_ms``: the profile's per-layer times) and how much idle
   (``idle_ms - predicted_idle_ms``: bubble, transfers, the schedule's own work).
+- ``predicted.replayed_iteration_ms`` and ``replayed_ratio``: the plan's schedule simulated again
+  with every rank's stage costs scaled so that its busy time is what the rank measured. The
+  replay has the measured compute and the model's everything else, so ``measured / replayed``
+  is the error of the non-compute terms (transfers, the schedule's own work, waiting on a late
+  peer beyond what the compute explains) and ``replayed / predicted`` that of the compute.
 - ``peak_memory_bytes``: CUDA, ``max_memory_allocated``; CPU, the growth of the resident set
   from before the stages were built to its peak (it includes the allocator's slack).
 """
@@ -227,6 +232,10 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
         "run": dict(run or {}),
         "notes": [],
     }
+    replayed_ms = _replay_ms(plan, ranks)
+    if replayed_ms is not None:
+        predicted["replayed_iteration_ms"] = _r(replayed_ms)
+        report["replayed_ratio"] = _ratio(iteration_ms, replayed_ms)
     if simulation is not None:
         report["simulated_ratio"] = _ratio(iteration_ms, simulation.iteration_ms)
         if "simulated_with_link_iteration_ms" in predicted:
@@ -251,6 +260,31 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
     if profile_path is not None:
         report["profile_path"] = profile_path
     return report
+
+
+def _replay_ms(plan: Any, ranks: Sequence[dict[str, Any]]) -> Optional[float]:
+    """The plan's schedule simulated with each rank's costs scaled to its measured busy time."""
+    from dataclasses import replace
+
+    from pipeplan.plan.planner import plan_stage_costs
+    from pipeplan.plan.simulate import simulate
+
+    costs = plan_stage_costs(plan)
+    sim = simulate(costs, plan.schedule, plan.settings.stages, plan.num_microbatches, plan.virtual_stages)
+    scale = {}
+    for row in ranks:
+        predicted = sim.rank_busy_ms[row["rank"]]
+        if row["busy_ms"] is None or predicted <= 0:
+            return None
+        scale[row["rank"]] = row["busy_ms"] / predicted
+    scaled = []
+    for cost, rank in zip(costs, sim.stage_ranks):
+        k = scale[rank]
+        scaled.append(replace(cost, forward_ms=cost.forward_ms * k, backward_input_ms=cost.backward_input_ms * k,
+                              backward_weight_ms=cost.backward_weight_ms * k,
+                              full_backward_ms=cost.backward_ms * k))
+    return simulate(scaled, plan.schedule, plan.settings.stages, plan.num_microbatches,
+                    plan.virtual_stages).iteration_ms
 
 
 def _ms(value: Optional[float]) -> str:
@@ -309,6 +343,9 @@ def report_table(report: dict[str, Any]) -> Any:
         if predicted.get("simulated_with_link_iteration_ms") is not None:
             parts.append(f"simulated with that link {_ms(predicted['simulated_with_link_iteration_ms'])} ms "
                          f"(ratio {_x(report.get('simulated_with_link_ratio'))})")
+    if predicted.get("replayed_iteration_ms") is not None:
+        parts.append(f"replayed with the measured compute {_ms(predicted['replayed_iteration_ms'])} ms "
+                     f"(ratio {_x(report.get('replayed_ratio'))}: the non-compute terms)")
     gap = report.get("gap")
     if gap and gap.get("iteration_ms") is not None:
         parts.append(f"gap {gap['iteration_ms']:+.1f} ms on rank {gap['rank']}: compute {gap['compute_ms']:+.1f}, "

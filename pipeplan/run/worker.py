@@ -197,6 +197,10 @@ def run_rank(config: dict[str, Any]) -> list[dict[str, Any]]:
     else:
         device = torch.device("cpu")
         backend = "gloo"
+        # As the profiler does: otherwise every micro-batch faults its activations in afresh.
+        from pipeplan.profile.allocator import keep_freed_memory
+
+        keep_freed_memory()
     timeout = timedelta(seconds=float(config.get("timeout_s") or 60))
     init_kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     if device.type == "cuda":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import sys
 import textwrap
 
@@ -110,6 +111,8 @@ def test_profile_gpt2_tiny_is_a_valid_measured_profile(tmp_path):
     assert prof.layers[0].costs[0].backward_input_ms == 0
     assert prof.layers[0].costs[0].backward_weight_ms == prof.layers[0].costs[0].backward_ms
     assert "stage_backward_input" in prof.measurement["backward_split"]
+    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+        assert prof.measurement["allocator"].startswith("glibc keeps freed memory")
     # Output of a block: micro-batch * seq * hidden fp32 values.
     assert prof.layers[1].cost_at(2).output_bytes == 2 * 16 * 32 * 4
     assert prof.layers[1].cost_at(2).activation_bytes > prof.layers[1].cost_at(1).activation_bytes
@@ -342,3 +345,11 @@ def test_stage_from_a_profile_rebuilds_the_profiled_model():
     stage = build_stage_from_profile(prof, [layer.name for layer in prof.layers[-2:]])
     assert stage.unit_names == ["norm", "head"]
     assert stage.get_submodule("head").proj.weight.shape == (64, 32)  # --vocab and --hidden kept
+
+
+def test_keep_freed_memory_applies_once_on_glibc():
+    from pipeplan.profile.allocator import keep_freed_memory
+
+    first = keep_freed_memory()
+    assert keep_freed_memory() is first
+    assert first is (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc")

@@ -189,6 +189,20 @@ def test_report_puts_measured_beside_predicted():
     assert "ratio 1.05" in console.export_text()
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_report_replays_the_schedule_with_the_measured_compute(schedule):
+    profile = _profile()
+    plan = balanced_plan(profile, schedule=schedule, ranks=2, microbatch_size=1, num_microbatches=4)
+    same = build_report(plan, _results(plan))
+    assert same["predicted"]["replayed_iteration_ms"] == pytest.approx(plan.predicted.iteration_ms, rel=1e-4)
+    assert same["replayed_ratio"] == pytest.approx(1.05, rel=1e-3)
+    # All compute 20% slower and transfers free: the replayed iteration is 20% longer, and the
+    # 5% the fake run adds beyond it is the non-compute error.
+    slower = build_report(plan, _results(plan, forward_scale=1.2, backward_scale=1.2))
+    assert slower["predicted"]["replayed_iteration_ms"] == pytest.approx(1.2 * plan.predicted.iteration_ms, rel=1e-4)
+    assert slower["replayed_ratio"] == pytest.approx(1.05 / 1.2, rel=1e-3)
+
+
 def test_calibrated_profile_predicts_the_measured_compute():
     profile = _profile()
     plan = balanced_plan(profile, schedule="1f1b", ranks=2, microbatch_size=2, num_microbatches=4)

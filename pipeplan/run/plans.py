@@ -20,20 +20,19 @@ from pipeplan.formats.plan import Plan, PlanSettings
 __all__ = ["balanced_plan", "simulate_plan", "stage_costs"]
 
 
-def _split(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: int, settings: PlanSettings,
-           in_flight: Sequence[int], method: str = "given") -> tuple[Any, Any, Any]:
-    """The planner's ``(graph, problem, partition)`` for a split given by layer names.
+def _split(profile: Any, graph: Any, stages: Sequence[Sequence[str]], settings: PlanSettings,
+           in_flight: Sequence[int], method: str = "given") -> tuple[Any, Any]:
+    """The planner's ``(problem, partition)`` for a split given by layer names, on the profile's
+    layer graph at one micro-batch size (:func:`pipeplan.plan.graph.build_layer_graph`).
 
     Raises
     ------
     BadInputError
-        A layer name the profile does not have, or a micro-batch size it was not measured at.
+        A layer name the profile does not have.
     """
-    from pipeplan.plan.graph import build_layer_graph
     from pipeplan.plan.partition import evaluate_split
     from pipeplan.plan.planner import _problem
 
-    graph = build_layer_graph(profile, microbatch_size)
     index = {name: i for i, name in enumerate(graph.names)}
     for number, layers in enumerate(stages):
         unknown = [name for name in layers if name not in index]
@@ -44,7 +43,7 @@ def _split(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: int, 
             )
     problem = _problem(profile, graph, settings, in_flight)
     partition = evaluate_split(problem, [[index[name] for name in layers] for layers in stages], method=method)
-    return graph, problem, partition
+    return problem, partition
 
 
 def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: int,
@@ -73,10 +72,12 @@ def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: 
         A layer name the profile does not have.
     """
     from pipeplan.plan import planner
+    from pipeplan.plan.graph import build_layer_graph
 
     settings = PlanSettings(stages=1, global_batch=microbatch_size, optimizer=optimizer,
                             bandwidth_bytes_per_s=bandwidth_bytes_per_s)
-    _, problem, partition = _split(profile, stages, microbatch_size, settings, [1] * len(stages))
+    graph = build_layer_graph(profile, microbatch_size)
+    problem, partition = _split(profile, graph, stages, settings, [1] * len(stages))
     last = len(stages) - 1
     return [replace(cost, send_ms=cost.send_ms + latency_ms) if j < last else cost
             for j, cost in enumerate(planner.stage_costs(problem, partition))]
@@ -200,10 +201,9 @@ def balanced_plan(profile: Any, *, schedule: str, ranks: int, microbatch_size: i
                             virtual_stages=virtual_stages)
     # The schedule decides how many micro-batches each stage holds: simulate once to learn it,
     # then cost the split with those counts.
-    _, problem, partition = _split(profile, groups, microbatch_size, settings, [1] * num_stages)
+    problem, partition = _split(profile, graph, groups, settings, [1] * num_stages)
     sim = simulate(planner_stage_costs(problem, partition), schedule, ranks, num_microbatches, virtual_stages)
-    graph, problem, partition = _split(profile, groups, microbatch_size, settings, sim.stage_peak_in_flight,
-                                       method="balanced")
+    problem, partition = _split(profile, graph, groups, settings, sim.stage_peak_in_flight, method="balanced")
     return plan_from_partition(
         profile, settings, graph, problem, partition, schedule, microbatch_size, num_microbatches,
         profile_sha256, 0.0, virtual_stages=virtual_stages, simulation=sim,

@@ -14,7 +14,13 @@ minutes (two profiles four minutes apart timed the whole model at micro-batch 2 
 - *compute*: per rank, busy time inside forward/backward/weight calls over the plan's
   prediction of it;
 - *replayed*: measured / the plan's schedule simulated again with the measured compute, that
-  is the error of everything but compute (transfers, the schedule's own work).
+  is the error of everything but compute (transfers, the schedule's own work);
+- *alone*: the ranks' stages re-timed alone during the run (outside the schedule) over their
+  profiled time: the machine's drift since profiling;
+- *adjusted*: measured / the prediction scaled by that drift, the cost model's own error.
+
+With ``--profile-once`` every run uses one profile made at the start, as a user plans many
+schedules from one profile; the *alone* column then shows the drift grow with time.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ def _row(label: str, report: dict) -> str:
             f"{report['microbatch_size']} x {report['num_microbatches']} | "
             f"{report['predicted']['iteration_ms']:.1f} | {report['measured']['iteration_ms']:.1f} | "
             f"**{report['ratio']:.2f}** | {compute} | {report.get('replayed_ratio', float('nan')):.2f} | "
+            f"{report.get('alone_ratio', float('nan')):.2f} | {report.get('adjusted_ratio', float('nan')):.2f} | "
             f"{report['run']['load_average_before'][0]:.2f} |")
 
 
@@ -52,17 +59,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--keep", help="Keep the profile, plans and reports in this folder.")
+    parser.add_argument("--profile-once", action="store_true", help="One profile for every run.")
     args = parser.parse_args(argv)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="pipeplan-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    print("| run | schedule | b x m | predicted ms | measured ms | ratio | compute per rank | replayed | load "
-          "| profile: whole model at b=2 ms, units / whole |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| run | schedule | b x m | predicted ms | measured ms | ratio | compute per rank | replayed | alone "
+          "| adjusted | load | profile: whole model at b=2 ms, units / whole |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    shared = work / "profile.json"
+    if args.profile_once:
+        _pipeplan("profile", *MODEL, "--microbatch-sizes", "1,2,4", "--seq-len", "128", "-o", str(shared))
     for i in range(1, args.repeats + 1):
         for schedule in args.schedules.split(","):
             name = f"{schedule}-{i}"
             profile, plan, report = (work / f"{kind}-{name}.json" for kind in ("profile", "plan", "report"))
-            _pipeplan("profile", *MODEL, "--microbatch-sizes", "1,2,4", "--seq-len", "128", "-o", str(profile))
+            if args.profile_once:
+                profile = shared
+            else:
+                _pipeplan("profile", *MODEL, "--microbatch-sizes", "1,2,4", "--seq-len", "128", "-o", str(profile))
             _pipeplan("plan", str(profile), "--stages", "2", "--global-batch", "16", "--schedule", schedule,
                       "-o", str(plan))
             _pipeplan("run", str(plan), "--profile", str(profile), "--steps", str(args.steps),

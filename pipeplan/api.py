@@ -64,13 +64,14 @@ def compare_splits(profile_path: str | Path, settings: PlanSettings) -> list[Com
     from pipeplan.plan.baselines import BASELINES, baseline_partition
     from pipeplan.plan.graph import build_layer_graph
     from pipeplan.plan.memory import stage_in_flight
-    from pipeplan.plan.planner import _problem, candidate_microbatch_sizes, make_plan, plan_from_partition
+    from pipeplan.plan.planner import (_problem, candidate_microbatch_sizes, make_plan, plan_from_partition,
+                                       with_profile_defaults)
 
     if settings.schedule not in ("1f1b", "gpipe"):
         raise BadInputError(f"--schedule: compare takes gpipe or 1f1b (the schedules the baselines use), not {settings.schedule!r}")
     profile = load_profile(profile_path)
     sha = file_sha256(profile_path)
-    fixed = settings.model_copy(update={"recompute": "none", "virtual_stages": 1})
+    fixed = with_profile_defaults(profile, settings).model_copy(update={"recompute": "none", "virtual_stages": 1})
     try:
         plan = make_plan(profile, fixed, profile_sha256=sha)
         b = plan.microbatch_size

@@ -81,7 +81,7 @@ def _settings(**kwargs):
 
 
 def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer, bandwidth, schedule,
-                   virtual_stages, recompute, solver):
+                   virtual_stages, recompute, solver, action_overhead_ms=None):
     from pipeplan.quantities import parse_bandwidth, parse_bytes
 
     if optimizer not in ("adam", "sgd", "none"):
@@ -102,6 +102,7 @@ def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer,
         virtual_stages=virtual_stages,
         recompute=recompute,
         solver=solver,
+        action_overhead_ms=action_overhead_ms,
     )
 
 
@@ -116,6 +117,10 @@ _SCHEDULE = typer.Option("auto", "--schedule", help="auto, gpipe, 1f1b, interlea
 _VIRTUAL = typer.Option(None, "--virtual-stages", "-v", help="Stages per rank (interleaved/zero-bubble); default: search.")
 _RECOMPUTE = typer.Option("auto", "--recompute", help="Activation recomputation: auto, none or all.")
 _SOLVER = typer.Option("auto", "--solver", help="auto, dp (chain / ideal-lattice DP) or ilp (PuLP + HiGHS).")
+_ACTION_OVERHEAD = typer.Option(
+    None, "--action-overhead-ms",
+    help="The schedule's own time per action on a rank (posting transfers, bookkeeping); `pipeplan run` "
+         "measures it. Default: the profile's (from `pipeplan calibrate`), else 0.")
 
 
 def _default_global_batch(profile_path, global_batch):
@@ -187,6 +192,7 @@ def plan(
     virtual_stages: Optional[int] = _VIRTUAL,
     recompute: str = _RECOMPUTE,
     solver: str = _SOLVER,
+    action_overhead_ms: Optional[float] = _ACTION_OVERHEAD,
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Plan JSON to write."),
     record_time: bool = typer.Option(False, "--record-time", help="Record solver seconds in the plan (breaks byte-identical output)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors."),
@@ -196,7 +202,7 @@ def plan(
     from pipeplan.show import plan_tables
 
     settings = _plan_settings(stages, _default_global_batch(profile, global_batch), microbatch_size, memory_cap,
-                              optimizer, bandwidth, schedule, virtual_stages, recompute, solver)
+                              optimizer, bandwidth, schedule, virtual_stages, recompute, solver, action_overhead_ms)
     result = plan_profile(profile, settings, output, record_time=record_time)
     if not quiet:
         _console().print(plan_tables(result))
@@ -242,13 +248,14 @@ def compare(
     bandwidth: str = _BANDWIDTH,
     schedule: str = typer.Option("1f1b", "--schedule", help="gpipe or 1f1b."),
     solver: str = _SOLVER,
+    action_overhead_ms: Optional[float] = _ACTION_OVERHEAD,
 ):
     """Compare the optimal plan with uniform, parameter-balanced and greedy splits."""
     from pipeplan.api import compare_splits
     from pipeplan.show import comparison_table
 
     settings = _plan_settings(stages, _default_global_batch(profile, global_batch), microbatch_size, memory_cap,
-                              optimizer, bandwidth, schedule, None, "none", solver)
+                              optimizer, bandwidth, schedule, None, "none", solver, action_overhead_ms)
     rows = compare_splits(profile, settings)
     _console().print(comparison_table(rows, f"{profile}: {stages} stages, global batch {settings.global_batch}"))
 
@@ -394,8 +401,11 @@ def calibrate(
     """Scale a profile's per-layer times by what a run measured, so the next plan uses real numbers."""
     from pipeplan.run.calibrate import calibrate_files, calibration_table
 
-    _, factors = calibrate_files(plan_file, report_file, output, profile_path=profile)
+    calibrated, factors = calibrate_files(plan_file, report_file, output, profile_path=profile)
     _console().print(calibration_table(factors))
+    overhead_ms = (calibrated.measurement or {}).get("action_overhead_ms")
+    if overhead_ms is not None:
+        typer.echo(f"the schedule's own work: {overhead_ms:.2f} ms per action (plans from {output} count it)")
     typer.echo(f"wrote {output}")
 
 

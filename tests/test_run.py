@@ -203,6 +203,62 @@ def test_report_replays_the_schedule_with_the_measured_compute(schedule):
     assert slower["replayed_ratio"] == pytest.approx(1.05 / 1.2, rel=1e-3)
 
 
+
+def test_report_takes_the_machines_drift_out_with_stages_retimed_alone():
+    profile = _profile()
+    plan = balanced_plan(profile, schedule="zbv", ranks=2, microbatch_size=1, num_microbatches=4)
+    results = _results(plan)
+    no_alone = build_report(plan, results)
+    assert "alone_ratio" not in no_alone and "adjusted_iteration_ms" not in no_alone["predicted"]
+    # The machine ran the same stages 25% slower than at profiling (30% after the first timed step,
+    # 20% after the last): the prediction scaled by that is 1.25x, and what is left of the run's
+    # 1.05 is the cost model's own error.
+    for result in results:
+        result["alone"] = [
+            {"stage": s.index, "when": when, "forward_ms": s.forward_ms * k, "backward_ms": s.backward_ms * k}
+            for when, k in (("after the first timed step", 1.3), ("after the last step", 1.2))
+            for s in plan.stages if s.index in result["stages"]
+        ]
+    report = build_report(plan, results)
+    assert report["alone_ratio"] == pytest.approx(1.25)
+    for row in report["ranks"]:
+        assert row["alone_ratio"] == pytest.approx(1.25)
+        assert row["alone_before_ms"] == pytest.approx(1.3 * row["predicted_alone_ms"], rel=1e-3)
+        assert row["alone_after_ms"] == pytest.approx(1.2 * row["predicted_alone_ms"], rel=1e-3)
+    assert report["predicted"]["adjusted_iteration_ms"] == pytest.approx(1.25 * plan.predicted.iteration_ms, rel=1e-4)
+    assert report["adjusted_ratio"] == pytest.approx(1.05 / 1.25, rel=1e-3)
+    assert report["ratio"] == pytest.approx(report["alone_ratio"] * report["adjusted_ratio"], rel=1e-3)
+    # A rank that timed only some of its stages gives no ratio rather than a wrong one.
+    results[0]["alone"] = results[0]["alone"][:1]
+    partial = build_report(plan, results)
+    assert "alone_ratio" not in partial and "alone_ratio" not in partial["ranks"][0]
+
+
+def test_report_measures_the_schedules_own_time_per_action_and_calibrate_keeps_it():
+    profile = _profile()
+    plan = balanced_plan(profile, schedule="1f1b", ranks=2, microbatch_size=2, num_microbatches=4)
+    results = _results(plan)
+    for result, (post, wait) in zip(results, ((2.0, 10.0), (6.0, 3.0))):
+        result["compute_ms"] = [dict(c, post=post, wait=wait) for c in result["compute_ms"]]
+    report = build_report(plan, results)
+    for row in report["ranks"]:
+        # 4 micro-batches x (forward, backward) per rank under 1F1B.
+        assert row["actions"] == 8
+        assert row["overhead_per_action_ms"] == pytest.approx((row["post_ms"] + row["overhead_ms"]) / 8, abs=1e-4)
+    pooled = sum(row["post_ms"] + row["overhead_ms"] for row in report["ranks"]) / 16
+    assert report["measured"]["action_overhead_ms"] == pytest.approx(pooled, abs=1e-4)
+    calibrated, _ = calibrate_profile(plan, report, profile)
+    assert calibrated.measurement["action_overhead_ms"] == pytest.approx(pooled, abs=1e-4)
+    # The next plan made from the calibrated profile counts it before every action.
+    from pipeplan.formats.plan import PlanSettings
+    from pipeplan.plan.planner import make_plan
+
+    again = make_plan(calibrated, PlanSettings(stages=2, global_batch=8, microbatch_size=2, schedule="1f1b"),
+                      profile_sha256="0" * 64)
+    assert again.settings.action_overhead_ms == calibrated.measurement["action_overhead_ms"]
+    assert again.predicted.overhead_ms == pytest.approx(8 * again.settings.action_overhead_ms, rel=1e-4)
+
+
 def test_calibrated_profile_predicts_the_measured_compute():
     profile = _profile()
     plan = balanced_plan(profile, schedule="1f1b", ranks=2, microbatch_size=2, num_microbatches=4)

@@ -102,6 +102,9 @@ def test_every_schedule_equals_a_single_process_step(tmp_path, ranks, layers, mi
     for index, report in enumerate(reports):
         assert report["num_ranks"] == ranks and len(report["loss"]) == 2
         assert all(row["busy_ms"] > 0 and row["pipeline_ms"] >= row["busy_ms"] * 0.5 for row in report["ranks"])
+        # Every stage was re-timed alone, after the warm-up step and after the last.
+        assert all(row["alone_before_ms"] > 0 and row["alone_after_ms"] > 0 for row in report["ranks"])
+        assert report["alone_ratio"] > 0 and report["predicted"]["adjusted_iteration_ms"] > 0
         _check_exact(tmp_path, index, report, ranks, loss, grads)
     assert _no_process_mentions(str(tmp_path)) == []
 

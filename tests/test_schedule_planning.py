@@ -75,7 +75,8 @@ def resimulate(profile, plan):
             static += acts
             acts = in_bytes
         costs.append(StageCost(f, b_in, b_w, send_ms=out_bytes * ms_per_byte,
-                               static_memory_bytes=static, activation_bytes=acts))
+                               static_memory_bytes=static, activation_bytes=acts,
+                               action_overhead_ms=s.action_overhead_ms or 0.0))
     return simulate(costs, plan.schedule, s.stages, plan.num_microbatches, plan.virtual_stages)
 
 
@@ -84,7 +85,9 @@ def assert_plan_is_its_simulation(profile, plan):
     pred = plan.predicted
     assert pred.iteration_ms == pytest.approx(sim.iteration_ms, rel=1e-9, abs=1e-6)
     assert pred.bubble_fraction == pytest.approx(sim.bubble_fraction, abs=1e-6)
-    assert pred.compute_ms + pred.bubble_ms + pred.transfer_ms == pytest.approx(pred.iteration_ms, abs=1e-5)
+    overhead_ms = pred.overhead_ms or 0.0
+    assert pred.compute_ms + overhead_ms + pred.bubble_ms + pred.transfer_ms == pytest.approx(pred.iteration_ms, abs=1e-5)
+    assert overhead_ms == pytest.approx(sim.overhead_ms, abs=1e-5)
     assert pred.samples_per_second == pytest.approx(plan.settings.global_batch * 1000 / sim.iteration_ms)
     assert [r.rank for r in plan.ranks] == list(range(plan.settings.stages))
     for r in plan.ranks:
@@ -118,6 +121,35 @@ def test_fixed_schedule_predictions_are_the_simulation(schedule):
     assert plan.schedule == schedule and plan.virtual_stages == 1 and len(plan.stages) == 4
     sim = assert_plan_is_its_simulation(profile, plan)
     assert sim.transfer_ms > 0  # 1 MB at 1 GB/s is 1 ms per hop
+
+
+def test_the_schedules_own_time_per_action_is_planned_and_recorded():
+    profile = chain_profile([1.0, 2.0, 1.5, 3.0, 1.0, 2.5, 1.0, 2.0])
+    plain = plan_of(profile, stages=2, global_batch=8, microbatch_size=1, schedule="1f1b")
+    assert plain.predicted.overhead_ms is None and plain.ranks[0].overhead_ms is None
+    busy = plan_of(profile, stages=2, global_batch=8, microbatch_size=1, schedule="1f1b", action_overhead_ms=0.5)
+    assert_plan_is_its_simulation(profile, busy)
+    # 8 micro-batches, a forward and a backward each, on the bottleneck rank: 16 actions.
+    assert busy.predicted.overhead_ms == pytest.approx(8.0)
+    assert [r.overhead_ms for r in busy.ranks] == [8.0, 8.0]
+    assert busy.predicted.iteration_ms > plain.predicted.iteration_ms
+    assert plan_simulation(busy).iteration_ms == pytest.approx(busy.predicted.iteration_ms)
+    # A calibrated profile carries the overhead its run measured; the plan uses it unless told.
+    calibrated = profile.model_copy(update={"measurement": {"action_overhead_ms": 0.5}})
+    from_profile = plan_of(calibrated, stages=2, global_batch=8, microbatch_size=1, schedule="1f1b")
+    assert from_profile.settings.action_overhead_ms == 0.5
+    assert from_profile.predicted.iteration_ms == pytest.approx(busy.predicted.iteration_ms)
+    told = plan_of(calibrated, stages=2, global_batch=8, microbatch_size=1, schedule="1f1b", action_overhead_ms=0.0)
+    assert told.predicted.iteration_ms == pytest.approx(plain.predicted.iteration_ms)
+
+
+def test_a_large_overhead_per_action_steers_auto_to_fewer_actions():
+    profile = chain_profile([1.0] * 8, sizes=(1, 2, 4))
+    counts = []
+    for overhead_ms in (0.0, 50.0):
+        plan = plan_of(profile, stages=2, global_batch=16, action_overhead_ms=overhead_ms)
+        counts.append(plan.num_microbatches * plan.virtual_stages)
+    assert counts[1] < counts[0]
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (3, 7)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -37,6 +38,25 @@ def accepted(schedule, p, m, v) -> bool:
         return False
     return True
 
+
+
+def test_action_overhead_occupies_the_rank_but_hides_in_waiting():
+    """GPipe on 2 ranks, f = b = 2 ms, 1 ms of the schedule's own work before every action.
+
+    Rank 0 runs F F then, after rank 1's backward, B B. Rank 1's first overhead overlaps
+    with waiting for its input; the overheads of back-to-back actions do not overlap with
+    compute. The parts still add up to the iteration."""
+    cost = StageCost(2.0, 1.0, 1.0, action_overhead_ms=1.0)
+    sim = simulate([cost, cost], "gpipe", num_ranks=2, num_microbatches=2)
+    starts = {(e.rank, e.kind, e.microbatch): e.start_ms for e in sim.events}
+    assert starts[(0, "F", 0)] == 1.0 and starts[(0, "F", 1)] == 4.0
+    assert starts[(1, "F", 0)] == 3.0  # overhead done while waiting for F(0, 0), which ended at 3
+    assert starts[(1, "F", 1)] == 6.0  # F(0, 1) ended at 6; the overhead (5-6) overlapped the wait
+    assert sim.rank_overhead_ms == (4.0, 4.0)
+    assert sim.rank_busy_ms == (8.0, 8.0)
+    assert sim.compute_ms + sim.overhead_ms + sim.bubble_ms + sim.transfer_ms == pytest.approx(sim.iteration_ms)
+    none = simulate([StageCost(2.0, 1.0, 1.0)] * 2, "gpipe", num_ranks=2, num_microbatches=2)
+    assert none.overhead_ms == 0.0 and sim.iteration_ms > none.iteration_ms
 
 # --------------------------------------------------------------------- known figures
 
@@ -218,12 +238,15 @@ def cases(draw):
     m = draw(st.integers(1, 12))
     assume(accepted(schedule, p, m, v))
     ms = st.floats(0.0, 5.0, allow_nan=False, allow_infinity=False)
+    # The planner gives every stage the same per-action overhead; often none.
+    overhead = draw(st.sampled_from([0.0, 0.0, 0.3, 1.0]))
     costs = [
         StageCost(
             draw(ms), draw(ms), draw(ms),
             send_ms=draw(st.floats(0.0, 2.0)),
             static_memory_bytes=draw(st.integers(0, 1000)),
             activation_bytes=draw(st.integers(0, 100)),
+            action_overhead_ms=overhead,
         )
         for _ in range(p * v)
     ]
@@ -244,9 +267,13 @@ def test_simulation_properties(case):
         assert [(e.stage, e.microbatch, e.kind) for e in events] == [
             (a.stage, a.microbatch, a.kind) for a in actions
         ]
+        # ...each after its overhead, which follows the rank's previous action.
+        if events:
+            assert events[0].start_ms >= costs[events[0].stage].action_overhead_ms - eps
         for before, after in zip(events, events[1:]):
-            assert after.start_ms >= before.end_ms - eps
+            assert after.start_ms >= before.end_ms + costs[after.stage].action_overhead_ms - eps
         assert all(placement[e.stage] == r for e in events)
+        assert sim.rank_overhead_ms[r] == pytest.approx(sum(costs[e.stage].action_overhead_ms for e in events))
 
     # Dependencies: forward chain, backward chain with transfers, F before B before W.
     ends = {}
@@ -274,8 +301,8 @@ def test_simulation_properties(case):
     # Time accounting.
     assert sim.iteration_ms >= max(sim.rank_busy_ms) - eps
     for r in range(p):
-        assert sim.rank_busy_ms[r] + sim.rank_idle_ms[r] == pytest.approx(sim.iteration_ms)
-    assert sim.compute_ms + sim.bubble_ms + sim.transfer_ms == pytest.approx(sim.iteration_ms)
+        assert sim.rank_busy_ms[r] + sim.rank_overhead_ms[r] + sim.rank_idle_ms[r] == pytest.approx(sim.iteration_ms)
+    assert sim.compute_ms + sim.overhead_ms + sim.bubble_ms + sim.transfer_ms == pytest.approx(sim.iteration_ms)
     assert min(sim.bubble_ms, sim.transfer_ms) >= 0
     assert 0.0 <= sim.bubble_fraction < 1.0 or sim.iteration_ms == 0
     total = sum(c.forward_ms + c.backward_ms for c in costs) * m
@@ -294,20 +321,14 @@ def test_simulation_properties(case):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(cases(), st.floats(0.0, 3.0))
-def test_slower_transfers_never_speed_up_and_free_ones_cost_nothing(case, extra_ms):
+def test_slower_transfers_or_more_overhead_never_speed_up_and_free_transfers_cost_nothing(case, extra_ms):
     schedule, p, m, v, costs = case
     base = simulate(costs, schedule, p, m, v)
-    slower = [
-        StageCost(c.forward_ms, c.backward_input_ms, c.backward_weight_ms, c.send_ms + extra_ms,
-                  c.static_memory_bytes, c.activation_bytes)
-        for c in costs
-    ]
+    slower = [replace(c, send_ms=c.send_ms + extra_ms) for c in costs]
     assert simulate(slower, schedule, p, m, v).iteration_ms >= base.iteration_ms - 1e-9
-    free = [
-        StageCost(c.forward_ms, c.backward_input_ms, c.backward_weight_ms, 0.0,
-                  c.static_memory_bytes, c.activation_bytes)
-        for c in costs
-    ]
+    busier = [replace(c, action_overhead_ms=c.action_overhead_ms + extra_ms) for c in costs]
+    assert simulate(busier, schedule, p, m, v).iteration_ms >= base.iteration_ms - 1e-9
+    free = [replace(c, send_ms=0.0) for c in costs]
     free_sim = simulate(free, schedule, p, m, v)
     assert free_sim.transfer_ms == 0.0
     assert base.iteration_ms - base.transfer_ms == pytest.approx(free_sim.iteration_ms)

@@ -52,6 +52,11 @@ class PlanSettings(_Strict):
     virtual_stages: Optional[int] = Field(default=None, description="Requested stages per rank, or null to search.")
     recompute: Literal["auto", "none", "all"] = "none"
     solver: Literal["auto", "dp", "ilp"] = "auto"
+    action_overhead_ms: Optional[float] = Field(
+        default=None, ge=0,
+        description="The schedule's own time per compute action on a rank (posting transfers, "
+                    "bookkeeping), outside compute; null means none. `pipeplan run` measures it.",
+    )
 
 
 class PlanStage(_Strict):
@@ -91,6 +96,9 @@ class Predicted(_Strict):
     compute_ms: float = Field(default=0.0, description="Busy time of the bottleneck rank.")
     bubble_ms: float = Field(default=0.0, description="Idle time of the bottleneck rank.")
     transfer_ms: float = Field(default=0.0, description="Exposed transfer time of the bottleneck rank.")
+    overhead_ms: Optional[float] = Field(
+        default=None, description="The schedule's own time on the bottleneck rank (settings.action_overhead_ms "
+                                  "per action); null when none was set.")
 
 
 class RankSummary(_Strict):
@@ -101,6 +109,8 @@ class RankSummary(_Strict):
     busy_ms: float
     idle_ms: float
     peak_memory_bytes: int
+    overhead_ms: Optional[float] = Field(
+        default=None, description="The schedule's own time (not in busy or idle); null when none was set.")
 
 
 class Alternative(_Strict):

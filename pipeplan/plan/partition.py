@@ -75,6 +75,9 @@ class PartitionProblem:
     """Weights, gradients and optimizer state per byte of parameters (see memory.py)."""
     memory_cap_bytes: float = math.inf
     """Per-stage memory cap."""
+    action_overhead_ms: float = 0.0
+    """The schedule's own time per action (the simulator's, see ``StageCost``). The same for
+    every stage, so it moves no split: the solvers ignore it."""
 
     def __post_init__(self):
         n = self.graph.num_layers

@@ -78,6 +78,7 @@ __all__ = [
     "stage_costs",
     "plan_simulation",
     "plan_stage_costs",
+    "with_profile_defaults",
     "PLANNER_SCHEDULES",
     "SPLIT_BACKWARD_SCHEDULES",
 ]
@@ -144,6 +145,7 @@ def _problem(profile, graph, settings: PlanSettings, in_flight, recompute=(), me
         ),
         static_bytes_per_param_byte=static_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes),
         memory_cap_bytes=_cap(settings) if memory_cap_bytes is None else float(memory_cap_bytes),
+        action_overhead_ms=settings.action_overhead_ms or 0.0,
     )
 
 
@@ -234,6 +236,7 @@ def stage_costs(problem: PartitionProblem, partition: Partition) -> list[StageCo
                 send_ms=partition.boundary_bytes[j] * spb if j < last else 0.0,
                 static_memory_bytes=int(static),
                 activation_bytes=int(activations),
+                action_overhead_ms=problem.action_overhead_ms,
             )
         )
     return out
@@ -326,6 +329,7 @@ def plan_stage_costs(plan: Plan) -> list[StageCost]:
             send_ms=stage.send_bytes * ms_per_byte if j + 1 < len(stages) else 0.0,
             static_memory_bytes=max(0, stage.peak_memory_bytes - stage.in_flight * kept),
             activation_bytes=int(kept),
+            action_overhead_ms=plan.settings.action_overhead_ms or 0.0,
         ))
     return costs
 
@@ -393,6 +397,7 @@ def plan_from_partition(profile, settings, graph, problem, partition: Partition,
             busy_ms=round(sim.rank_busy_ms[r], 6),
             idle_ms=round(sim.rank_idle_ms[r], 6),
             peak_memory_bytes=int(sim.rank_peak_memory_bytes[r]),
+            overhead_ms=round(sim.rank_overhead_ms[r], 6) if settings.action_overhead_ms else None,
         )
         for r in range(p)
     ]
@@ -411,9 +416,11 @@ def plan_from_partition(profile, settings, graph, problem, partition: Partition,
             samples_per_second=round(samples, 6),
             bottleneck_stage=bottleneck,
             compute_ms=round(sim.compute_ms, 6),
-            # The rest of the rounded iteration, so that the three parts add up to it.
-            bubble_ms=round(round(iteration, 6) - round(sim.compute_ms, 6) - round(sim.transfer_ms, 6), 6),
+            # The rest of the rounded iteration, so that the parts add up to it.
+            bubble_ms=round(round(iteration, 6) - round(sim.compute_ms, 6) - round(sim.transfer_ms, 6)
+                            - round(sim.overhead_ms, 6), 6),
             transfer_ms=round(sim.transfer_ms, 6),
+            overhead_ms=round(sim.overhead_ms, 6) if settings.action_overhead_ms else None,
         ),
         ranks=ranks,
         alternatives=list(alternatives),
@@ -645,6 +652,16 @@ def _tie_key(cand: _Candidate, space):
     return (cand.recompute_count, -cand.microbatch_size, peak, space.index((cand.schedule, cand.virtual_stages)))
 
 
+def with_profile_defaults(profile, settings: PlanSettings) -> PlanSettings:
+    """``settings`` with what the profile knows filled in where the user gave nothing: the
+    schedule's own time per action that a calibrated profile carries from its run
+    (``measurement.action_overhead_ms``, written by ``pipeplan calibrate``)."""
+    measured_ms = (profile.measurement or {}).get("action_overhead_ms")
+    if settings.action_overhead_ms is None and measured_ms:
+        return settings.model_copy(update={"action_overhead_ms": max(0.0, float(measured_ms))})
+    return settings
+
+
 def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
     """The fastest plan of ``profile`` that fits ``settings``, as simulated.
 
@@ -653,7 +670,9 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
     profile : Profile
     settings : PlanSettings
         Ranks (``stages``), global batch, memory cap, optimizer, bandwidth, schedule
-        (``auto`` searches), stages per rank, recompute (``auto``, ``none``, ``all``), solver.
+        (``auto`` searches), stages per rank, recompute (``auto``, ``none``, ``all``), solver,
+        the schedule's own time per action (unset: the profile's
+        ``measurement.action_overhead_ms``, which ``pipeplan calibrate`` writes, else none).
     profile_sha256 : str
         Recorded in the plan so that ``check`` can tell which profile it came from.
     record_time : bool
@@ -688,6 +707,7 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
             f"--stages: {settings.stages} stages but the profile has only {n} "
             f"layers; use at most {n}"
         )
+    settings = with_profile_defaults(profile, settings)
     space = _schedule_space(settings, n)
     sizes = candidate_microbatch_sizes(profile, settings)
     p, cap = settings.stages, _cap(settings)

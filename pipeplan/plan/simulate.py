@@ -25,6 +25,10 @@ Model
   does not make).
 - Transfers are asynchronous: they never block the sender and never occupy a
   rank; a receiver only waits for the data.
+- Before each action the rank spends its stage's ``action_overhead_ms``: the
+  schedule's own work (posting the action's transfers, bookkeeping), which
+  overlaps with waiting for the action's input but not with compute. It is
+  counted apart from compute (``rank_overhead_ms``, ``overhead_ms``).
 - Memory: a rank starts at the static bytes of its stages; a forward adds its
   stage's ``activation_bytes`` when it starts; the backward that consumes them
   frees them when it ends (``FULL_B``, or ``W`` where ``B`` and ``W`` are split).
@@ -69,9 +73,14 @@ class StageCost:
     ``backward_input_ms + backward_weight_ms``. Splitting a backward costs extra work (the
     input pass keeps intermediate gradients, the weight pass walks the graph again), so a
     profile timed the way torch splits gives less here than the two passes' sum."""
+    action_overhead_ms: float = 0.0
+    """The schedule's own time before each action of this stage, outside compute: posting
+    the action's transfers and the schedule's bookkeeping (about 0.5-1 ms on a CPU with
+    gloo, tens of microseconds on a GPU)."""
 
     def __post_init__(self) -> None:
-        for name in ("forward_ms", "backward_input_ms", "backward_weight_ms", "send_ms", "full_backward_ms"):
+        for name in ("forward_ms", "backward_input_ms", "backward_weight_ms", "send_ms", "full_backward_ms",
+                     "action_overhead_ms"):
             value = getattr(self, name)
             if value is None and name == "full_backward_ms":
                 continue
@@ -130,7 +139,7 @@ class Simulation:
     rank_busy_ms: tuple[float, ...]
     """Compute time of each rank."""
     rank_idle_ms: tuple[float, ...]
-    """``iteration_ms - rank_busy_ms``: waiting for inputs, fill, drain."""
+    """``iteration_ms - rank_busy_ms - rank_overhead_ms``: waiting for inputs, fill, drain."""
     rank_peak_memory_bytes: tuple[int, ...]
     """Static bytes plus the largest sum of live activations, from the actual order."""
     rank_memory_timeline: tuple[tuple[tuple[float, int], ...], ...]
@@ -138,7 +147,7 @@ class Simulation:
     stage_peak_in_flight: tuple[int, ...]
     """Per stage, the most micro-batches whose activations it held at once."""
     critical_rank: int
-    """The bottleneck rank: the busiest (lowest index on ties)."""
+    """The bottleneck rank: the busiest, overhead included (lowest index on ties)."""
     compute_ms: float
     """Busy time of the critical rank."""
     bubble_ms: float
@@ -147,7 +156,11 @@ class Simulation:
     transfer_ms: float
     """Exposed transfer: how much longer the iteration is than with free transfers
     (transfers on the critical path that no compute hides); part of the critical
-    rank's idle time. ``compute_ms + bubble_ms + transfer_ms == iteration_ms``."""
+    rank's idle time. ``compute_ms + overhead_ms + bubble_ms + transfer_ms == iteration_ms``."""
+    rank_overhead_ms: tuple[float, ...] = ()
+    """The schedule's own time of each rank: its actions' ``action_overhead_ms``."""
+    overhead_ms: float = 0.0
+    """The schedule's own time on the critical rank."""
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -231,23 +244,25 @@ def simulate(
         (c.forward_ms, c.backward_input_ms, c.backward_weight_ms, c.backward_ms)
         for s, c in enumerate(costs)
     ]
-    times = _run(orders, duration_ms, forward_in_ms, backward_in_ms, p, m)
+    overhead_ms = [c.action_overhead_ms for c in costs]
+    times = _run(orders, duration_ms, forward_in_ms, backward_in_ms, p, m, overhead_ms)
     rank_events = [
         [Event(r, a[1], a[2], _KINDS[a[0]], start, end) for a, (start, end) in zip(orders[r], times[r])]
         for r in range(p)
     ]
     iteration_ms = max((events[-1].end_ms for events in rank_events if events), default=0.0)
     busy = tuple(sum(e.end_ms - e.start_ms for e in rank_events[r]) for r in range(p))
-    idle = tuple(max(0.0, iteration_ms - busy[r]) for r in range(p))
+    overhead = tuple(sum(overhead_ms[a[1]] for a in orders[r]) for r in range(p))
+    idle = tuple(max(0.0, iteration_ms - busy[r] - overhead[r]) for r in range(p))
     bubble_fraction = sum(idle) / (p * iteration_ms) if iteration_ms > 0 else 0.0
 
-    critical = max(range(p), key=lambda r: (busy[r], -r))
+    critical = max(range(p), key=lambda r: (busy[r] + overhead[r], -r))
     # Exposed transfer: how much sooner the iteration would end with free transfers.
     # Start times are max-plus sums of durations, so they never shrink as a transfer grows.
     transfer_ms = 0.0
     if any(forward_in_ms) or any(backward_in_ms):
         zeros = [0.0] * num_stages
-        free_times = _run(orders, duration_ms, zeros, zeros, p, m)
+        free_times = _run(orders, duration_ms, zeros, zeros, p, m, overhead_ms)
         free_iteration_ms = max((row[-1][1] for row in free_times if row), default=0.0)
         transfer_ms = min(max(0.0, iteration_ms - free_iteration_ms), idle[critical])
 
@@ -269,8 +284,10 @@ def simulate(
         stage_peak_in_flight=in_flight_peak,
         critical_rank=critical,
         compute_ms=busy[critical],
-        bubble_ms=max(0.0, iteration_ms - busy[critical] - transfer_ms),
+        bubble_ms=max(0.0, iteration_ms - busy[critical] - overhead[critical] - transfer_ms),
         transfer_ms=transfer_ms,
+        rank_overhead_ms=overhead,
+        overhead_ms=overhead[critical],
     )
 
 
@@ -309,8 +326,10 @@ def _run(
     backward_in_ms: list[float],
     p: int,
     m: int,
+    overhead_ms: Sequence[float],
 ) -> list[list[tuple[float, float]]]:
-    """(start, end) of every action: each rank in order, each action once its inputs are in."""
+    """(start, end) of every action: each rank in order, each action once its inputs are in
+    and the rank has done the action's overhead."""
     num_stages = len(duration_ms)
     end_ms: list[float | None] = [None] * (2 * num_stages * m)
     waiting: dict[int, list[int]] = {}  # slot -> ranks blocked on it
@@ -328,7 +347,7 @@ def _run(
         out = times[rank]
         while at < length:
             code, s, _, own, local, cross = order[at]
-            start = start_free
+            start = start_free + overhead_ms[s]
             if local >= 0:
                 done = end_ms[local]
                 if done is None:

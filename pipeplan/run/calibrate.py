@@ -8,8 +8,10 @@ run, the ratio of the measured compute to the profile's prediction for that rank
     backward_factor = measured backward + weight-gradient ms        / (m x sum of the layers' backward_ms)
 
 multiplies those layers' forward and backward times (and the B/W parts) at every profiled
-micro-batch size. The next plan made from the calibrated profile then uses the times the run
-saw. What the factors cannot absorb (time a rank spends idle inside the schedule beyond the
+micro-batch size. The run's schedule's own time per action (posting transfers, bookkeeping:
+the report's ``measured.action_overhead_ms``) goes into ``measurement.action_overhead_ms``,
+which the planner counts before every action. The next plan made from the calibrated profile
+then uses the times the run saw. What the factors cannot absorb (time a rank spends idle inside the schedule beyond the
 simulated bubble) is left in the report's ratio and printed as the remaining gap.
 """
 
@@ -136,6 +138,11 @@ def calibrate_profile(plan: Any, report: dict[str, Any], profile: Any,
         "microbatch_size": size,
         "factors": factors,
     }
+    overhead_ms = (report.get("measured") or {}).get("action_overhead_ms")
+    if overhead_ms is not None:
+        # The planner counts it before every action of a plan made from this profile.
+        measurement["action_overhead_ms"] = round(float(overhead_ms), 4)
+        measurement["calibration"]["action_overhead_ms"] = round(float(overhead_ms), 4)
     data["layers"] = [layer.model_dump() for layer in new_layers]
     data["measurement"] = measurement
     return type(profile).model_validate(data), factors

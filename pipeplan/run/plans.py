@@ -48,7 +48,7 @@ def _split(profile: Any, graph: Any, stages: Sequence[Sequence[str]], settings: 
 
 def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: int,
                 optimizer: str = "adam", bandwidth_bytes_per_s: Optional[float] = None,
-                latency_ms: float = 0.0) -> list:
+                latency_ms: float = 0.0, action_overhead_ms: Optional[float] = None) -> list:
     """One :class:`pipeplan.plan.simulate.StageCost` per stage, from the profile's layers, as
     the planner costs them (:func:`pipeplan.plan.planner.stage_costs`).
 
@@ -65,6 +65,8 @@ def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: 
         Point-to-point bandwidth; None means transfers are free.
     latency_ms : float
         Fixed time per transfer, added to ``bytes / bandwidth``.
+    action_overhead_ms : float, optional
+        The schedule's own time per action (see :class:`pipeplan.plan.simulate.StageCost`).
 
     Raises
     ------
@@ -75,7 +77,7 @@ def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: 
     from pipeplan.plan.graph import build_layer_graph
 
     settings = PlanSettings(stages=1, global_batch=microbatch_size, optimizer=optimizer,
-                            bandwidth_bytes_per_s=bandwidth_bytes_per_s)
+                            bandwidth_bytes_per_s=bandwidth_bytes_per_s, action_overhead_ms=action_overhead_ms)
     graph = build_layer_graph(profile, microbatch_size)
     problem, partition = _split(profile, graph, stages, settings, [1] * len(stages))
     last = len(stages) - 1
@@ -128,7 +130,7 @@ def simulate_plan(plan: Plan, profile: Any, *, bandwidth_bytes_per_s: Optional[f
     ordered = sorted(plan.stages, key=lambda s: s.index)
     bandwidth = bandwidth_bytes_per_s if bandwidth_bytes_per_s is not None else plan.settings.bandwidth_bytes_per_s
     costs = stage_costs(profile, [s.layers for s in ordered], plan.microbatch_size,
-                        plan.settings.optimizer, bandwidth, latency_ms)
+                        plan.settings.optimizer, bandwidth, latency_ms, plan.settings.action_overhead_ms)
     num_ranks = 1 + max(s.rank for s in ordered)
     return simulate(costs, plan.schedule, num_ranks, plan.num_microbatches, plan.virtual_stages)
 

@@ -23,6 +23,11 @@ Definitions (all times are medians over the steps after the first, a warm-up):
   (torch's ``_wait_batch_p2p``: the bubble, and peers that are late), posting them
   (``_batch_p2p``), and the rest of ``schedule.step()`` outside compute and transfers (the
   schedule's own work: splitting the batch, bookkeeping, gradient scaling).
+- ``actions`` and ``overhead_per_action_ms``: the rank's compute actions per iteration (the
+  schedule's action list) and ``(post_ms + overhead_ms) / actions``, the schedule's own time per
+  action; the report's ``measured.action_overhead_ms`` pools the ranks. ``pipeplan calibrate``
+  writes it into the profile, and a plan made from that profile counts it
+  (``settings.action_overhead_ms``, ``pipeplan plan --action-overhead-ms``).
 - ``cpu_share`` (CPU only): CPU time over wall time inside the compute calls; below 1 the rank
   shared its core with other work and its times are inflated by that much.
 - ``busy_cpu_ms`` (CPU only): the CPU time of the compute calls (forward, backward, weight; not
@@ -39,6 +44,17 @@ Definitions (all times are medians over the steps after the first, a warm-up):
   replay has the measured compute and the model's everything else, so ``measured / replayed``
   is the error of the non-compute terms (transfers, the schedule's own work, waiting on a late
   peer beyond what the compute explains) and ``replayed / predicted`` that of the compute.
+- ``alone_ms`` (per rank): the rank's stages re-timed alone, forward and whole backward of one
+  micro-batch each, outside the schedule (the mean of a timing after the first timed step and one
+  after the last step; ``alone_before_ms`` and ``alone_after_ms`` are the two), beside
+  ``predicted_alone_ms``, the same from the plan (the profile's per-layer times).
+  ``alone_ratio`` is how much slower (above 1) the machine ran the same work during the run than
+  when it was profiled: a shared or throttled machine drifts, and no cost model can foresee it.
+  The report's ``alone_ratio`` pools the ranks.
+- ``predicted.adjusted_iteration_ms`` and ``adjusted_ratio``: the plan's schedule simulated again
+  with every rank's stage costs scaled by its ``alone_ratio``; ``measured / adjusted`` is the
+  error of the cost model with the machine's drift since profiling taken out. ``ratio`` is
+  about ``alone_ratio x adjusted_ratio``.
 - ``peak_memory_bytes``: CUDA, ``max_memory_allocated``; CPU, the growth of the resident set
   from before the stages were built to its peak (it includes the allocator's slack).
 """
@@ -112,6 +128,10 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
     iteration_ms = _median([iteration_steps[i] for i in timed])
 
     predicted_rank = {summary.rank: summary for summary in plan.ranks}
+    from pipeplan.plan.schedules import rank_actions
+
+    actions_per_rank = [len(actions) for actions in rank_actions(
+        plan.schedule, plan.settings.stages, plan.num_microbatches, plan.virtual_stages)]
     stage_by_index = {s.index: s for s in plan.stages}
     simulation = None
     if profile is not None:
@@ -143,7 +163,8 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
         stages = [stage_by_index[i] for i in r["stages"]]
         if summary is not None:
             predicted_busy = summary.busy_ms
-            predicted_idle = summary.idle_ms
+            # Measured idle time holds the schedule's own work too.
+            predicted_idle = summary.idle_ms + (summary.overhead_ms or 0.0)
             predicted_peak = summary.peak_memory_bytes
         else:
             predicted_busy = plan.num_microbatches * sum(s.forward_ms + s.backward_ms for s in stages)
@@ -167,6 +188,7 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             "wait_ms": _r(wait),
             "post_ms": _r(post),
             "overhead_ms": _r(overhead),
+            "actions": actions_per_rank[r["rank"]] if r["rank"] < len(actions_per_rank) else None,
             "predicted_busy_ms": _r(predicted_busy),
             "predicted_forward_ms": _r(plan.num_microbatches * sum(s.forward_ms for s in stages)),
             "predicted_backward_ms": _r(plan.num_microbatches * sum(s.backward_ms for s in stages)),
@@ -184,6 +206,9 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             "threads": r.get("threads"),
             "pipeline_ms_steps": [_r(x, 3) for x in r["pipeline_ms"]],
         }
+        if overhead is not None and row["actions"]:
+            row["overhead_per_action_ms"] = _r((post + overhead) / row["actions"])
+        row.update(_alone(r.get("alone") or [], stages))
         if simulation is not None:
             row["simulated_busy_ms"] = _r(simulation.rank_busy_ms[r["rank"]])
             row["simulated_busy_ratio"] = _ratio(busy, simulation.rank_busy_ms[r["rank"]])
@@ -196,6 +221,8 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
         "bubble_fraction": plan.predicted.bubble_fraction,
         "samples_per_second": plan.predicted.samples_per_second,
     }
+    if plan.settings.action_overhead_ms:
+        predicted["action_overhead_ms"] = plan.settings.action_overhead_ms
     link = next((r.get("link") for r in results if r.get("link")), None)
     if simulation is not None:
         predicted["simulated_iteration_ms"] = _r(simulation.iteration_ms)
@@ -232,10 +259,20 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
         "run": dict(run or {}),
         "notes": [],
     }
-    replayed_ms = _replay_ms(plan, ranks)
+    if all(row.get("overhead_per_action_ms") is not None for row in ranks):
+        report["measured"]["action_overhead_ms"] = _r(
+            sum(row["post_ms"] + row["overhead_ms"] for row in ranks) / sum(row["actions"] for row in ranks))
+    replayed_ms = _replay_ms(plan, {row["rank"]: row["busy_ms"] for row in ranks})
     if replayed_ms is not None:
         predicted["replayed_iteration_ms"] = _r(replayed_ms)
         report["replayed_ratio"] = _ratio(iteration_ms, replayed_ms)
+    if all(row.get("alone_ms") for row in ranks):
+        report["alone_ratio"] = _ratio(sum(row["alone_ms"] for row in ranks),
+                                       sum(row["predicted_alone_ms"] for row in ranks))
+        adjusted_ms = _replay_ms(plan, {row["rank"]: row["alone_ratio"] for row in ranks}, factors=True)
+        if adjusted_ms is not None:
+            predicted["adjusted_iteration_ms"] = _r(adjusted_ms)
+            report["adjusted_ratio"] = _ratio(iteration_ms, adjusted_ms)
     if simulation is not None:
         report["simulated_ratio"] = _ratio(iteration_ms, simulation.iteration_ms)
         if "simulated_with_link_iteration_ms" in predicted:
@@ -262,8 +299,30 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
     return report
 
 
-def _replay_ms(plan: Any, ranks: Sequence[dict[str, Any]]) -> Optional[float]:
-    """The plan's schedule simulated with each rank's costs scaled to its measured busy time."""
+def _alone(timings: Sequence[dict[str, Any]], stages: Sequence[Any]) -> dict[str, Any]:
+    """A rank's stages re-timed alone, against the plan's per-micro-batch stage times."""
+    if not timings:
+        return {}
+    by_when: dict[str, float] = {}
+    for t in timings:
+        by_when[t["when"]] = by_when.get(t["when"], 0.0) + t["forward_ms"] + t["backward_ms"]
+    if {t["stage"] for t in timings} != {s.index for s in stages}:
+        return {}
+    values = list(by_when.values())
+    alone_ms = sum(values) / len(values)
+    predicted_ms = sum(s.forward_ms + s.backward_ms for s in stages)
+    return {
+        "alone_ms": _r(alone_ms),
+        "alone_before_ms": _r(values[0]),
+        "alone_after_ms": _r(values[-1]),
+        "predicted_alone_ms": _r(predicted_ms),
+        "alone_ratio": _ratio(alone_ms, predicted_ms),
+    }
+
+
+def _replay_ms(plan: Any, per_rank: dict[int, Optional[float]], factors: bool = False) -> Optional[float]:
+    """The plan's schedule simulated with each rank's costs scaled: to the given busy time per
+    rank, or (``factors``) by the given factor per rank."""
     from dataclasses import replace
 
     from pipeplan.plan.planner import plan_stage_costs
@@ -272,11 +331,11 @@ def _replay_ms(plan: Any, ranks: Sequence[dict[str, Any]]) -> Optional[float]:
     costs = plan_stage_costs(plan)
     sim = simulate(costs, plan.schedule, plan.settings.stages, plan.num_microbatches, plan.virtual_stages)
     scale = {}
-    for row in ranks:
-        predicted = sim.rank_busy_ms[row["rank"]]
-        if row["busy_ms"] is None or predicted <= 0:
+    for rank, value in per_rank.items():
+        predicted = sim.rank_busy_ms[rank]
+        if value is None or predicted <= 0:
             return None
-        scale[row["rank"]] = row["busy_ms"] / predicted
+        scale[rank] = value if factors else value / predicted
     scaled = []
     for cost, rank in zip(costs, sim.stage_ranks):
         k = scale[rank]
@@ -346,6 +405,14 @@ def report_table(report: dict[str, Any]) -> Any:
     if predicted.get("replayed_iteration_ms") is not None:
         parts.append(f"replayed with the measured compute {_ms(predicted['replayed_iteration_ms'])} ms "
                      f"(ratio {_x(report.get('replayed_ratio'))}: the non-compute terms)")
+    if measured.get("action_overhead_ms") is not None:
+        planned = predicted.get("action_overhead_ms")
+        parts.append(f"the schedule's own work {measured['action_overhead_ms']:.2f} ms per action"
+                     + (f" (planned {planned:.2f})" if planned else " (not in the plan: pipeplan calibrate adds it)"))
+    if predicted.get("adjusted_iteration_ms") is not None:
+        parts.append(f"the stages re-timed alone ran {_x(report.get('alone_ratio'))}x their profiled time; "
+                     f"the prediction scaled by that {_ms(predicted['adjusted_iteration_ms'])} ms "
+                     f"(ratio {_x(report.get('adjusted_ratio'))}: the cost model without the machine's drift)")
     gap = report.get("gap")
     if gap and gap.get("iteration_ms") is not None:
         parts.append(f"gap {gap['iteration_ms']:+.1f} ms on rank {gap['rank']}: compute {gap['compute_ms']:+.1f}, "

@@ -12,6 +12,9 @@ pipeline rank under torchrun. Each process:
    factory);
 4. times every step (after a barrier, so all ranks start together), the compute actions
    (forward, backward, weight-gradient chunks), and the peak memory;
+4b. re-times each of its stages alone (forward and whole backward of one micro-batch, outside the
+   schedule) after the first timed step and after the last step, so that the report can tell how
+   much faster or slower the machine runs the same work now than when it was profiled;
 5. gathers every rank's numbers on every rank and writes them to ``out_dir/ranks.json`` (the
    first local process of each node writes it).
 
@@ -143,6 +146,76 @@ def _wall_timed(timer: _Timer, kind: str, func: Any) -> Any:
             timer.ms[kind] += (time.perf_counter() - started) * 1000.0
 
     return timed
+
+
+def _capture_inputs(module: Any) -> tuple[dict[str, Any], Any]:
+    """Keep a copy of the first real (not meta) inputs the stage's module is called with."""
+    import torch
+
+    box: dict[str, Any] = {}
+
+    def hook(_module: Any, args: tuple, kwargs: dict) -> None:
+        if "args" in box or any(torch.is_tensor(a) and a.is_meta for a in (*args, *kwargs.values())):
+            return
+        copy = (lambda a: a.detach().clone() if torch.is_tensor(a) else a)
+        box["args"] = tuple(copy(a) for a in args)
+        box["kwargs"] = {k: copy(a) for k, a in kwargs.items()}
+
+    return box, module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _time_alone(module: Any, inputs: dict[str, Any], *, input_grads: bool, loss: Any, target: Any,
+                device: Any, repeats: int) -> Optional[dict[str, float]]:
+    """Median forward and whole-backward time of one micro-batch through ``module``, alone.
+
+    The profiler times each unit the same way (a random output gradient drives the backward; the
+    last stage's forward includes the loss), so measured / predicted here is how the machine's
+    speed moved between profiling and this run, free of the schedule's bubbles and transfers.
+    The gradients it makes are dropped.
+    """
+    import torch
+
+    if "args" not in inputs or repeats <= 0:
+        return None
+
+    def prepare(a: Any) -> Any:
+        if torch.is_tensor(a) and input_grads and a.is_floating_point():
+            return a.detach().requires_grad_(True)
+        return a
+
+    args = tuple(prepare(a) for a in inputs["args"])
+    kwargs = {k: prepare(a) for k, a in inputs["kwargs"].items()}
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    forward_ms, backward_ms, grads = [], [], None
+    # One untimed pass first: the first call after a pipelined step is slower (caches,
+    # allocator), as the profiler's warm-up rounds know.
+    for repeat in range(repeats + 1):
+        sync()
+        started = time.perf_counter()
+        out = module(*args, **kwargs)
+        value = loss(out, target) if loss is not None else out
+        sync()
+        forwarded = time.perf_counter()
+        outs = [t for t in (value if isinstance(value, (tuple, list)) else [value])
+                if torch.is_tensor(t) and t.requires_grad]
+        if loss is None and grads is None:
+            generator = torch.Generator(device=outs[0].device).manual_seed(0) if outs else None
+            grads = [torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=generator) for t in outs]
+        torch.autograd.backward(outs, None if loss is not None else grads)
+        sync()
+        finished = time.perf_counter()
+        if repeat > 0:
+            forward_ms.append((forwarded - started) * 1000.0)
+            backward_ms.append((finished - forwarded) * 1000.0)
+    for p in module.parameters():
+        p.grad = None
+    import statistics
+
+    return {"forward_ms": statistics.median(forward_ms), "backward_ms": statistics.median(backward_ms)}
 
 
 def _fault(rank: int) -> Optional[str]:
@@ -309,6 +382,7 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         PipelineStage(module, stage.index, num_stages, device)
         for module, stage in zip(modules, stages_here)
     ]
+    captured = [_capture_inputs(module) for module in modules]
     timer = _Timer(device)
     _time_transfers(torch_schedules, timer)
     for ps in pipeline_stages:
@@ -324,8 +398,11 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         load_bundle(model, seed=seed, device=device, dtype=dtype, **bundle_options)
     loss = bundle.loss_fn or _default_loss
     loss_ms = [0.0]
+    first_target: dict[str, Any] = {}
 
     def timed_loss(output: Any, target: Any) -> Any:
+        if "target" not in first_target and torch.is_tensor(target):
+            first_target["target"] = target.detach().clone()
         started = time.perf_counter()
         value = loss(output, target)
         loss_ms[0] += (time.perf_counter() - started) * 1000.0
@@ -360,6 +437,20 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
     seq_len = config.get("seq_len")
 
     step_ms, pipeline_ms, compute, losses = [], [], [], []
+    alone: list[dict[str, Any]] = []
+    alone_repeats = int(config.get("alone_repeats", 3))
+
+    def time_stages_alone(when: str) -> None:
+        for (box, _), module, stage in zip(captured, modules, stages_here):
+            last = stage.index == num_stages - 1
+            if last and "target" not in first_target:
+                continue
+            times = _time_alone(module, box, input_grads=stage.index > 0,
+                                loss=loss if last else None, target=first_target.get("target"),
+                                device=device, repeats=alone_repeats)
+            if times is not None:
+                alone.append({"stage": stage.index, "when": when, **times})
+
     steps = int(config["steps"])
     for step in range(steps):
         inputs: tuple = ()
@@ -404,6 +495,10 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         finished = time.perf_counter()
+        # After the first timed step (the warm-up step leaves the process unsettled: its
+        # timing ran 30-50% slow) and after the last one.
+        if step == min(1, steps - 1) or step == steps - 1:
+            time_stages_alone("after the last step" if step == steps - 1 else "after the first timed step")
         step_ms.append((finished - started) * 1000.0)
         pipeline_ms.append((pipeline_done - started) * 1000.0)
         times = timer.take()
@@ -436,6 +531,7 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         "memory_method": memory_method,
         "baseline_rss_bytes": baseline_rss_bytes,
         "param_count": sum(p.numel() for p in params),
+        "alone": alone,
     }
 
 

@@ -17,7 +17,9 @@ minutes (two profiles four minutes apart timed the whole model at micro-batch 2 
   is the error of everything but compute (transfers, the schedule's own work);
 - *alone*: the ranks' stages re-timed alone during the run (outside the schedule) over their
   profiled time: the machine's drift since profiling;
-- *adjusted*: measured / the prediction scaled by that drift, the cost model's own error.
+- *adjusted*: measured / the prediction scaled by that drift, the cost model's own error;
+- *overhead ms/action*: the schedule's own time per action that the run measured (posting
+  transfers, bookkeeping); ``--action-overhead-ms`` plans with such a figure.
 
 With ``--profile-once`` every run uses one profile made at the start, as a user plans many
 schedules from one profile; the *alone* column then shows the drift grow with time.
@@ -50,6 +52,7 @@ def _row(label: str, report: dict) -> str:
             f"{report['predicted']['iteration_ms']:.1f} | {report['measured']['iteration_ms']:.1f} | "
             f"**{report['ratio']:.2f}** | {compute} | {report.get('replayed_ratio', float('nan')):.2f} | "
             f"{report.get('alone_ratio', float('nan')):.2f} | {report.get('adjusted_ratio', float('nan')):.2f} | "
+            f"{report['measured'].get('action_overhead_ms', float('nan')):.2f} | "
             f"{report['run']['load_average_before'][0]:.2f} |")
 
 
@@ -60,12 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--keep", help="Keep the profile, plans and reports in this folder.")
     parser.add_argument("--profile-once", action="store_true", help="One profile for every run.")
+    parser.add_argument("--action-overhead-ms", help="Plan with this much of the schedule's own time per action.")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="After each run, calibrate the profile from it, plan again and run that plan too.")
     args = parser.parse_args(argv)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="pipeplan-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     print("| run | schedule | b x m | predicted ms | measured ms | ratio | compute per rank | replayed | alone "
-          "| adjusted | load | profile: whole model at b=2 ms, units / whole |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "| adjusted | overhead ms/action | load | profile: whole model at b=2 ms, units / whole |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     shared = work / "profile.json"
     if args.profile_once:
         _pipeplan("profile", *MODEL, "--microbatch-sizes", "1,2,4", "--seq-len", "128", "-o", str(shared))
@@ -77,14 +83,26 @@ def main(argv: list[str] | None = None) -> int:
                 profile = shared
             else:
                 _pipeplan("profile", *MODEL, "--microbatch-sizes", "1,2,4", "--seq-len", "128", "-o", str(profile))
+            overhead = ["--action-overhead-ms", args.action_overhead_ms] if args.action_overhead_ms else []
             _pipeplan("plan", str(profile), "--stages", "2", "--global-batch", "16", "--schedule", schedule,
-                      "-o", str(plan))
+                      *overhead, "-o", str(plan))
             _pipeplan("run", str(plan), "--profile", str(profile), "--steps", str(args.steps),
                       "--report", str(report), "-q")
             checks = {c["microbatch_size"]: c for c in json.loads(profile.read_text())["measurement"]["whole_model_check"]}
             ratios = " / ".join(f"{c['ratio']:.2f}" for _, c in sorted(checks.items()))
             print(_row(name, json.loads(report.read_text())) + f" {checks[2]['whole_model_step_ms']:.0f}, {ratios} |",
                   flush=True)
+            if args.calibrate:
+                # The loop the executor offers: the run's compute and overhead go into the profile,
+                # the schedule is planned again from it (same micro-batch size) and run.
+                calibrated, plan2, report2 = (work / f"{kind}-{name}-cal.json" for kind in ("profile", "plan", "report"))
+                _pipeplan("calibrate", str(plan), str(report), "-o", str(calibrated))
+                size = str(json.loads(plan.read_text())["microbatch_size"])
+                _pipeplan("plan", str(calibrated), "--stages", "2", "--global-batch", "16", "--schedule", schedule,
+                          "--microbatch-size", size, "-o", str(plan2))
+                _pipeplan("run", str(plan2), "--profile", str(calibrated), "--steps", str(args.steps),
+                          "--report", str(report2), "-q")
+                print(_row(f"{name} calibrated", json.loads(report2.read_text())) + " (calibrated) |", flush=True)
     return 0
 
 

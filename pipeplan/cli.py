@@ -371,6 +371,7 @@ def run(
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Ranks on this node (default: ranks / nodes)."),
     timeout: float = typer.Option(45.0, "--timeout", help="Seconds a rank waits for a peer before the job fails."),
     job_timeout: float = typer.Option(3600.0, "--job-timeout", help="Wall-clock limit of the whole job, seconds."),
+    alone_repeats: int = typer.Option(2, "--alone-repeats", min=0, help="Timed passes each time the stages are re-timed alone (about every fifth step: the machine's drift since profiling); 0 skips it."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the ranks' output."),
 ):
     """Run a plan with torch.distributed.pipelining under torchrun; report measured vs predicted."""
@@ -381,7 +382,7 @@ def run(
         seq_len=seq_len, model_options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab},
         seed=seed, lr=lr, device=device, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
         rdzv_id=rdzv_id, nproc_per_node=nproc_per_node, timeout_s=timeout, job_timeout_s=job_timeout,
-        echo=not quiet,
+        alone_repeats=alone_repeats, echo=not quiet,
     )
     _console().print(report_table(result))
     for note in result.get("notes", []):

@@ -19,10 +19,13 @@ def plan_tables(plan: Plan) -> Group:
     summary.add_column("what")
     summary.add_column("value", justify="right")
     cap = plan.settings.memory_cap_bytes
+    overhead = () if p.overhead_ms is None else (
+        (f"  schedule's own work ({plan.settings.action_overhead_ms:g} ms/action)", f"{p.overhead_ms:.3f} ms"),)
     for key, value in (
         ("micro-batches", f"{plan.num_microbatches} x {plan.microbatch_size} samples"),
         ("iteration", f"{p.iteration_ms:.3f} ms"),
         ("  compute (bottleneck rank)", f"{p.compute_ms:.3f} ms"),
+        *overhead,
         ("  bubble", f"{p.bubble_ms:.3f} ms"),
         ("  exposed transfers", f"{p.transfer_ms:.3f} ms"),
         ("bubble fraction", f"{p.bubble_fraction:.1%}"),

@@ -121,7 +121,7 @@ def worker_config(plans: Sequence[Any], *, model: str, out_dir: str | Path, step
                   unit_patterns: Optional[Sequence[str]] = None, seq_len: Optional[int] = None,
                   dtype: str = "fp32", threads: Optional[int] = 1, seed: int = 0, lr: float = 1e-3,
                   device: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                  dump_grads: bool = False) -> dict[str, Any]:
+                  dump_grads: bool = False, alone_repeats: int = 2) -> dict[str, Any]:
     """The JSON config every rank reads (see :func:`pipeplan.run.worker.run_rank`)."""
     return {
         "plans": [plan.model_dump(mode="json") for plan in plans],
@@ -138,6 +138,7 @@ def worker_config(plans: Sequence[Any], *, model: str, out_dir: str | Path, step
         "timeout_s": timeout_s,
         "out_dir": str(out_dir),
         "dump_grads": dump_grads,
+        "alone_repeats": alone_repeats,
     }
 
 
@@ -343,7 +344,7 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
              nnodes: int = 1, node_rank: Optional[int] = None, rdzv_endpoint: Optional[str] = None,
              rdzv_id: str = "pipeplan", nproc_per_node: Optional[int] = None,
              timeout_s: float = DEFAULT_TIMEOUT_S, job_timeout_s: Optional[float] = 3600.0,
-             work_dir: Optional[str | Path] = None, dump_grads: bool = False,
+             work_dir: Optional[str | Path] = None, dump_grads: bool = False, alone_repeats: int = 2,
              echo: bool = True, env: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
     """Run each plan in turn in one torchrun job; return one run report per plan.
 
@@ -384,6 +385,9 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
     dump_grads : bool
         Save each rank's gradients after the first step, before the optimizer
         (``grads-plan<I>-rank<R>.pt`` in ``work_dir``).
+    alone_repeats : int
+        Timed passes each time the ranks re-time their stages alone (about every fifth step; see
+        :mod:`pipeplan.run.report`, ``alone_ratio``); 0 skips it.
     echo : bool
         Copy torchrun's output to stderr as it comes.
     env : dict, optional
@@ -446,7 +450,8 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
         config = worker_config(plans, model=spec["model"], out_dir=out_dir, steps=steps,
                                model_options=spec["model_options"], unit_patterns=spec["unit_patterns"],
                                seq_len=spec["seq_len"], dtype=spec["dtype"], threads=threads, seed=seed,
-                               lr=lr, device=device, timeout_s=timeout_s, dump_grads=dump_grads)
+                               lr=lr, device=device, timeout_s=timeout_s, dump_grads=dump_grads,
+                               alone_repeats=alone_repeats)
         config_path = out_dir / "config.json"
         config_path.write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
         cmd = torchrun_command(config_path, nproc_per_node, nnodes=nnodes, node_rank=node_rank,

@@ -45,8 +45,9 @@ Definitions (all times are medians over the steps after the first, a warm-up):
   is the error of the non-compute terms (transfers, the schedule's own work, waiting on a late
   peer beyond what the compute explains) and ``replayed / predicted`` that of the compute.
 - ``alone_ms`` (per rank): the rank's stages re-timed alone, forward and whole backward of one
-  micro-batch each, outside the schedule (the mean of a timing after the first timed step and one
-  after the last step; ``alone_before_ms`` and ``alone_after_ms`` are the two), beside
+  micro-batch each, outside the schedule (the median of timings spread through the run, after
+  about every fifth step from the first timed one and after the last: ``alone_steps_ms``, whose
+  first and last are ``alone_before_ms`` and ``alone_after_ms``), beside
   ``predicted_alone_ms``, the same from the plan (the profile's per-layer times).
   ``alone_ratio`` is how much slower (above 1) the machine ran the same work during the run than
   when it was profiled: a shared or throttled machine drifts, and no cost model can foresee it.
@@ -303,18 +304,20 @@ def _alone(timings: Sequence[dict[str, Any]], stages: Sequence[Any]) -> dict[str
     """A rank's stages re-timed alone, against the plan's per-micro-batch stage times."""
     if not timings:
         return {}
-    by_when: dict[str, float] = {}
+    by_step: dict[int, dict[int, float]] = {}
     for t in timings:
-        by_when[t["when"]] = by_when.get(t["when"], 0.0) + t["forward_ms"] + t["backward_ms"]
-    if {t["stage"] for t in timings} != {s.index for s in stages}:
+        by_step.setdefault(t["step"], {})[t["stage"]] = t["forward_ms"] + t["backward_ms"]
+    wanted = {s.index for s in stages}
+    totals = [sum(times.values()) for _, times in sorted(by_step.items()) if set(times) == wanted]
+    if not totals:
         return {}
-    values = list(by_when.values())
-    alone_ms = sum(values) / len(values)
     predicted_ms = sum(s.forward_ms + s.backward_ms for s in stages)
+    alone_ms = statistics.median(totals)
     return {
         "alone_ms": _r(alone_ms),
-        "alone_before_ms": _r(values[0]),
-        "alone_after_ms": _r(values[-1]),
+        "alone_steps_ms": [_r(x, 3) for x in totals],
+        "alone_before_ms": _r(totals[0]),
+        "alone_after_ms": _r(totals[-1]),
         "predicted_alone_ms": _r(predicted_ms),
         "alone_ratio": _ratio(alone_ms, predicted_ms),
     }

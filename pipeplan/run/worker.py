@@ -13,7 +13,7 @@ pipeline rank under torchrun. Each process:
 4. times every step (after a barrier, so all ranks start together), the compute actions
    (forward, backward, weight-gradient chunks), and the peak memory;
 4b. re-times each of its stages alone (forward and whole backward of one micro-batch, outside the
-   schedule) after the first timed step and after the last step, so that the report can tell how
+   schedule) after about every fifth step from the first timed one, and after the last, so that the report can tell how
    much faster or slower the machine runs the same work now than when it was profiled;
 5. gathers every rank's numbers on every rank and writes them to ``out_dir/ranks.json`` (the
    first local process of each node writes it).
@@ -438,9 +438,9 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
 
     step_ms, pipeline_ms, compute, losses = [], [], [], []
     alone: list[dict[str, Any]] = []
-    alone_repeats = int(config.get("alone_repeats", 3))
+    alone_repeats = int(config.get("alone_repeats", 2))
 
-    def time_stages_alone(when: str) -> None:
+    def time_stages_alone(step: int) -> None:
         for (box, _), module, stage in zip(captured, modules, stages_here):
             last = stage.index == num_stages - 1
             if last and "target" not in first_target:
@@ -449,9 +449,10 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
                                 loss=loss if last else None, target=first_target.get("target"),
                                 device=device, repeats=alone_repeats)
             if times is not None:
-                alone.append({"stage": stage.index, "when": when, **times})
+                alone.append({"stage": stage.index, "step": step, **times})
 
     steps = int(config["steps"])
+    alone_steps = {steps - 1, *range(min(1, steps - 1), steps, max(1, steps // 5))}
     for step in range(steps):
         inputs: tuple = ()
         target = None
@@ -495,10 +496,10 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         finished = time.perf_counter()
-        # After the first timed step (the warm-up step leaves the process unsettled: its
-        # timing ran 30-50% slow) and after the last one.
-        if step == min(1, steps - 1) or step == steps - 1:
-            time_stages_alone("after the last step" if step == steps - 1 else "after the first timed step")
+        # Spread through the run, since a shared machine's speed moves within seconds; not
+        # after the warm-up step, which leaves the process unsettled (timings 30-50% slow).
+        if step in alone_steps:
+            time_stages_alone(step)
         step_ms.append((finished - started) * 1000.0)
         pipeline_ms.append((pipeline_done - started) * 1000.0)
         times = timer.take()

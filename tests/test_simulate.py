@@ -376,3 +376,15 @@ def test_full_backward_defaults_to_the_two_passes():
     assert cost.full_backward_ms is None and cost.backward_ms == 1.5
     with pytest.raises(BadInputError, match="full_backward_ms"):
         StageCost(forward_ms=1.0, backward_input_ms=1.0, backward_weight_ms=0.5, full_backward_ms=-1.0)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(cases())
+def test_the_planners_pruning_bound_never_exceeds_the_simulation(case):
+    """``--schedule auto`` skips configurations whose lower bound exceeds the best simulated
+    time, so the bound must hold for every schedule, split backward and overhead."""
+    from pipeplan.plan.planner import _busy_lower_bound_ms
+
+    schedule, p, m, v, costs = case
+    sim = simulate(costs, schedule, p, m, v)
+    assert _busy_lower_bound_ms(costs, list(sim.stage_ranks), m) <= sim.iteration_ms + 1e-9

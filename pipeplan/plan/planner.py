@@ -246,8 +246,9 @@ def _busy_lower_bound_ms(costs: list[StageCost], placement: list[int], num_micro
     """A lower bound of the simulated iteration.
 
     Rank ``r`` cannot start before the first micro-batch's forward has reached its first
-    stage, and then has all its own work to do; no iteration is shorter than one
-    micro-batch's trip forward and back either.
+    stage, and then has all its own work to do, with the schedule's own time before each of
+    its at least two actions per stage and micro-batch (but the first, which may overlap the
+    wait); no iteration is shorter than one micro-batch's trip forward and back either.
     """
     ranks = max(placement) + 1
     busy = [0.0] * ranks
@@ -256,7 +257,7 @@ def _busy_lower_bound_ms(costs: list[StageCost], placement: list[int], num_micro
     for stage, (cost, rank) in enumerate(zip(costs, placement)):
         # Whichever way the schedule runs the backward (whole, or split at some cost).
         backward = min(cost.backward_ms, cost.backward_input_ms + cost.backward_weight_ms)
-        busy[rank] += cost.forward_ms + backward
+        busy[rank] += cost.forward_ms + backward + 2 * cost.action_overhead_ms
         # A split schedule runs no input pass on stage 0.
         trip += cost.forward_ms + (0.0 if stage == 0 else min(cost.backward_input_ms, backward))
         if first[rank] is None:
@@ -265,7 +266,8 @@ def _busy_lower_bound_ms(costs: list[StageCost], placement: list[int], num_micro
     for stage, cost in enumerate(costs):
         crossing = cost.send_ms if stage + 1 < len(costs) and placement[stage + 1] != placement[stage] else 0.0
         head.append(head[-1] + cost.forward_ms + crossing)
-    return max(trip, max(head[first[r]] + num_microbatches * busy[r] for r in range(ranks)))
+    return max(trip, max(head[first[r]] + num_microbatches * busy[r] - costs[first[r]].action_overhead_ms
+                         for r in range(ranks)))
 
 
 def _rank_peaks(problem: PartitionProblem, partition: Partition, schedule: str, p: int, m: int, v: int):

@@ -11,8 +11,8 @@ multiplies those layers' forward and backward times (and the B/W parts) at every
 micro-batch size. The run's schedule's own time per action (posting transfers, bookkeeping:
 the report's ``measured.action_overhead_ms``) goes into ``measurement.action_overhead_ms``,
 which the planner counts before every action. The next plan made from the calibrated profile
-then uses the times the run saw. What the factors cannot absorb (time a rank spends idle inside the schedule beyond the
-simulated bubble) is left in the report's ratio and printed as the remaining gap.
+then uses the times the run saw. What neither absorbs (time a rank spends waiting inside the
+schedule beyond the simulated bubble) is left in the next run's ratio.
 """
 
 from __future__ import annotations

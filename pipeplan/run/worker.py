@@ -13,8 +13,9 @@ pipeline rank under torchrun. Each process:
 4. times every step (after a barrier, so all ranks start together), the compute actions
    (forward, backward, weight-gradient chunks), and the peak memory;
 4b. re-times each of its stages alone (forward and whole backward of one micro-batch, outside the
-   schedule) after about every fifth step from the first timed one, and after the last, so that the report can tell how
-   much faster or slower the machine runs the same work now than when it was profiled;
+   schedule) after about every fifth step from the first timed one, and after the last, so that
+   the report can tell how much faster or slower the machine runs the same work now than when
+   it was profiled;
 5. gathers every rank's numbers on every rank and writes them to ``out_dir/ranks.json`` (the
    first local process of each node writes it).
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -148,7 +150,7 @@ def _wall_timed(timer: _Timer, kind: str, func: Any) -> Any:
     return timed
 
 
-def _capture_inputs(module: Any) -> tuple[dict[str, Any], Any]:
+def _capture_inputs(module: Any) -> dict[str, Any]:
     """Keep a copy of the first real (not meta) inputs the stage's module is called with."""
     import torch
 
@@ -161,7 +163,8 @@ def _capture_inputs(module: Any) -> tuple[dict[str, Any], Any]:
         box["args"] = tuple(copy(a) for a in args)
         box["kwargs"] = {k: copy(a) for k, a in kwargs.items()}
 
-    return box, module.register_forward_pre_hook(hook, with_kwargs=True)
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+    return box
 
 
 def _time_alone(module: Any, inputs: dict[str, Any], *, input_grads: bool, loss: Any, target: Any,
@@ -213,8 +216,6 @@ def _time_alone(module: Any, inputs: dict[str, Any], *, input_grads: bool, loss:
             backward_ms.append((finished - forwarded) * 1000.0)
     for p in module.parameters():
         p.grad = None
-    import statistics
-
     return {"forward_ms": statistics.median(forward_ms), "backward_ms": statistics.median(backward_ms)}
 
 
@@ -441,7 +442,7 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
     alone_repeats = int(config.get("alone_repeats", 2))
 
     def time_stages_alone(step: int) -> None:
-        for (box, _), module, stage in zip(captured, modules, stages_here):
+        for box, module, stage in zip(captured, modules, stages_here):
             last = stage.index == num_stages - 1
             if last and "target" not in first_target:
                 continue

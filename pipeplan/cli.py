@@ -7,6 +7,7 @@ message and an exit code (2 bad input, 3 infeasible); tracebacks only with ``--d
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -53,6 +54,14 @@ def _handled(func):
         except KeyboardInterrupt:
             typer.echo("interrupted; no output written", err=True)
             raise typer.Exit(130)
+        except BrokenPipeError:
+            # The reader left (`| head`); files were already written. Point stdout at devnull so
+            # that the interpreter's final flush does not fail again.
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError, AttributeError):
+                pass
+            raise typer.Exit(0)
         except Exception as exc:
             if _state["debug"]:
                 raise

@@ -3,12 +3,14 @@ run each plan with ``pipeplan run`` and print one markdown row per run (docs/ben
 
     .venv/bin/python benchmarks/bench_executor.py                       # every schedule, once
     .venv/bin/python benchmarks/bench_executor.py --repeats 2 --schedules 1f1b,auto
+    .venv/bin/python benchmarks/bench_executor.py --calibrate           # and again after calibrating
+    .venv/bin/python benchmarks/bench_executor.py --action-overhead-ms 1.0
 
 Needs torch (the ``[dev]`` extra). Each run gets a profile of its own, made just before it:
-on the shared 2-core development machine the CPU's own speed drifts by up to a fifth within
-minutes (two profiles four minutes apart timed the whole model at micro-batch 2 at 204 and
-160 ms), and a profile from another moment would measure that drift, not the cost model. On a
-2-core machine a profile takes about 25 s and a run about 30 s. The columns:
+on the shared 2-core development machine the CPU's own speed drifts by up to 30% within
+minutes, even seconds (profiles a few minutes apart timed the whole model at micro-batch 2 at
+148 to 226 ms), and the *alone* column measures that drift in each run. On a 2-core machine a
+profile takes about 20 s and a run about 30 s. The columns:
 
 - *ratio*: measured / predicted iteration (the median of 19 steps after a warm-up);
 - *compute*: per rank, busy time inside forward/backward/weight calls over the plan's

@@ -229,6 +229,7 @@ def test_report_takes_the_machines_drift_out_with_stages_retimed_alone():
     assert report["predicted"]["adjusted_iteration_ms"] == pytest.approx(1.25 * plan.predicted.iteration_ms, rel=1e-4)
     assert report["adjusted_ratio"] == pytest.approx(1.05 / 1.25, rel=1e-3)
     assert report["ratio"] == pytest.approx(report["alone_ratio"] * report["adjusted_ratio"], rel=1e-3)
+    assert any("1.25x their profiled time" in note and "slower" in note for note in report["notes"])
     # A rank that timed only some of its stages gives no ratio rather than a wrong one.
     results[0]["alone"] = [t for t in results[0]["alone"] if t["stage"] == results[0]["stages"][0]]
     partial = build_report(plan, results)

@@ -295,6 +295,14 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             f"inside forward and backward): other work shared the cores, so measured times are inflated; "
             f"rerun on a quiet machine before reading the ratio as an error of the cost model"
         )
+    drift = report.get("alone_ratio")
+    if drift is not None and abs(drift - 1.0) > 0.15:
+        report["notes"].append(
+            f"the stages re-timed alone during the run took {drift:.2f}x their profiled time: the machine "
+            f"runs the same work {'slower' if drift > 1 else 'faster'} than when it was profiled, so the ratio "
+            f"measures that drift as much as the cost model (adjusted ratio {report.get('adjusted_ratio')}); "
+            f"re-profile, or pipeplan calibrate from this report"
+        )
     if profile_path is not None:
         report["profile_path"] = profile_path
     return report

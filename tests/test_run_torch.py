@@ -169,3 +169,24 @@ def test_two_nodes_on_one_rendezvous(tmp_path):
         assert isinstance(out[k], dict), out[k]
         assert [row["rank"] for row in out[k]["ranks"]] == [0, 1]
     assert out[0]["loss"] == out[1]["loss"]
+
+
+def test_run_then_calibrate_carries_the_schedules_own_time_into_the_next_plan(tmp_path):
+    from pipeplan.formats.plan import PlanSettings
+    from pipeplan.plan.planner import make_plan
+    from pipeplan.run.calibrate import calibrate_profile
+
+    profile = _profile(2)
+    plan = _two_rank_plan()
+    report = run_plan(plan, profile=profile, model="gpt2-tiny", model_options={**TINY, "layers": 2},
+                      seq_len=SEQ_LEN, steps=3, work_dir=tmp_path, echo=False, timeout_s=60)
+    measured_ms = report["measured"]["action_overhead_ms"]
+    # 2 micro-batches x (forward, backward) on each rank under 1F1B.
+    assert [row["actions"] for row in report["ranks"]] == [4, 4]
+    assert measured_ms > 0
+    calibrated, _ = calibrate_profile(plan, report, profile)
+    assert calibrated.measurement["action_overhead_ms"] == pytest.approx(measured_ms, abs=1e-4)
+    again = make_plan(calibrated, PlanSettings(stages=2, global_batch=2, microbatch_size=1, schedule="1f1b"),
+                      profile_sha256="0" * 64)
+    assert again.settings.action_overhead_ms == calibrated.measurement["action_overhead_ms"]
+    assert again.predicted.overhead_ms == pytest.approx(4 * again.settings.action_overhead_ms, rel=1e-3)

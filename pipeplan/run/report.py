@@ -263,17 +263,20 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
     if all(row.get("overhead_per_action_ms") is not None for row in ranks):
         report["measured"]["action_overhead_ms"] = _r(
             sum(row["post_ms"] + row["overhead_ms"] for row in ranks) / sum(row["actions"] for row in ranks))
-    replayed_ms = _replay_ms(plan, {row["rank"]: row["busy_ms"] for row in ranks})
-    if replayed_ms is not None:
+    from pipeplan.plan.planner import plan_simulation
+
+    planned_busy_ms = plan_simulation(plan).rank_busy_ms
+    if all(row["busy_ms"] is not None and planned_busy_ms[row["rank"]] > 0 for row in ranks):
+        replayed_ms = _scaled_iteration_ms(
+            plan, {row["rank"]: row["busy_ms"] / planned_busy_ms[row["rank"]] for row in ranks})
         predicted["replayed_iteration_ms"] = _r(replayed_ms)
         report["replayed_ratio"] = _ratio(iteration_ms, replayed_ms)
-    if all(row.get("alone_ms") for row in ranks):
+    if all(row.get("alone_ms") and row.get("alone_ratio") is not None for row in ranks):
         report["alone_ratio"] = _ratio(sum(row["alone_ms"] for row in ranks),
                                        sum(row["predicted_alone_ms"] for row in ranks))
-        adjusted_ms = _replay_ms(plan, {row["rank"]: row["alone_ratio"] for row in ranks}, factors=True)
-        if adjusted_ms is not None:
-            predicted["adjusted_iteration_ms"] = _r(adjusted_ms)
-            report["adjusted_ratio"] = _ratio(iteration_ms, adjusted_ms)
+        adjusted_ms = _scaled_iteration_ms(plan, {row["rank"]: row["alone_ratio"] for row in ranks})
+        predicted["adjusted_iteration_ms"] = _r(adjusted_ms)
+        report["adjusted_ratio"] = _ratio(iteration_ms, adjusted_ms)
     if simulation is not None:
         report["simulated_ratio"] = _ratio(iteration_ms, simulation.iteration_ms)
         if "simulated_with_link_iteration_ms" in predicted:
@@ -331,25 +334,17 @@ def _alone(timings: Sequence[dict[str, Any]], stages: Sequence[Any]) -> dict[str
     }
 
 
-def _replay_ms(plan: Any, per_rank: dict[int, Optional[float]], factors: bool = False) -> Optional[float]:
-    """The plan's schedule simulated with each rank's costs scaled: to the given busy time per
-    rank, or (``factors``) by the given factor per rank."""
+def _scaled_iteration_ms(plan: Any, factors: dict[int, float]) -> float:
+    """The plan's schedule simulated again with each rank's compute times multiplied by its factor."""
     from dataclasses import replace
 
     from pipeplan.plan.planner import plan_stage_costs
     from pipeplan.plan.simulate import simulate
 
-    costs = plan_stage_costs(plan)
-    sim = simulate(costs, plan.schedule, plan.settings.stages, plan.num_microbatches, plan.virtual_stages)
-    scale = {}
-    for rank, value in per_rank.items():
-        predicted = sim.rank_busy_ms[rank]
-        if value is None or predicted <= 0:
-            return None
-        scale[rank] = value if factors else value / predicted
+    rank_of = {s.index: s.rank for s in plan.stages}
     scaled = []
-    for cost, rank in zip(costs, sim.stage_ranks):
-        k = scale[rank]
+    for index, cost in enumerate(plan_stage_costs(plan)):
+        k = factors[rank_of[index]]
         scaled.append(replace(cost, forward_ms=cost.forward_ms * k, backward_input_ms=cost.backward_input_ms * k,
                               backward_weight_ms=cost.backward_weight_ms * k,
                               full_backward_ms=cost.backward_ms * k))

@@ -221,6 +221,19 @@ def plan(
 
 @app.command()
 @_handled
+def cluster(
+    spec: Optional[str] = typer.Argument(None, metavar="[NAME|FILE]", help="A preset or a cluster TOML file to check and show."),
+):
+    """The cluster presets (or one spec): GPUs per node, memory, links; docs/cluster-model.md."""
+    from pipeplan.cluster import PRESETS, resolve_cluster
+    from pipeplan.cluster.tables import cluster_table
+
+    specs = list(PRESETS.values()) if spec is None else [resolve_cluster(spec)]
+    _console().print(cluster_table(specs, "cluster presets" if spec is None else str(spec)))
+
+
+@app.command()
+@_handled
 def show(
     plan_file: Path = typer.Argument(..., metavar="PLAN", help="Plan JSON file.", show_default=False),
     timeline: bool = typer.Option(False, "--timeline", help="Draw the simulated timeline in the terminal."),

@@ -1,0 +1,119 @@
+"""What each ``--optimizer`` keeps per parameter, and what its step reads and writes.
+
+Training state per parameter, in bytes, split into the three parts ZeRO shards one by one
+(``w`` = the training dtype's bytes, 2 for bf16/fp16, 4 for fp32):
+
+    adam             w + w + (4 master + 8 moments)  = 16 (fp32: 4 + 4 + 8 = 16)
+                     the ZeRO paper's K = 12 and DeepSpeed's accounting
+    adam-fp32-grads  w + 4 + (4 master + 8 moments)  = 18 (fp32: 16)
+                     Megatron-LM's mixed precision: fp32 main gradients
+    sgd              w + w + (4 master + 4 momentum) = 12 (fp32: 4 + 4 + 4 = 12)
+    none             w + w                           = 2 w: no optimizer state
+
+``adam`` is pipeplan's default and what plans of schema version 1 assumed (16 bytes);
+``adam-fp32-grads`` is Megatron's default for bf16 (``--accumulate-allreduce-grads-in-fp32``):
+18 bytes, of which its distributed optimizer shards the 12 of the optimizer state, giving
+Megatron's documented ``6 + 12 / d`` (Megatron Core user guide, "Distributed Optimizer").
+
+The optimizer step is memory-bound: every byte of the rank's shard of the state is read and
+written once, the gradient read once and the 16-bit weight copy written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["OPTIMIZERS", "TrainingState", "training_state", "optimizer_step_ms"]
+
+#: The ``--optimizer`` values.
+OPTIMIZERS = ("adam", "adam-fp32-grads", "sgd", "none")
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """Bytes per parameter of each part of the training state."""
+
+    weight_bytes: float
+    """The weights in the training dtype (what the forward reads; ZeRO 3 shards them)."""
+    gradient_bytes: float
+    """The gradients that data parallelism reduces (ZeRO 2 shards them)."""
+    optimizer_bytes: float
+    """fp32 master weights (16-bit training) and the optimizer's moments (ZeRO 1 shards them)."""
+    step_bytes: float
+    """Bytes the optimizer step reads and writes per parameter of its shard."""
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
+
+
+def training_state(optimizer: str, dtype_bytes: int) -> TrainingState:
+    """Bytes per parameter of ``optimizer`` training in a dtype of ``dtype_bytes``.
+
+    Parameters
+    ----------
+    optimizer : {"adam", "adam-fp32-grads", "sgd", "none"}
+    dtype_bytes : int
+        2 for bf16/fp16, 4 for fp32.
+
+    Raises
+    ------
+    ValueError
+        For an unknown optimizer.
+
+    Examples
+    --------
+    >>> training_state("adam", 2).total_bytes
+    16
+    >>> training_state("adam-fp32-grads", 2).total_bytes   # Megatron's 18
+    18
+    >>> training_state("adam", 4).total_bytes
+    16
+    >>> training_state("sgd", 2).total_bytes
+    12
+    >>> training_state("none", 2).total_bytes
+    4
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    w = dtype_bytes
+    master = 4 if w < 4 else 0  # 16-bit training keeps an fp32 copy; fp32 training steps the weights
+    if optimizer == "none":
+        return TrainingState(w, w, 0, 0)
+    grad = 4 if optimizer == "adam-fp32-grads" else w
+    moments = 8 if optimizer.startswith("adam") else 4
+    state = master + moments
+    # The step reads and writes the state (2 x state), reads the gradient, and writes the
+    # training-dtype weights (read and written instead, when fp32 training steps them in place).
+    step = 2 * state + grad + (w if master else 2 * w)
+    return TrainingState(w, grad, state, step)
+
+
+def optimizer_step_ms(shard_params: float, state: TrainingState, hbm_bytes_per_s: float,
+                      hbm_efficiency: float = 0.8) -> float:
+    """Time of the optimizer step over a rank's shard: bytes touched / achieved HBM bandwidth.
+
+    Parameters
+    ----------
+    shard_params : float
+        Parameters this GPU steps: its tensor shard of its stages, divided by ``d`` under
+        ZeRO 1-3 (each data-parallel rank steps its own share).
+    state : TrainingState
+    hbm_bytes_per_s : float
+        The GPU's memory bandwidth (data sheet).
+    hbm_efficiency : float
+        Achieved share of it by the fused (multi-tensor) optimizer kernels.
+
+    Examples
+    --------
+    >>> s = training_state("adam", 2)
+    >>> s.step_bytes            # 2 x 12 state + 2 grad + 2 weights
+    28
+    >>> optimizer_step_ms(1e9, s, 2e12, hbm_efficiency=1.0)   # 28 GB at 2 TB/s
+    14.0
+    """
+    if shard_params < 0:
+        raise ValueError(f"shard_params: {shard_params} must be >= 0")
+    if hbm_bytes_per_s <= 0 or not 0 < hbm_efficiency <= 1:
+        raise ValueError("hbm_bytes_per_s must be > 0 and hbm_efficiency in (0, 1]")
+    return shard_params * state.step_bytes / (hbm_bytes_per_s * hbm_efficiency) * 1e3

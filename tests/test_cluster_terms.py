@@ -328,3 +328,28 @@ def test_space_errors_name_the_problem():
     with pytest.raises(BadInputError, match="no data x tensor x pipeline layout"):
         parallel_degrees(64, 8, 96, data=64, tensor=8)
     assert divisors(1) == [1] and divisors(97) == [1, 97]
+
+
+@settings(max_examples=50, deadline=None)
+@given(sizes=st.lists(st.floats(1e3, 1e9), min_size=1, max_size=6), t=st.sampled_from([1, 2, 4, 8]),
+       sequence_parallel=st.booleans())
+def test_tensor_parallel_term_is_the_sum_of_its_calls(sizes, t, sequence_parallel):
+    from pipeplan.cluster.collectives import tensor_parallel_ms
+
+    link = PRESETS["dgx-a100"].intra_node
+    if sequence_parallel:
+        kinds = ["reduce-scatter" if i % 2 else "all-gather" for i in range(len(sizes))]
+        name = "reduce_scatter_all_gather"
+    else:
+        kinds = ["all-reduce"] * len(sizes)
+        name = "all_reduce"
+    expected = sum(ring_ms(k, s, t, link) for k, s in zip(kinds, sizes))
+    assert tensor_parallel_ms(name, sum(sizes), len(sizes), t, link) == pytest.approx(expected, rel=1e-9)
+
+
+def test_send_uses_the_link_it_is_given():
+    from pipeplan.cluster.collectives import send_ms
+
+    spec = PRESETS["dgx-h100"]
+    assert send_ms(0, spec.inter_node) == 0.0
+    assert send_ms(1e8, spec.inter_node) > send_ms(1e8, spec.intra_node)

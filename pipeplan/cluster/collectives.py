@@ -22,6 +22,9 @@ share over the network, each GPU on its own NIC): with ``k`` ranks per node on `
     reduce-scatter = RS_intra(S, k) + RS_inter(S / k, N)
     all-gather     = AG_inter(S / k, N) + AG_intra(S, k)
 
+Tensor parallelism's collectives (:func:`tensor_parallel_ms`) and a pipeline stage's
+point-to-point send (:func:`send_ms`) are timed by the same model.
+
 See docs/cluster-model.md for the sources and the limits (no NVLS/SHARP, no congestion).
 """
 
@@ -32,7 +35,8 @@ from typing import Literal
 
 from pipeplan.formats.cluster import Link
 
-__all__ = ["COLLECTIVES", "ring_ms", "tree_all_reduce_ms", "flat_collective_ms", "collective_ms"]
+__all__ = ["COLLECTIVES", "ring_ms", "tree_all_reduce_ms", "flat_collective_ms", "collective_ms",
+           "tensor_parallel_ms", "send_ms"]
 
 Collective = Literal["all-reduce", "reduce-scatter", "all-gather"]
 
@@ -175,3 +179,56 @@ def collective_ms(kind: Collective, size_bytes: float, ranks_per_node: int, node
                 + flat_collective_ms("all-reduce", share, nodes, inter)
                 + ring_ms("all-gather", size_bytes, ranks_per_node, intra))
     return ring_ms(kind, size_bytes, ranks_per_node, intra) + ring_ms(kind, share, nodes, inter)
+
+
+def tensor_parallel_ms(collective: str, payload_bytes: float, count: int, ranks: int, link: Link) -> float:
+    """A layer's tensor-parallel collectives in one pass (forward or backward), as a profile
+    records them (schema version 2: kind, summed payload, number of calls).
+
+    ``all_reduce``: each call is a ring all-reduce, so ``count x 2 (t - 1)`` latency steps and
+    ``2 (t - 1) / t`` of the summed payload sent per rank. ``reduce_scatter_all_gather``
+    (sequence parallelism): each call is a reduce-scatter or an all-gather, ``count x (t - 1)``
+    steps and ``(t - 1) / t`` of the payload. Equal to summing :func:`ring_ms` over the calls.
+
+    Parameters
+    ----------
+    collective : {"all_reduce", "reduce_scatter_all_gather"}
+    payload_bytes : float
+        The sum of every call's whole buffer.
+    count : int
+        Calls (latency is paid per call).
+    ranks : int
+        ``t``.
+    link : Link
+        The intra-node link: tensor groups stay in a node (:class:`~pipeplan.cluster.placement.Layout`).
+
+    Examples
+    --------
+    >>> nv = Link(bandwidth_bytes_per_s=300e9, latency_us=0, efficiency=1)
+    >>> tensor_parallel_ms("all_reduce", 2 * 48e6, 2, 8, nv) == 2 * ring_ms("all-reduce", 48e6, 8, nv)
+    True
+    """
+    if collective not in ("all_reduce", "reduce_scatter_all_gather"):
+        raise ValueError(f"collective {collective!r} is not all_reduce or reduce_scatter_all_gather")
+    if count < 0 or payload_bytes < 0 or ranks < 1:
+        raise ValueError("count and payload_bytes must be >= 0, ranks >= 1")
+    if ranks == 1 or (payload_bytes == 0 and count == 0):
+        return 0.0
+    factor = 2 if collective == "all_reduce" else 1
+    return (count * factor * (ranks - 1) * link.latency_us / 1e3
+            + factor * (ranks - 1) / ranks * payload_bytes / link.achieved_bytes_per_s * 1e3)
+
+
+def send_ms(size_bytes: float, link: Link) -> float:
+    """One point-to-point send of ``size_bytes`` (a pipeline transfer): one hop plus the bytes.
+
+    Examples
+    --------
+    >>> send_ms(50e6, Link(bandwidth_bytes_per_s=25e9, latency_us=14, efficiency=1))
+    2.014
+    """
+    if size_bytes < 0:
+        raise ValueError(f"size_bytes: {size_bytes} must be >= 0")
+    if size_bytes == 0:
+        return 0.0
+    return link.latency_us / 1e3 + size_bytes / link.achieved_bytes_per_s * 1e3

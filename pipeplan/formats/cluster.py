@@ -94,16 +94,7 @@ class Link(_Strict):
 
 
 class ClusterSpec(_Strict):
-    """A homogeneous cluster: nodes of ``gpus_per_node`` GPUs of one model.
-
-    Examples
-    --------
-    >>> spec = ClusterSpec(name="two-gpu", gpu="l4", gpus_per_node=2, memory_cap_bytes=24e9,
-    ...                    intra_node={"bandwidth": "32GB/s", "latency_us": 5.7},
-    ...                    inter_node={"bandwidth": "1.5GB/s", "latency_us": 14})
-    >>> spec.intra_node.bandwidth_bytes_per_s
-    32000000000.0
-    """
+    """A homogeneous cluster: nodes of ``gpus_per_node`` GPUs of one model."""
 
     name: str = Field(min_length=1, description="A name for tables and plans.")
     gpu: str = Field(min_length=1, description="The GPU model, by name (pipeplan gpus), e.g. 'h100-sxm'.")
@@ -141,6 +132,14 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
     ------
     BadInputError
         Naming ``where``, the field and the problem, one line each.
+
+    Examples
+    --------
+    >>> spec = cluster_from_dict({"name": "two-gpu", "gpu": "l4", "gpus_per_node": 2, "memory_cap": "24GB",
+    ...                           "intra_node": {"bandwidth": "32GB/s", "latency_us": 5.7},
+    ...                           "inter_node": {"bandwidth": "1.5GB/s", "latency_us": 14}})
+    >>> spec.intra_node.bandwidth_bytes_per_s, spec.memory_cap_bytes
+    (32000000000.0, 24000000000)
     """
     from pipeplan.formats.io import format_validation_error
 

@@ -68,13 +68,14 @@ def load_json(path: str | Path) -> Any:
         ) from None
 
 
-def _load(path: str | Path, model: type[M], what: str) -> M:
+def _load(path: str | Path, model: type[M], what: str, versions: tuple[int, ...] = (1,)) -> M:
     data = load_json(path)
     if not isinstance(data, dict):
         raise BadInputError(f"{path}: expected a JSON object ({what}), found {type(data).__name__}")
-    if "schema_version" in data and data["schema_version"] != 1:
+    if "schema_version" in data and data["schema_version"] not in versions:
+        readable = " and ".join(str(v) for v in versions)
         raise BadInputError(
-            f"{path}: schema_version: {data['schema_version']!r} is not supported; this pipeplan reads 1"
+            f"{path}: schema_version: {data['schema_version']!r} is not supported; this pipeplan reads {readable}"
         )
     try:
         return model.model_validate(data)
@@ -97,9 +98,9 @@ def load_profile(path: str | Path):
 
 def load_plan(path: str | Path):
     """Read and check a plan file."""
-    from pipeplan.formats.plan import Plan
+    from pipeplan.formats.plan import PLAN_SCHEMA_VERSIONS, Plan
 
-    return _load(path, Plan, "a plan")
+    return _load(path, Plan, "a plan", PLAN_SCHEMA_VERSIONS)
 
 
 def dump_model(model: BaseModel) -> str:

@@ -1,7 +1,13 @@
-"""The plan format (schema_version 1): a split of a profile into pipeline stages.
+"""The plan format (schema_version 2, reads 1): a split of a profile into pipeline stages.
 
 Written by ``pipeplan plan``; read by ``show``, ``run``, ``export`` and ``check``.
 See docs/formats.md.
+
+Version 2 adds the cluster plan (docs/cluster-model.md): ``parallelism`` (data, tensor and
+pipeline degrees, ZeRO stage, sequence parallelism), the cluster spec and the cluster options
+in ``settings``, the iteration's cluster parts in ``predicted`` and each stage's memory by part.
+A plan is written as version 2 only where one of them is set, so a pipeline-only plan keeps
+version 1 and its bytes; version 1 files read unchanged.
 """
 
 from __future__ import annotations
@@ -10,8 +16,12 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeplan.formats.cluster import ClusterSpec
+
 __all__ = [
     "SCHEDULES",
+    "PLAN_SCHEMA_VERSIONS",
+    "Parallelism",
     "PlanProfileRef",
     "PlanSettings",
     "PlanStage",
@@ -26,8 +36,26 @@ __all__ = [
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
 
 
+#: Plan versions this pipeplan reads.
+PLAN_SCHEMA_VERSIONS = (1, 2)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class Parallelism(_Strict):
+    """How the plan lays its GPUs out (ranks in Megatron's order: docs/cluster-model.md)."""
+
+    num_gpus: int = Field(gt=0, description="data x tensor x pipeline.")
+    data: int = Field(gt=0, description="Data-parallel replicas d.")
+    tensor: int = Field(gt=0, description="Tensor-parallel degree t (inside a node).")
+    pipeline: int = Field(gt=0, description="Pipeline ranks p.")
+    virtual_stages: int = Field(default=1, ge=1, description="Stages per pipeline rank.")
+    zero_stage: int = Field(default=0, ge=0, le=3, description="ZeRO stage: 1 shards the optimizer state over d, "
+                                                               "2 also the gradients, 3 also the weights.")
+    sequence_parallel: bool = Field(default=False, description="Megatron's sequence parallelism (t > 1).")
+    gpus_per_node: int = Field(gt=0, description="From the cluster spec, for the layout.")
 
 
 class PlanProfileRef(_Strict):
@@ -57,6 +85,18 @@ class PlanSettings(_Strict):
         description="The schedule's own time per compute action on a rank (posting transfers, "
                     "bookkeeping), outside compute; null means none. `pipeplan run` measures it.",
     )
+    # --- schema_version 2: the cluster plan (all null for a pipeline-only plan) ---
+    num_gpus: Optional[int] = Field(
+        default=None, gt=0, description="--gpus: plan d x t x p = num_gpus over the cluster; null: d = t = 1.")
+    cluster: Optional[ClusterSpec] = Field(default=None, description="The cluster spec (preset or file), inlined.")
+    data_parallel: Optional[int] = Field(default=None, gt=0, description="Fixed d, or null to search.")
+    tensor_parallel: Optional[int] = Field(default=None, gt=0, description="Fixed t, or null to search.")
+    zero_stage: Optional[int] = Field(default=None, ge=0, le=3, description="Fixed ZeRO stage, or null to search.")
+    layers_per_stage: Optional[list[int]] = Field(
+        default=None, description="Fixed split: units per stage in profile order (virtual stages in order).")
+    data_parallel_overlap: Optional[float] = Field(
+        default=None, ge=0, le=1,
+        description="Share of the data-parallel sync hidden behind compute; null: 0 (all exposed).")
 
 
 class PlanStage(_Strict):
@@ -84,6 +124,11 @@ class PlanStage(_Strict):
     in_flight: int = Field(default=1, description="Micro-batches whose activations it holds at its peak.")
     recompute: bool = Field(default=False, description="Keeps only its input and recomputes the forward.")
     peak_memory_bytes: int = Field(description="Predicted peak memory of the stage.")
+    # --- schema_version 2 (cluster plans): the stage's share of its GPU's memory, by part ---
+    weight_bytes: Optional[int] = Field(default=None, description="Weights held (ZeRO 3: the shard and the gathered units).")
+    gradient_bytes: Optional[int] = Field(default=None, description="Gradients held (ZeRO 2-3: the shard).")
+    optimizer_bytes: Optional[int] = Field(default=None, description="Optimizer state held (ZeRO 1-3: the shard).")
+    peak_activation_bytes: Optional[int] = Field(default=None, description="Activations at the stage's peak.")
 
 
 class Predicted(_Strict):
@@ -99,6 +144,14 @@ class Predicted(_Strict):
     overhead_ms: Optional[float] = Field(
         default=None, description="The schedule's own time on the bottleneck rank (settings.action_overhead_ms "
                                   "per action); null when none was set.")
+    # --- schema_version 2 (cluster plans): with compute_ms, bubble_ms and transfer_ms they add up
+    # to iteration_ms; compute_ms then leaves out the tensor-parallel collectives ---
+    tensor_parallel_ms: Optional[float] = Field(default=None, description="Tensor-parallel collectives.")
+    data_parallel_ms: Optional[float] = Field(default=None, description="Exposed data-parallel sync.")
+    optimizer_ms: Optional[float] = Field(default=None, description="The optimizer step.")
+    tokens_per_second_per_gpu: Optional[float] = Field(default=None, description="Training throughput per GPU.")
+    model_flops_utilization: Optional[float] = Field(
+        default=None, description="Model FLOPs per iteration (no recompute) over the GPUs' peak (MFU).")
 
 
 class RankSummary(_Strict):
@@ -139,7 +192,7 @@ class SolverInfo(_Strict):
 class Plan(_Strict):
     """A pipeline plan."""
 
-    schema_version: Literal[1]
+    schema_version: Literal[1, 2] = Field(description="2 where a version-2 field is set, else 1.")
     profile: PlanProfileRef
     settings: PlanSettings
     schedule: str
@@ -152,3 +205,7 @@ class Plan(_Strict):
     alternatives: list[Alternative] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list, description="Assumptions the planner made.")
     solver: SolverInfo
+    parallelism: Optional[Parallelism] = Field(
+        default=None, description="The cluster layout (schema_version 2); null: d = t = 1 on `stages` GPUs.")
+    reserve_bytes: Optional[int] = Field(
+        default=None, description="Per GPU, the memory not planned (the cluster's reserve and fragmentation share).")

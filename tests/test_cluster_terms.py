@@ -360,30 +360,34 @@ def test_send_uses_the_link_it_is_given():
 
 @settings(max_examples=80, deadline=None)
 @given(data=st.data(), ranks=st.integers(1, 8))
-def test_iteration_parts_add_up_to_the_last_rank_s_end(data, ranks):
+def test_iteration_parts_add_up(data, ranks):
     from pipeplan.cluster.iteration import iteration_parts
 
     floats = st.floats(0, 100)
-    busy = [data.draw(floats) for _ in range(ranks)]
-    transfer = [data.draw(floats) for _ in range(ranks)]
-    end = [b + x + data.draw(floats) for b, x in zip(busy, transfer)]
-    tp = [data.draw(st.floats(0, 1)) * b for b in busy]
+    end = [data.draw(floats) for _ in range(ranks)]
+    makespan = max(end)
+    busy = data.draw(st.floats(0, 1)) * makespan
+    transfer = data.draw(st.floats(0, 1)) * (makespan - busy)
+    bubble = makespan - busy - transfer
+    tp = data.draw(st.floats(0, 1)) * busy
     sync = [data.draw(floats) for _ in range(ranks)]
     opt = [data.draw(floats) for _ in range(ranks)]
-    parts = iteration_parts(end, busy, tp, transfer, sync, opt)
-    expected = max(e + s + o for e, s, o in zip(end, sync, opt))
+    parts = iteration_parts(busy, tp, transfer, bubble, end, sync, opt)
+    expected = max(e + s for e, s in zip(end, sync)) + max(opt)
     assert parts.iteration_ms == pytest.approx(expected, rel=1e-9, abs=1e-9)
-    assert min(parts.compute_ms, parts.tensor_parallel_ms, parts.bubble_ms) >= 0
-    r = parts.rank
-    assert end[r] + sync[r] + opt[r] == expected
+    assert parts.pipeline_ms == pytest.approx(makespan, rel=1e-9, abs=1e-9)
+    assert min(parts.compute_ms, parts.tensor_parallel_ms, parts.data_parallel_ms) >= 0
+    # the sync is never counted below what the last-ending rank's own sync adds
+    last = max(range(ranks), key=lambda r: end[r])
+    assert parts.data_parallel_ms >= sync[last] - 1e-9
 
 
 def test_iteration_errors_and_throughput():
-    from pipeplan.cluster.iteration import model_flops_utilization, pipeline_lower_bound_ms, iteration_parts
+    from pipeplan.cluster.iteration import iteration_parts, model_flops_utilization, pipeline_lower_bound_ms
 
     with pytest.raises(ValueError, match="one value per pipeline rank"):
-        iteration_parts([1.0], [1.0, 2.0], [0.0], [0.0], [0.0], [0.0])
-    with pytest.raises(ValueError, match="exceed"):
-        iteration_parts([1.0], [2.0], [0.0], [0.0], [0.0], [0.0])
+        iteration_parts(1.0, 0.0, 0.0, 0.0, [1.0], [0.0, 0.0], [0.0])
+    with pytest.raises(ValueError, match="make-span"):
+        iteration_parts(2.0, 0.0, 0.0, 0.0, [1.0], [0.0], [0.0])
     assert model_flops_utilization(312e12, 1000.0, 1, 312e12) == pytest.approx(1.0)
     assert pipeline_lower_bound_ms(100.0, 4, 4) == 100.0

@@ -1,18 +1,16 @@
 """A cluster iteration as named parts that add up, its throughput and MFU, and its lower bound.
 
-The pipeline's simulation (docs/schedules.md) gives, for the bottleneck pipeline rank, its
-compute, its idle time (the bubble) and its exposed transfers; the cluster adds after the last
-backward of each pipeline rank its data-parallel sync (the exposed share) and its optimizer step.
-Pipeline ranks finish their last backward at different times (the first rank last under 1F1B),
-so the iteration ends at
+The pipeline's simulation (docs/schedules.md) gives the make-span ``M`` (first forward to last
+backward) split, on its critical rank, into compute, the schedule's own work, bubble and exposed
+transfers. After its last backward each pipeline rank runs its data-parallel sync; the optimizer
+step then waits for every rank's sync, because the step clips gradients by their global norm (an
+all-reduce over every model-parallel rank, Megatron's default ``--clip-grad 1.0``). So
 
-    iteration_ms = max over pipeline ranks r of (end_r + exposed_sync_r + optimizer_r)
+    iteration_ms = max over pipeline ranks r of (end_r + exposed_sync_r) + max over r of optimizer_r
 
-and the parts are read off the rank that attains the maximum (:func:`iteration_parts`): its
-compute (tensor-parallel collectives apart), the collectives, its exposed transfers, its sync and
-step, and the bubble as the rest of its time line up to its last action (idle time, and the
-schedule's own work). The bubble is therefore a remainder here; that it equals the simulation's
-idle intervals is the simulator's property (tested there), not this function's.
+and the data-parallel part is what the sync adds beyond the make-span,
+``max_r (end_r + sync_r) - M >= 0`` (a rank that ends early hides some of its sync in the
+others' drain). The parts (:class:`IterationParts`) add up to the iteration exactly.
 """
 
 from __future__ import annotations
@@ -29,44 +27,44 @@ class IterationParts:
     """One iteration of the whole cluster, in ms; the parts add up to :attr:`iteration_ms`."""
 
     compute_ms: float
-    """Forward and backward work of the rank that ends last (recompute included), without
-    its tensor-parallel collectives."""
+    """The critical pipeline rank's forward and backward work (recompute included), without its
+    tensor-parallel collectives."""
     tensor_parallel_ms: float
     """Its tensor-parallel collectives (not overlapped)."""
     pipeline_transfer_ms: float
-    """Its exposed pipeline transfers."""
+    """Exposed pipeline transfers (the simulation's)."""
     bubble_ms: float
-    """Its idle time inside the pipeline's make-span (and the schedule's own work)."""
+    """The critical rank's idle time in the make-span, and the schedule's own work."""
     data_parallel_ms: float
-    """Its exposed data-parallel sync."""
+    """What the data-parallel sync adds beyond the make-span."""
     optimizer_ms: float
-    """Its optimizer step."""
-    rank: int
-    """The pipeline rank that ends last."""
+    """The optimizer step (the slowest rank's)."""
+
+    @property
+    def pipeline_ms(self) -> float:
+        """The make-span: everything before the sync."""
+        return self.compute_ms + self.tensor_parallel_ms + self.pipeline_transfer_ms + self.bubble_ms
 
     @property
     def iteration_ms(self) -> float:
-        return (self.compute_ms + self.tensor_parallel_ms + self.pipeline_transfer_ms + self.bubble_ms
-                + self.data_parallel_ms + self.optimizer_ms)
+        return self.pipeline_ms + self.data_parallel_ms + self.optimizer_ms
 
 
-def iteration_parts(rank_end_ms: Sequence[float], rank_busy_ms: Sequence[float],
-                    rank_tensor_parallel_ms: Sequence[float], rank_transfer_ms: Sequence[float],
-                    rank_sync_ms: Sequence[float], rank_optimizer_ms: Sequence[float]) -> IterationParts:
-    """The iteration's parts, read off the pipeline rank that ends last.
+def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: float, bubble_ms: float,
+                    rank_end_ms: Sequence[float], rank_sync_ms: Sequence[float],
+                    rank_optimizer_ms: Sequence[float]) -> IterationParts:
+    """The iteration's parts from the pipeline's simulation and each rank's sync and step.
 
     Parameters
     ----------
+    busy_ms, tensor_parallel_ms, transfer_ms, bubble_ms : float
+        The simulation's critical rank: its busy time (tensor-parallel collectives included), the
+        collectives' share of it, the exposed transfers, and the rest of the make-span (idle and
+        the schedule's own work). They add up to the make-span.
     rank_end_ms : sequence of float
-        When each pipeline rank's last action ends (the largest is the make-span).
-    rank_busy_ms : sequence of float
-        Each rank's compute inside the make-span, tensor-parallel collectives included.
-    rank_tensor_parallel_ms : sequence of float
-        The share of ``rank_busy_ms`` that is tensor-parallel collectives.
-    rank_transfer_ms : sequence of float
-        Each rank's exposed pipeline transfers.
+        When each pipeline rank's last action ends; the largest is the make-span.
     rank_sync_ms, rank_optimizer_ms : sequence of float
-        Each rank's exposed data-parallel sync and optimizer step, after its last action.
+        Each rank's exposed data-parallel sync and its optimizer step.
 
     Returns
     -------
@@ -75,38 +73,31 @@ def iteration_parts(rank_end_ms: Sequence[float], rank_busy_ms: Sequence[float],
     Raises
     ------
     ValueError
-        If the sequences differ in length, or a rank's busy and transfer time exceed the make-span.
+        If the per-rank sequences differ in length, or the parts do not add up to the make-span.
 
     Examples
     --------
-    >>> parts = iteration_parts([100.0, 90.0], [80.0, 80.0], [8.0, 8.0], [5.0, 5.0],
-    ...                         [20.0, 20.0], [3.0, 3.0])
-    >>> parts.rank, parts.iteration_ms, parts.bubble_ms
-    (0, 123.0, 15.0)
-    >>> parts = iteration_parts([100.0, 90.0], [80.0, 80.0], [8.0, 8.0], [5.0, 5.0],
-    ...                         [20.0, 40.0], [3.0, 3.0])
-    >>> parts.rank, parts.iteration_ms, parts.bubble_ms     # rank 1 ends at 90 + 40 + 3
-    (1, 133.0, 5.0)
+    >>> parts = iteration_parts(80.0, 8.0, 5.0, 15.0, [100.0, 90.0], [20.0, 20.0], [3.0, 3.0])
+    >>> parts.data_parallel_ms, parts.iteration_ms       # rank 0 ends last: 100 + 20 + 3
+    (20.0, 123.0)
+    >>> parts = iteration_parts(80.0, 8.0, 5.0, 15.0, [100.0, 90.0], [20.0, 40.0], [3.0, 3.0])
+    >>> parts.data_parallel_ms, parts.iteration_ms       # rank 1 syncs longer: 90 + 40 + 3
+    (30.0, 133.0)
     """
-    columns = (rank_end_ms, rank_busy_ms, rank_tensor_parallel_ms, rank_transfer_ms, rank_sync_ms,
-               rank_optimizer_ms)
     ranks = len(rank_end_ms)
-    if ranks == 0 or any(len(c) != ranks for c in columns):
+    if ranks == 0 or len(rank_sync_ms) != ranks or len(rank_optimizer_ms) != ranks:
         raise ValueError("every per-rank sequence needs one value per pipeline rank")
-    ends = [rank_end_ms[r] + rank_sync_ms[r] + rank_optimizer_ms[r] for r in range(ranks)]
-    last = max(range(ranks), key=lambda r: (ends[r], -r))  # the earliest rank among equals
-    end = ends[last]
-    tail = rank_sync_ms[last] + rank_optimizer_ms[last]
-    busy = rank_busy_ms[last]
-    tp = rank_tensor_parallel_ms[last]
-    transfer = rank_transfer_ms[last]
-    bubble = end - tail - busy - transfer
-    if bubble < -1e-9 * max(1.0, end):
-        raise ValueError(f"pipeline rank {last}: busy {busy} + transfers {transfer} exceed its time line {end - tail}")
+    makespan = max(rank_end_ms)
+    if abs(busy_ms + transfer_ms + bubble_ms - makespan) > 1e-6 * max(1.0, makespan):
+        raise ValueError(f"busy {busy_ms} + transfers {transfer_ms} + bubble {bubble_ms} is not the "
+                         f"make-span {makespan}")
+    if not 0 <= tensor_parallel_ms <= busy_ms:
+        raise ValueError(f"tensor_parallel_ms {tensor_parallel_ms} must be within busy_ms {busy_ms}")
+    synced = max(end + sync for end, sync in zip(rank_end_ms, rank_sync_ms))
     return IterationParts(
-        compute_ms=busy - tp, tensor_parallel_ms=tp, pipeline_transfer_ms=transfer,
-        bubble_ms=max(bubble, 0.0), data_parallel_ms=rank_sync_ms[last],
-        optimizer_ms=rank_optimizer_ms[last], rank=last,
+        compute_ms=busy_ms - tensor_parallel_ms, tensor_parallel_ms=tensor_parallel_ms,
+        pipeline_transfer_ms=transfer_ms, bubble_ms=bubble_ms,
+        data_parallel_ms=synced - makespan, optimizer_ms=max(rank_optimizer_ms),
     )
 
 

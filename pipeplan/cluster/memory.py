@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from pipeplan.cluster.optimizers import TrainingState
 
-__all__ = ["ZERO_STAGES", "StateMemory", "state_memory", "zero3_gathered_bytes", "reserve_bytes",
-           "plannable_bytes"]
+__all__ = ["ZERO_STAGES", "StateMemory", "state_memory", "state_bytes_per_param_byte",
+           "zero3_gathered_bytes", "reserve_bytes", "plannable_bytes"]
 
 #: The ZeRO stages pipeplan plans.
 ZERO_STAGES = (0, 1, 2, 3)
@@ -91,6 +91,34 @@ def state_memory(params: float, state: TrainingState, zero_stage: int, data_para
         gradient_bytes=part(state.gradient_bytes, zero_stage >= 2),
         optimizer_bytes=part(state.optimizer_bytes, zero_stage >= 1),
     )
+
+
+def state_bytes_per_param_byte(optimizer: str, dtype_bytes: int, zero_stage: int = 0,
+                               data_parallel: int = 1) -> float:
+    """Training state one GPU holds per byte of its parameters: the cost model's static factor.
+
+    With ``zero_stage = 0`` it is the pipeline planner's long-standing factor (16 bytes per
+    parameter over the dtype's bytes for ``adam``); ZeRO divides each sharded part by ``d``.
+
+    Examples
+    --------
+    >>> state_bytes_per_param_byte("adam", 2)
+    8.0
+    >>> state_bytes_per_param_byte("adam-fp32-grads", 2, zero_stage=1, data_parallel=4)   # (6 + 3) / 2
+    4.5
+    >>> state_bytes_per_param_byte("none", 4)
+    2.0
+    """
+    from pipeplan.cluster.optimizers import training_state
+
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage: {zero_stage} is not one of 0, 1, 2, 3")
+    state = training_state(optimizer, dtype_bytes)
+    d = float(data_parallel)
+    per_param = (state.weight_bytes / (d if zero_stage >= 3 else 1.0)
+                 + state.gradient_bytes / (d if zero_stage >= 2 else 1.0)
+                 + state.optimizer_bytes / (d if zero_stage >= 1 else 1.0))
+    return per_param / float(dtype_bytes)
 
 
 def zero3_gathered_bytes(largest_unit_params: float, state: TrainingState, data_parallel: int,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeplan.formats.cluster import ClusterSpec
 
@@ -68,11 +68,16 @@ class PlanProfileRef(_Strict):
 class PlanSettings(_Strict):
     """Every input that shaped the plan, so that it can be re-planned (``pipeplan check``)."""
 
-    stages: int = Field(gt=0, description="Pipeline ranks (GPUs).")
+    stages: Optional[int] = Field(
+        default=None, gt=0,
+        description="Pipeline ranks p. Required, except in a cluster request (num_gpus set) where null "
+                    "means search; a cluster plan records the chosen p (and search_stages).")
     global_batch: int = Field(gt=0, description="Samples per iteration.")
     microbatch_size: Optional[int] = Field(default=None, description="Fixed micro-batch size, or null to search.")
     memory_cap_bytes: Optional[int] = Field(default=None, description="Per-GPU memory cap, or null for none.")
-    optimizer: Literal["adam", "sgd", "none"] = "adam"
+    optimizer: Literal["adam", "adam-fp32-grads", "sgd", "none"] = Field(
+        default="adam", description="Training state per parameter: adam 16 bytes (ZeRO paper, DeepSpeed), "
+                                    "adam-fp32-grads 18 (Megatron), sgd 12, none 2 x dtype; docs/cluster-model.md.")
     bandwidth_bytes_per_s: Optional[float] = Field(
         default=None, description="Point-to-point bandwidth; null means infinite (transfers ignored)."
     )
@@ -97,6 +102,14 @@ class PlanSettings(_Strict):
     data_parallel_overlap: Optional[float] = Field(
         default=None, ge=0, le=1,
         description="Share of the data-parallel sync hidden behind compute; null: 0 (all exposed).")
+    search_stages: Optional[bool] = Field(
+        default=None, description="True in a cluster plan whose pipeline degree was searched (stages is the choice).")
+
+    @model_validator(mode="after")
+    def _stages_given(self) -> "PlanSettings":
+        if self.stages is None and self.num_gpus is None:
+            raise ValueError("stages: give the pipeline stages (--stages), or --gpus to search them")
+        return self
 
 
 class PlanStage(_Strict):

@@ -53,7 +53,8 @@ from pipeplan.formats.plan import (
     SolverInfo,
 )
 from pipeplan.plan.graph import build_layer_graph
-from pipeplan.plan.memory import rank_peak_bytes, static_bytes_per_param_byte, stage_in_flight
+from pipeplan.cluster.memory import state_bytes_per_param_byte
+from pipeplan.plan.memory import rank_peak_bytes, stage_in_flight
 from pipeplan.plan.partition import (
     IDEALS_DP_MAX_IDEALS,
     Partition,
@@ -143,7 +144,8 @@ def _problem(profile, graph, settings: PlanSettings, in_flight, recompute=(), me
         bandwidth_bytes_per_s=(
             math.inf if settings.bandwidth_bytes_per_s is None else settings.bandwidth_bytes_per_s
         ),
-        static_bytes_per_param_byte=static_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes),
+        static_bytes_per_param_byte=state_bytes_per_param_byte(
+            settings.optimizer, profile.dtype_bytes, settings.zero_stage or 0, settings.data_parallel or 1),
         memory_cap_bytes=_cap(settings) if memory_cap_bytes is None else float(memory_cap_bytes),
         action_overhead_ms=settings.action_overhead_ms or 0.0,
     )

@@ -30,6 +30,10 @@ def plan_profile(profile_path: str | Path, settings: PlanSettings, output: str |
     from pipeplan.plan.planner import make_plan
 
     profile = load_profile(profile_path)
+    if settings.num_gpus is not None:  # the cluster search: d x t x p over the GPUs
+        from pipeplan.cluster.search import plan_cluster
+
+        make_plan = plan_cluster
     plan = make_plan(profile, settings, profile_sha256=file_sha256(profile_path), record_time=record_time)
     if output is not None:
         write_json_atomic(output, plan)

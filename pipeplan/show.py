@@ -13,6 +13,10 @@ __all__ = ["plan_tables", "comparison_table", "simulation_from_plan"]
 
 def plan_tables(plan: Plan) -> Group:
     """Summary and per-stage tables of a plan."""
+    if plan.parallelism is not None:
+        from pipeplan.cluster.tables import cluster_plan_tables
+
+        return cluster_plan_tables(plan)
     p = plan.predicted
     summary = Table(title=f"{plan.profile.model}: {len(plan.stages)} stages, {plan.schedule}"
                     + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else ""), show_header=False)

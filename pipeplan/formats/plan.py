@@ -83,7 +83,9 @@ class PlanSettings(_Strict):
     )
     schedule: str = Field(default="1f1b", description="Requested schedule, or 'auto'.")
     virtual_stages: Optional[int] = Field(default=None, description="Requested stages per rank, or null to search.")
-    recompute: Literal["auto", "none", "all"] = "none"
+    recompute: Literal["auto", "none", "all", "selective"] = Field(
+        default="none", description="auto searches; all recomputes whole stages; selective (cluster plans of "
+                                    "analytic profiles) recomputes the attention core, as Megatron does.")
     solver: Literal["auto", "dp", "ilp"] = "auto"
     action_overhead_ms: Optional[float] = Field(
         default=None, ge=0,

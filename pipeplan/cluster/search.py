@@ -1,0 +1,364 @@
+"""The cluster search: the fastest data x tensor x pipeline plan of a profile on N GPUs.
+
+For every layout (d, t, p) the rules allow (:mod:`pipeplan.cluster.space`), every ZeRO stage and
+recomputation family, the pipeline planner (:func:`pipeplan.plan.planner.make_plan`) finds the
+fastest exact split, schedule, stages per rank and micro-batch size of one replica: ``G / d``
+samples on ``p`` ranks, from the profile at degree ``t`` on the cluster's links
+(:func:`pipeplan.cluster.profile_view.degree_view`), with the ZeRO-sharded training state and
+each GPU's plannable memory (the cap less the reserve). The cluster then adds each pipeline
+rank's data-parallel sync and the optimizer step (:func:`pipeplan.cluster.iteration.iteration_parts`).
+
+Pruning: candidates are evaluated in the order of a lower bound that needs no split (some rank
+does at least ``1/p`` of each micro-batch's work and the slowest step follows,
+:func:`pipeplan.cluster.iteration.pipeline_lower_bound_ms`); a candidate whose bound is above the
+best iteration found is not planned, and one whose state alone cannot fit (``1/p`` of the
+model's training state on some rank) is skipped. Ties go to the earlier candidate in a fixed
+order, so the same inputs give the same plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
+from pipeplan.cluster.iteration import (iteration_parts, model_flops_utilization, pipeline_lower_bound_ms,
+                                        tokens_per_s_per_gpu)
+from pipeplan.cluster.memory import (plannable_bytes, state_bytes_per_param_byte, state_memory,
+                                     zero3_gathered_bytes)
+from pipeplan.cluster.optimizers import optimizer_step_ms, training_state
+from pipeplan.cluster.placement import Layout
+from pipeplan.cluster.presets import memory_cap_bytes
+from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, tensor_degrees
+from pipeplan.cluster.space import parallel_degrees
+from pipeplan.errors import BadInputError, InfeasibleError
+from pipeplan.formats.plan import Alternative, Parallelism, Plan, PlanSettings
+from pipeplan.quantities import format_bytes
+
+__all__ = ["plan_cluster", "hbm_bytes_per_s", "peak_flops_per_s"]
+
+#: Achieved share of HBM bandwidth by the fused optimizer kernels.
+OPTIMIZER_HBM_EFFICIENCY = 0.8
+
+
+def _gpu_figure(profile, cluster, key: str):
+    gpu = (profile.measurement or {}).get("gpu") or {}
+    if gpu.get("name") == cluster.gpu and key in gpu:
+        return gpu[key]
+    try:  # the GPU table of the analytic profiles (issue 12), where installed
+        from pipeplan.analytic.gpus import get_gpu
+    except ImportError:
+        return gpu.get(key)
+    try:
+        return getattr(get_gpu(cluster.gpu), key)
+    except BadInputError:
+        return gpu.get(key)
+
+
+def hbm_bytes_per_s(profile, cluster) -> Optional[float]:
+    """The cluster GPU's memory bandwidth: from the GPU table, else the profile's GPU; None if unknown."""
+    value = _gpu_figure(profile, cluster, "hbm_bytes_per_s")
+    return None if value is None else float(value)
+
+
+def peak_flops_per_s(profile, cluster) -> Optional[float]:
+    """The cluster GPU's dense peak in the profile's dtype; None if unknown."""
+    flops = _gpu_figure(profile, cluster, "peak_flops") or {}
+    value = flops.get(profile.dtype)
+    return None if value is None else float(value)
+
+
+@dataclass
+class _Trial:
+    """One (d, t, p, ZeRO, recomputation family) the search considers."""
+
+    data: int
+    tensor: int
+    pipeline: int
+    zero_stage: int
+    family: str              # "plain" (none / full, per stage) or "selective"
+    order: int
+    lower_bound_ms: float = 0.0
+    status: str = "new"      # new, planned, infeasible, pruned, state-over-cap
+    reason: str = ""
+    plan: Optional[Plan] = None
+    parts: object = None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def key(self):
+        return (self.data, self.tensor, self.pipeline)
+
+
+def _zero_stages(settings: PlanSettings, d: int) -> list[int]:
+    if settings.zero_stage is not None:
+        return [settings.zero_stage]
+    # At d = 1 nothing is sharded. ZeRO 1 moves no more than ZeRO 0 (a ring all-reduce is a
+    # reduce-scatter plus an all-gather) and holds less, so ZeRO 0 never wins a search.
+    return [0] if d == 1 else [1, 2, 3]
+
+
+def _families(settings: PlanSettings, view_has_selective: bool) -> list[tuple[str, str]]:
+    """(view family, the pipeline planner's recompute setting)."""
+    mode = settings.recompute
+    if mode == "selective":
+        return [("selective", "none")]
+    if mode in ("none", "all"):
+        return [("plain", mode)]
+    return [("plain", "auto")] + ([("selective", "none")] if view_has_selective else [])
+
+
+def _sums(view: DegreeView, sizes):
+    """Per micro-batch size: whole-model work per micro-batch and the largest unit's."""
+    out = {}
+    for b in sizes:
+        works = [layer.cost_at(b).forward_ms + layer.cost_at(b).backward_ms for layer in view.profile.layers]
+        out[b] = (sum(works), max(works))
+    return out
+
+
+def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
+    """The fastest cluster plan of ``profile`` for ``settings.num_gpus`` GPUs of ``settings.cluster``.
+
+    Raises
+    ------
+    BadInputError
+        No cluster, a GPU count no layout makes, a fixed degree that breaks a rule.
+    InfeasibleError
+        Nothing fits the memory; the message gives the least memory or GPUs that could.
+    """
+    cluster = settings.cluster
+    if cluster is None:
+        raise BadInputError("--gpus: give the cluster (--cluster NAME or FILE; pipeplan cluster lists them)")
+    n_gpus = settings.num_gpus
+    units = len(profile.layers)
+    degrees = parallel_degrees(n_gpus, cluster.gpus_per_node, units, head_counts(profile), tensor_degrees(profile),
+                               data=settings.data_parallel, tensor=settings.tensor_parallel, pipeline=settings.stages)
+    G = settings.global_batch
+    cap = settings.memory_cap_bytes or memory_cap_bytes(cluster)
+    usable = plannable_bytes(cap, cluster.reserve_bytes, cluster.fragmentation)
+    state = training_state(settings.optimizer, profile.dtype_bytes)
+    hbm = hbm_bytes_per_s(profile, cluster)
+    overlap = DEFAULT_OVERLAP if settings.data_parallel_overlap is None else settings.data_parallel_overlap
+    sizes_all = profile.microbatch_sizes if settings.microbatch_size is None else [settings.microbatch_size]
+
+    views: dict[tuple[int, str], DegreeView] = {}
+    trials: list[_Trial] = []
+    skipped: list[str] = []
+    for deg in degrees:
+        if G % deg.data:
+            skipped.append(f"d={deg.data} does not divide the global batch {G}")
+            continue
+        sizes = [b for b in sizes_all if (G // deg.data) % b == 0]
+        if not sizes:
+            skipped.append(f"d={deg.data}: no micro-batch size in {sizes_all} divides {G // deg.data}")
+            continue
+        if (deg.tensor, "plain") not in views:
+            views[(deg.tensor, "plain")] = degree_view(profile, deg.tensor, cluster)
+        selective_ok = all(getattr(c, "selective_activation_bytes", None) is not None
+                           for layer in profile.layers for c in layer.costs)
+        for zero in _zero_stages(settings, deg.data):
+            for family, _ in _families(settings, selective_ok):
+                trials.append(_Trial(deg.data, deg.tensor, deg.pipeline, zero, family, len(trials)))
+    if not trials:
+        raise BadInputError("--global-batch: " + "; ".join(skipped))
+
+    # Lower bounds and the state-only memory check.
+    for trial in trials:
+        vkey = (trial.tensor, trial.family)
+        if vkey not in views:
+            views[vkey] = degree_view(profile, trial.tensor, cluster, selective=trial.family == "selective")
+        view = views[vkey]
+        replica_batch = G // trial.data
+        sums = _sums(view, [b for b in sizes_all if replica_batch % b == 0])
+        params = sum(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes
+        static = state_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes, trial.zero_stage,
+                                            trial.data) * params * profile.dtype_bytes
+        trial.extras["state_per_gpu"] = static / trial.pipeline
+        if static / trial.pipeline > usable:
+            trial.status = "state-over-cap"
+            trial.reason = (f"training state alone is {format_bytes(static / trial.pipeline)} per GPU on average, "
+                            f"over the {format_bytes(usable)} plannable")
+            continue
+        shard = params / trial.pipeline / (trial.data if trial.zero_stage >= 1 else 1)
+        step = optimizer_step_ms(shard, state, hbm, OPTIMIZER_HBM_EFFICIENCY) if hbm else 0.0
+        trial.lower_bound_ms = min(pipeline_lower_bound_ms(work, replica_batch // b, trial.pipeline, largest, step)
+                                   for b, (work, largest) in sums.items())
+
+    best: Optional[_Trial] = None
+    for trial in sorted((t for t in trials if t.status == "new"), key=lambda t: (t.lower_bound_ms, t.order)):
+        if best is not None and trial.lower_bound_ms > best.parts.iteration_ms:
+            trial.status = "pruned"
+            trial.reason = (f"pruned: its lower bound {trial.lower_bound_ms:.1f} ms is above the best "
+                            f"{best.parts.iteration_ms:.1f} ms")
+            continue
+        _run_trial(trial, profile, settings, views[(trial.tensor, trial.family)], cluster, usable, state, hbm,
+                   overlap, profile_sha256, record_time)
+        if trial.status == "planned" and (best is None or (trial.parts.iteration_ms, trial.order)
+                                          < (best.parts.iteration_ms, best.order)):
+            best = trial
+    if best is None:
+        total_state = training_state(settings.optimizer, profile.dtype_bytes).total_bytes * sum(
+            layer.param_bytes for layer in profile.layers) / profile.dtype_bytes
+        raise InfeasibleError(_infeasible_message(trials, settings, cluster, usable, cap, total_state))
+    return _assemble(best, trials, profile, settings, views[(best.tensor, best.family)], cluster, cap, state)
+
+
+def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView, cluster, usable: int, state,
+               hbm, overlap: float, profile_sha256: str, record_time: bool) -> None:
+    from pipeplan.plan.planner import make_plan, plan_simulation
+
+    layout = Layout(trial.data, trial.tensor, trial.pipeline, cluster.gpus_per_node)
+    links = {layout.pipeline_link(i, (i + 1) % trial.pipeline) for i in range(trial.pipeline)} - {"local"}
+    link = cluster.inter_node if "inter" in links else cluster.intra_node
+    largest_unit_params = max(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes
+    gathered = zero3_gathered_bytes(largest_unit_params, state, trial.data) if trial.zero_stage == 3 else 0
+    recompute = dict(_families(settings, True))[trial.family]
+    sub = settings.model_copy(update={
+        "stages": trial.pipeline, "global_batch": settings.global_batch // trial.data,
+        "memory_cap_bytes": max(1, usable - gathered), "bandwidth_bytes_per_s": link.achieved_bytes_per_s,
+        "recompute": recompute, "zero_stage": trial.zero_stage, "data_parallel": trial.data,
+        "num_gpus": None, "cluster": None, "tensor_parallel": None, "layers_per_stage": None,
+        "data_parallel_overlap": None, "search_stages": None,
+    })
+    try:
+        plan = make_plan(view.profile, sub, profile_sha256=profile_sha256, record_time=record_time)
+    except InfeasibleError as error:
+        trial.status = "infeasible"
+        trial.reason = f"infeasible: {str(error).splitlines()[0]}"
+        return
+    sim = plan_simulation(plan)
+    m = plan.num_microbatches
+    rank_end = [0.0] * trial.pipeline
+    for event in sim.events:
+        rank_end[event.rank] = max(rank_end[event.rank], event.end_ms)
+    rank_params = [0.0] * trial.pipeline
+    rank_tp = [0.0] * trial.pipeline
+    for stage in plan.stages:
+        rank_params[stage.rank] += stage.param_bytes / profile.dtype_bytes
+        rank_tp[stage.rank] += m * view.stage_tensor_parallel_ms(stage.layers, plan.microbatch_size, stage.recompute)
+    span = layout.data_span()
+    sync = [data_parallel_sync(p, state, trial.zero_stage, span, cluster, m, overlap).exposed_ms for p in rank_params]
+    shard = [p / (trial.data if trial.zero_stage >= 1 else 1) for p in rank_params]
+    step = [optimizer_step_ms(s, state, hbm, OPTIMIZER_HBM_EFFICIENCY) if hbm else 0.0 for s in shard]
+    critical = sim.critical_rank
+    trial.parts = iteration_parts(sim.compute_ms, min(rank_tp[critical], sim.compute_ms), sim.transfer_ms,
+                                  sim.bubble_ms + sim.overhead_ms, rank_end, sync, step)
+    trial.plan = plan
+    trial.status = "planned"
+    trial.extras = {"layout": layout, "link": "inter" if "inter" in links else ("intra" if links else "local"),
+                    "gathered": gathered}
+
+
+def _infeasible_message(trials, settings: PlanSettings, cluster, usable: int, cap: int, total_state_bytes: float) -> str:
+    """What would fit: the least per-GPU memory the state needs, and a GPU count it could fit in."""
+    G = cluster.gpus_per_node
+    gpus = max(1, math.ceil(total_state_bytes / max(usable, 1)))
+    gpus = gpus if gpus <= G else math.ceil(gpus / G) * G
+    least = min((t.extras.get("state_per_gpu", math.inf) for t in trials), default=math.inf)
+    planned = sorted({t.reason for t in trials if t.status == "infeasible"})
+    lines = [f"nothing fits {format_bytes(cap)} per GPU ({format_bytes(usable)} plannable after the "
+             f"{format_bytes(cluster.reserve_bytes)} reserve and {cluster.fragmentation:.0%} for fragmentation) "
+             f"on {settings.num_gpus} GPUs of {cluster.name}"]
+    if math.isfinite(least):
+        lines.append(f"the training state alone needs at least {format_bytes(least)} per GPU in the best layout "
+                     f"tried; fully sharded (ZeRO 3) it fits only from about {gpus} GPUs (activations not counted)")
+    if planned:
+        lines.append(f"with the state fitting, {planned[0]}")
+    return "\n".join(lines)
+
+
+def _alternatives(best: _Trial, trials) -> list[Alternative]:
+    """The best trial of each (d, t, p) other than the winner's, and why it lost."""
+    by_key: dict = {}
+    for trial in trials:
+        current = by_key.get(trial.key)
+        rank = (0, trial.parts.iteration_ms, trial.order) if trial.status == "planned" else (1, 0.0, trial.order)
+        if current is None or rank < current[0]:
+            by_key[trial.key] = (rank, trial)
+    out = []
+    for key in sorted(by_key, key=lambda k: by_key[k][0]):
+        trial = by_key[key][1]
+        if trial is best:
+            continue
+        plan = trial.plan
+        if trial.status == "planned":
+            slower = trial.parts.iteration_ms - best.parts.iteration_ms
+            reason = f"slower by {slower:.1f} ms"
+        else:
+            reason = trial.reason
+        out.append(Alternative(
+            schedule=plan.schedule if plan else "-", virtual_stages=plan.virtual_stages if plan else 1,
+            microbatch_size=plan.microbatch_size if plan else 0,
+            recompute=("selective" if trial.family == "selective" else
+                       ("some" if plan and any(s.recompute for s in plan.stages) else "none")),
+            iteration_ms=round(trial.parts.iteration_ms, 6) if trial.status == "planned" else None,
+            peak_memory_bytes=max(r.peak_memory_bytes for r in plan.ranks) if plan and plan.ranks else None,
+            reason=f"d={trial.data} t={trial.tensor} p={trial.pipeline} ZeRO {trial.zero_stage}: {reason}",
+        ))
+    return out
+
+
+def _assemble(best: _Trial, trials, profile, settings: PlanSettings, view: DegreeView, cluster, cap: int,
+              state) -> Plan:
+    plan, parts, layout = best.plan, best.parts, best.extras["layout"]
+    d, t, p = best.data, best.tensor, best.pipeline
+    stages = []
+    for stage in plan.stages:
+        params = stage.param_bytes / profile.dtype_bytes
+        memory = state_memory(params, state, best.zero_stage, d)
+        static = math.ceil(state_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes, best.zero_stage, d)
+                           * stage.param_bytes)
+        stages.append(stage.model_copy(update={
+            "weight_bytes": memory.weight_bytes + (best.extras["gathered"] if best.zero_stage == 3 else 0),
+            "gradient_bytes": memory.gradient_bytes, "optimizer_bytes": memory.optimizer_bytes,
+            "peak_activation_bytes": max(0, stage.peak_memory_bytes - static),
+        }))
+    iteration_ms = parts.iteration_ms
+    G = settings.global_batch
+    predicted = plan.predicted.model_copy(update={
+        "iteration_ms": round(iteration_ms, 6),
+        "samples_per_second": round(G / (iteration_ms / 1e3), 6),
+        "compute_ms": round(parts.compute_ms, 6),
+        "tensor_parallel_ms": round(parts.tensor_parallel_ms, 6),
+        "transfer_ms": round(parts.pipeline_transfer_ms, 6),
+        "bubble_ms": round(parts.bubble_ms - (plan.predicted.overhead_ms or 0.0), 6),
+        "data_parallel_ms": round(parts.data_parallel_ms, 6),
+        "optimizer_ms": round(parts.optimizer_ms, 6),
+    })
+    if profile.sequence_length:
+        predicted = predicted.model_copy(update={"tokens_per_second_per_gpu": round(
+            tokens_per_s_per_gpu(G, profile.sequence_length, iteration_ms, settings.num_gpus), 6)})
+        flops_per_token = (profile.measurement or {}).get("model_flops_per_token")
+        peak = peak_flops_per_s(profile, cluster)
+        if flops_per_token and peak:
+            predicted = predicted.model_copy(update={"model_flops_utilization": round(model_flops_utilization(
+                flops_per_token * G * profile.sequence_length, iteration_ms, settings.num_gpus, peak), 6)})
+    peak_rank = max(r.peak_memory_bytes for r in plan.ranks) if plan.ranks else max(s.peak_memory_bytes for s in plan.stages)
+    link_text = {"inter": "the network", "intra": "the intra-node link", "local": "no link"}[best.extras["link"]]
+    notes = list(plan.notes) + [
+        f"layout d={d} x t={t} x p={p} on {cluster.name} ({cluster.gpus_per_node} GPUs per node), ranks in "
+        f"Megatron's order (tensor, data, pipeline); pipeline transfers on {link_text}",
+        f"data-parallel sync: {int(round(100 * (settings.data_parallel_overlap or 0)))}% assumed hidden behind "
+        f"compute (--data-parallel-overlap)" if d > 1 else "no data parallelism: no gradient sync",
+    ]
+    if hbm_bytes_per_s(profile, cluster) is None:
+        notes.append(f"optimizer step not timed: no HBM bandwidth known for {cluster.gpu}")
+    out_settings = settings.model_copy(update={
+        "stages": p, "search_stages": True if settings.stages is None else None,
+        "bandwidth_bytes_per_s": plan.settings.bandwidth_bytes_per_s,
+    })
+    return plan.model_copy(update={
+        "schema_version": 2, "settings": out_settings, "stages": stages, "predicted": predicted,
+        "alternatives": _alternatives(best, trials), "notes": notes,
+        "parallelism": Parallelism(num_gpus=settings.num_gpus, data=d, tensor=t, pipeline=p,
+                                   virtual_stages=plan.virtual_stages, zero_stage=best.zero_stage,
+                                   sequence_parallel=bool(t > 1 and _sequence_parallel(profile)),
+                                   gpus_per_node=cluster.gpus_per_node),
+        "reserve_bytes": cluster.reserve_bytes + math.ceil(cluster.fragmentation * peak_rank),
+    })
+
+
+def _sequence_parallel(profile) -> bool:
+    return any(getattr(c, "sequence_parallel", None) for layer in profile.layers for c in layer.costs)

@@ -239,8 +239,10 @@ def test_zero3_gather_and_reserve():
 
 def test_optimizer_step_is_memory_bound():
     adam = training_state("adam-fp32-grads", 2)
-    assert adam.step_bytes == 2 * 12 + 4 + 2
+    assert adam.step_bytes == 3 * 4 + 2 * 12 + 4 + (4 + 2)   # clip, update, weight copy
+    assert training_state("adam", 4).step_bytes == 3 * 4 + 2 * 8 + 4 + 2 * 4  # fp32: in place
     one = optimizer_step_ms(1e9, adam, 3.35e12)
+    assert optimizer_step_ms(1e9, adam, 3.35e12, loss_scaling=True) == pytest.approx(one * 54 / 46)
     assert optimizer_step_ms(2e9, adam, 3.35e12) == pytest.approx(2 * one)
     assert optimizer_step_ms(1e9, training_state("none", 2), 3.35e12) == 0.0
     with pytest.raises(ValueError):

@@ -15,8 +15,16 @@ Training state per parameter, in bytes, split into the three parts ZeRO shards o
 18 bytes, of which its distributed optimizer shards the 12 of the optimizer state, giving
 Megatron's documented ``6 + 12 / d`` (Megatron Core user guide, "Distributed Optimizer").
 
-The optimizer step is memory-bound: every byte of the rank's shard of the state is read and
-written once, the gradient read once and the 16-bit weight copy written once.
+The optimizer step is memory-bound. Per parameter of the rank's shard it touches (Megatron-LM's
+``MixedPrecisionOptimizer.step``, which DeepSpeed and torchtitan's defaults match in kind):
+
+- clipping by the global gradient norm (``--clip-grad 1.0``, Megatron's default): the gradient
+  read once for the norm and read and written once to scale it (3 x gradient bytes);
+- the update: the state read and written, the gradient read (2 x state + gradient);
+- the training-dtype copy of the weights: the fp32 master read, the copy written (4 + w); in
+  fp32 training the update steps the weights in place instead (read and written, 2 w);
+- with fp16 loss scaling (:func:`optimizer_step_ms`'s ``loss_scaling``): unscaling the gradients
+  and checking them for inf/nan, read and written once (2 x gradient bytes).
 """
 
 from __future__ import annotations
@@ -83,14 +91,13 @@ def training_state(optimizer: str, dtype_bytes: int) -> TrainingState:
     grad = 4 if optimizer == "adam-fp32-grads" else w
     moments = 8 if optimizer.startswith("adam") else 4
     state = master + moments
-    # The step reads and writes the state (2 x state), reads the gradient, and writes the
-    # training-dtype weights (read and written instead, when fp32 training steps them in place).
-    step = 2 * state + grad + (w if master else 2 * w)
+    # Module docstring: clipping (3 grad), the update (2 state + grad), the weight copy.
+    step = 3 * grad + 2 * state + grad + (4 + w if master else 2 * w)
     return TrainingState(w, grad, state, step)
 
 
 def optimizer_step_ms(shard_params: float, state: TrainingState, hbm_bytes_per_s: float,
-                      hbm_efficiency: float = 0.8) -> float:
+                      hbm_efficiency: float = 0.8, loss_scaling: bool = False) -> float:
     """Time of the optimizer step over a rank's shard: bytes touched / achieved HBM bandwidth.
 
     Parameters
@@ -103,17 +110,23 @@ def optimizer_step_ms(shard_params: float, state: TrainingState, hbm_bytes_per_s
         The GPU's memory bandwidth (data sheet).
     hbm_efficiency : float
         Achieved share of it by the fused (multi-tensor) optimizer kernels.
+    loss_scaling : bool
+        fp16 training: the gradients are unscaled and checked for inf/nan first.
 
     Examples
     --------
     >>> s = training_state("adam", 2)
-    >>> s.step_bytes            # 2 x 12 state + 2 grad + 2 weights
-    28
-    >>> optimizer_step_ms(1e9, s, 2e12, hbm_efficiency=1.0)   # 28 GB at 2 TB/s
-    14.0
+    >>> s.step_bytes            # clip 3 x 2 + update 2 x 12 + 2 + copy 4 + 2
+    38
+    >>> optimizer_step_ms(1e9, s, 2e12, hbm_efficiency=1.0)   # 38 GB at 2 TB/s
+    19.0
+    >>> megatron = training_state("adam-fp32-grads", 2)
+    >>> megatron.step_bytes + 2 * megatron.gradient_bytes     # fp16: Megatron's step, 54 bytes
+    54
     """
     if shard_params < 0:
         raise ValueError(f"shard_params: {shard_params} must be >= 0")
     if hbm_bytes_per_s <= 0 or not 0 < hbm_efficiency <= 1:
         raise ValueError("hbm_bytes_per_s must be > 0 and hbm_efficiency in (0, 1]")
-    return shard_params * state.step_bytes / (hbm_bytes_per_s * hbm_efficiency) * 1e3
+    touched = state.step_bytes + (2 * state.gradient_bytes if loss_scaling else 0)
+    return shard_params * touched / (hbm_bytes_per_s * hbm_efficiency) * 1e3

@@ -182,7 +182,7 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
                             f"over the {format_bytes(usable)} plannable")
             continue
         shard = params / trial.pipeline / (trial.data if trial.zero_stage >= 1 else 1)
-        step = optimizer_step_ms(shard, state, hbm, OPTIMIZER_HBM_EFFICIENCY) if hbm else 0.0
+        step = optimizer_step_ms(shard, state, hbm, OPTIMIZER_HBM_EFFICIENCY, profile.dtype == "fp16") if hbm else 0.0
         trial.lower_bound_ms = min(pipeline_lower_bound_ms(work, replica_batch // b, trial.pipeline, largest, step)
                                    for b, (work, largest) in sums.items())
 
@@ -241,7 +241,8 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     span = layout.data_span()
     sync = [data_parallel_sync(p, state, trial.zero_stage, span, cluster, m, overlap).exposed_ms for p in rank_params]
     shard = [p / (trial.data if trial.zero_stage >= 1 else 1) for p in rank_params]
-    step = [optimizer_step_ms(s, state, hbm, OPTIMIZER_HBM_EFFICIENCY) if hbm else 0.0 for s in shard]
+    step = [optimizer_step_ms(s, state, hbm, OPTIMIZER_HBM_EFFICIENCY, profile.dtype == "fp16") if hbm else 0.0
+            for s in shard]
     critical = sim.critical_rank
     trial.parts = iteration_parts(sim.compute_ms, min(rank_tp[critical], sim.compute_ms), sim.transfer_ms,
                                   sim.bubble_ms + sim.overhead_ms, rank_end, sync, step)

@@ -342,7 +342,8 @@ def compare(
     settings = _plan_settings(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size, memory_cap,
                               optimizer, bandwidth, schedule, None, "none", solver, action_overhead_ms)
     rows = compare_splits(profile, settings)
-    _console().print(comparison_table(rows, f"{profile}: {stages} stages, global batch {settings.global_batch}"))
+    _console().print(comparison_table(rows, f"{profile}: {stages} stages, global batch {settings.global_batch}",
+                                      memory_cap_bytes=settings.memory_cap_bytes))
 
 
 @app.command()
@@ -471,7 +472,7 @@ def run(
         seq_len=seq_len, model_options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab},
         seed=seed, lr=lr, device=device, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
         rdzv_id=rdzv_id, nproc_per_node=nproc_per_node, timeout_s=timeout, job_timeout_s=job_timeout,
-        alone_repeats=alone_repeats, echo=not quiet,
+        alone_repeats=alone_repeats, echo=not quiet, raw_output=_state["debug"],
     )
     _console().print(report_table(result))
     for note in result.get("notes", []):

@@ -19,5 +19,6 @@ def json_schema_text(kind: str) -> str:
         raise BadInputError(f"schema: {kind!r} is not one of profile, plan")
     schema = models[kind].model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["$id"] = f"https://pipeplan.dev/schemas/{kind}-v1.json"
+    version = {"profile": 2, "plan": 1}[kind]
+    schema["$id"] = f"https://pipeplan.dev/schemas/{kind}-v{version}.json"
     return json.dumps(schema, indent=2) + "\n"

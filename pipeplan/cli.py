@@ -433,12 +433,27 @@ def run(
 @app.command()
 @_handled
 def calibrate(
-    plan_file: Path = typer.Argument(..., metavar="PLAN", help="The plan that was run.", show_default=False),
-    report_file: Path = typer.Argument(..., metavar="REPORT", help="Its run report (pipeplan run --report).", show_default=False),
+    plan_file: Path = typer.Argument(..., metavar="PLAN", help="The plan that was run (with --measured: an analytic profile).", show_default=False),
+    report_file: Optional[Path] = typer.Argument(None, metavar="REPORT", help="Its run report (pipeplan run --report).", show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Calibrated profile JSON to write.", show_default=False),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile to scale (default: the one the report names)."),
+    measured: Optional[Path] = typer.Option(None, "--measured", help="Fit the analytic profile PLAN's efficiency model to this measured profile of the same model and GPU (no REPORT)."),
 ):
     """Scale a profile's per-layer times by what a run measured, so the next plan uses real numbers."""
+    if measured is not None:
+        from pipeplan.analytic.calibrate import calibrate_analytic_files
+
+        if report_file is not None or profile is not None:
+            raise BadInputError("--measured: give an analytic profile and no REPORT or --profile")
+        _, fit = calibrate_analytic_files(plan_file, measured, output)
+        eff = fit["efficiency"]
+        typer.echo(f"efficiency fitted to {fit['entries']} unit times: gemm {eff['gemm']}, attention {eff['attention']}, "
+                   f"memory {eff['memory']}, kernel latency {eff['kernel_latency_us']} us; rms log error "
+                   f"{fit['rms_log_error_before']:.3f} -> {fit['rms_log_error_after']:.3f}")
+        typer.echo(f"wrote {output}")
+        return
+    if report_file is None:
+        raise BadInputError("REPORT: missing (the run report of PLAN), or give --measured to fit an analytic profile")
     from pipeplan.run.calibrate import calibrate_files, calibration_table
 
     calibrated, factors = calibrate_files(plan_file, report_file, output, profile_path=profile)

@@ -188,3 +188,52 @@ def test_param_bytes_at_degree_1_must_be_the_layers():
     data["layers"][0]["costs"][0]["param_bytes"] = 7
     with pytest.raises(ValueError, match="param_bytes"):
         Profile.model_validate(data)
+
+
+# --- calibrate: the efficiency model fitted to a measured profile -------------------------
+
+CPU_SPEC = ('name = "dev-cpu"\nmemory = "16GiB"\nhbm_bandwidth = "10GB/s"\nlink_bandwidth = "5GB/s"\n'
+            '[peak_flops]\nfp32 = 80e9\n')
+
+
+def test_calibrate_fits_the_efficiency_to_a_measured_profile(tmp_path):
+    measured = REPO / "profiles" / "gpt2-cpu.json"        # the built-in gpt2: GPT-2 small's shapes
+    spec = tmp_path / "cpu.toml"
+    spec.write_text(CPU_SPEC)
+    analytic, calibrated = tmp_path / "a.json", tmp_path / "c.json"
+    result = invoke("profile", "gpt2", "--analytic", "--gpu-spec", spec, "--seq-len", 128, "--dtype", "fp32",
+                    "--microbatch-sizes", "1,2,4", "--tensor-parallel", "1,2", "-o", analytic)
+    assert result.exit_code == 0, result.output
+    result = invoke("calibrate", analytic, "--measured", measured, "-o", calibrated)
+    assert result.exit_code == 0, result.output
+    assert "rms log error" in result.output
+    before, after = load_profile(analytic), load_profile(calibrated)
+    assert after.measurement["efficiency"]["source"].startswith("fitted by pipeplan calibrate")
+    assert after.tensor_parallel_degrees == [1, 2] and after.microbatch_sizes == [1, 2, 4]
+    truth = load_profile(measured)
+
+    def error(profile):
+        return sum(abs(la.cost_at(b).forward_ms + la.cost_at(b).backward_ms
+                       - lm.cost_at(b).forward_ms - lm.cost_at(b).backward_ms)
+                   for la, lm in zip(profile.layers, truth.layers) for b in truth.microbatch_sizes)
+    assert error(after) < error(before)
+
+
+def test_calibrate_fit_recovers_a_known_efficiency():
+    from pipeplan.analytic import EfficiencyModel, analytic_profile, get_gpu, load_model_config
+    from pipeplan.analytic.calibrate import fit_efficiency
+
+    truth = EfficiencyModel(gemm=0.55, attention=0.35, memory=0.7, kernel_latency_us=6.0)
+    cfg, gpu = load_model_config("llama3-8b"), get_gpu("h100-sxm")
+    fake = analytic_profile(cfg, gpu, seq_len=4096, microbatch_sizes=[1, 2, 4], efficiency=truth)
+    fitted, report = fit_efficiency(cfg, gpu, fake)
+    assert report["rms_log_error_after"] < 0.01 < report["rms_log_error_before"]
+    # One sequence length fixes the GEMM share well and the attention core's only roughly: the two
+    # always come in the same proportion in a block (the forward/backward ratio tells them apart).
+    assert fitted.gemm == pytest.approx(0.55, rel=0.03) and fitted.attention == pytest.approx(0.35, rel=0.2)
+    assert fitted.memory == pytest.approx(0.7, rel=0.03) and fitted.kernel_latency_us == pytest.approx(6.0, rel=0.05)
+
+
+def test_calibrate_without_report_or_measured_exits_2(tmp_path):
+    result = invoke("calibrate", tmp_path / "plan.json", "-o", tmp_path / "out.json")
+    assert result.exit_code == 2 and "REPORT" in result.output

@@ -179,9 +179,11 @@ def _embedding(cfg: ModelConfig, shape: Shape) -> UnitWork:
     # Gather the rows (read + write), add the position rows (learned tables), dropout.
     passes = 2.0 + (2.0 if cfg.learned_positions else 0.0)
     work.forward.append(_memory("embedding_lookup", tokens * width, passes, shape, 8.0 * tokens))
-    # The weight gradient is a scatter-add of the output gradient into the table.
-    work.backward_weight.append(_memory("embedding_grad", tokens * width, 3.0 if not cfg.learned_positions else 6.0,
-                                        shape, 8.0 * tokens))
+    # The weight gradient is dense (torch's embedding backward): the whole table's shard is
+    # written (zero-filled, then the output gradient scatter-added into it), every micro-batch.
+    tables = -(-cfg.vocab_size // shape.tensor_parallel) * width + cfg.learned_positions * h
+    work.backward_weight.append(_memory("embedding_grad", tables + tokens * width * (2.0 if cfg.learned_positions else 1.0),
+                                        1.0, shape, 8.0 * tokens))
     if cfg.embed_proj_dim:
         _add_gemm(work, Gemm("project_in", cfg.embed_proj_dim, h, False, "none"), cfg, shape)
     if cfg.hidden_dropout:

@@ -184,6 +184,7 @@ def analytic_profile(
     measurement = {
         "method": "analytic (pipeplan.analytic; docs/analytic.md)",
         "config": cfg.raw,
+        "config_source": cfg.origin or None,
         "config_shape": cfg.summary(),
         "gpu": gpu.model_dump(),
         "efficiency": efficiency.model_dump(),

@@ -9,7 +9,7 @@ that the FLOP, memory and time models read. The per-family readers live in
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
@@ -94,6 +94,8 @@ class ModelConfig:
     logit_softcap: bool = False
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The config as read (recorded in the profile)."""
+    origin: str = field(default="", compare=False)
+    """Where it was read from: a path, or ``shipped:NAME``."""
 
     def __post_init__(self) -> None:
         where = f"{self.name}"
@@ -204,4 +206,4 @@ def load_model_config(config: str | Path) -> ModelConfig:
     from pipeplan.analytic.families import parse_family
 
     data, name, origin = read_config_json(config)
-    return parse_family(data, name, origin)
+    return replace(parse_family(data, name, origin), origin=origin)

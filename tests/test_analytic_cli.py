@@ -237,3 +237,10 @@ def test_calibrate_fit_recovers_a_known_efficiency():
 def test_calibrate_without_report_or_measured_exits_2(tmp_path):
     result = invoke("calibrate", tmp_path / "plan.json", "-o", tmp_path / "out.json")
     assert result.exit_code == 2 and "REPORT" in result.output
+
+
+def test_validate_names_the_degrees(tmp_path):
+    out = tmp_path / "p.json"
+    assert invoke("profile", "gpt2", "--analytic", "--gpu", "l4", "--tensor-parallel", "1,4", "-o", out).exit_code == 0
+    result = invoke("validate", out)
+    assert result.exit_code == 0 and "tensor-parallel degrees [1, 4]" in result.output

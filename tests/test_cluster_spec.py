@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
-from pipeplan.cluster.presets import GPU_MEMORY_BYTES, PRESETS, memory_cap_bytes, resolve_cluster
+from pipeplan.analytic.gpus import GPUS
+from pipeplan.cluster.presets import PRESETS, memory_cap_bytes, resolve_cluster
 from pipeplan.errors import BadInputError
 from pipeplan.formats.cluster import ClusterSpec, load_cluster_file
 
@@ -42,8 +43,8 @@ def test_presets_are_valid_and_name_known_gpus():
     assert set(PRESETS) == {"dgx-h100", "dgx-a100", "gh200", "dgx-b200", "pcie-l4"}
     for name, spec in PRESETS.items():
         assert spec.name == name
-        assert spec.gpu in GPU_MEMORY_BYTES
-        assert memory_cap_bytes(spec) == GPU_MEMORY_BYTES[spec.gpu]
+        assert spec.gpu in GPUS  # the GPU table holds its memory, FLOP/s and HBM bandwidth
+        assert spec.memory_cap_bytes is None and memory_cap_bytes(spec) == GPUS[spec.gpu].memory_bytes
         assert spec.intra_node.bandwidth_bytes_per_s > spec.inter_node.bandwidth_bytes_per_s
         assert ClusterSpec.model_validate(spec.model_dump()) == spec  # round-trips
 

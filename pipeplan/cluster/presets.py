@@ -4,7 +4,8 @@ Every figure is the vendor's data-sheet number, with its source beside it; bandw
 GPU and per direction (a data sheet's "900 GB/s NVLink" is both directions together, so 450 GB/s
 here). What collectives achieve of them is ``Link.efficiency`` (docs/cluster-model.md). Latencies
 are NCCL's own per-hop figures for its Ring/Simple protocol (``hwLat`` in NCCL's
-``src/graph/tuning.cc``: NVLink 3.4 us, PCI 5.7 us, network 14.0 us).
+``src/graph/tuning.cc``: NVLink 3.4 us, PCI 5.7 us, network 14.0 us). The GPUs' own figures
+(memory, FLOP/s, HBM bandwidth) are the GPU table's (:mod:`pipeplan.analytic.gpus`), by name.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from pipeplan.errors import BadInputError
 from pipeplan.formats.cluster import ClusterSpec, Link, load_cluster_file
 
-__all__ = ["PRESETS", "GPU_MEMORY_BYTES", "resolve_cluster", "memory_cap_bytes"]
+__all__ = ["PRESETS", "resolve_cluster", "memory_cap_bytes"]
 
 GB = 10**9
 
@@ -23,24 +24,9 @@ _NVLINK_LATENCY_US = 3.4
 _PCI_LATENCY_US = 5.7
 _NET_LATENCY_US = 14.0
 
-#: Memory per GPU by model, from the vendors' data sheets (decimal GB as printed). Issue 12's
-#: GPU table (pipeplan/analytic/gpus.py) supersedes this once it lands; until then the presets
-#: carry their cap themselves.
-GPU_MEMORY_BYTES = {
-    "h100-sxm": 80 * GB,   # NVIDIA H100 Tensor Core GPU data sheet: H100 SXM 80 GB HBM3
-    "h200": 141 * GB,      # NVIDIA H200 data sheet: 141 GB HBM3e
-    "gh200": 96 * GB,      # NVIDIA GH200 Grace Hopper Superchip data sheet: 96 GB HBM3 (144 GB HBM3e variant)
-    "b200": 180 * GB,      # NVIDIA DGX B200 data sheet: 1,440 GB GPU memory over 8 GPUs
-    "a100-80gb": 80 * GB,  # NVIDIA A100 Tensor Core GPU data sheet: 80 GB HBM2e
-    "a100-40gb": 40 * GB,  # NVIDIA A100 data sheet: 40 GB HBM2
-    "l4": 24 * GB,         # NVIDIA L4 data sheet: 24 GB GDDR6
-    "mi300x": 192 * GB,    # AMD Instinct MI300X data sheet: 192 GB HBM3
-}
-
 PRESETS: dict[str, ClusterSpec] = {
     "dgx-h100": ClusterSpec(
         name="dgx-h100", gpu="h100-sxm", gpus_per_node=8,
-        memory_cap_bytes=GPU_MEMORY_BYTES["h100-sxm"],
         # H100 data sheet: NVLink 900 GB/s (both directions) through DGX H100's four NVSwitches.
         intra_node=Link(bandwidth_bytes_per_s=450 * GB, latency_us=_NVLINK_LATENCY_US),
         # DGX H100 data sheet: 8x single-port ConnectX-7, 400 Gb/s InfiniBand: one per GPU.
@@ -48,7 +34,6 @@ PRESETS: dict[str, ClusterSpec] = {
     ),
     "dgx-a100": ClusterSpec(
         name="dgx-a100", gpu="a100-80gb", gpus_per_node=8,
-        memory_cap_bytes=GPU_MEMORY_BYTES["a100-80gb"],
         # A100 data sheet: NVLink 600 GB/s (both directions) through DGX A100's six NVSwitches.
         intra_node=Link(bandwidth_bytes_per_s=300 * GB, latency_us=_NVLINK_LATENCY_US),
         # DGX A100 data sheet: 8x single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute
@@ -57,7 +42,6 @@ PRESETS: dict[str, ClusterSpec] = {
     ),
     "gh200": ClusterSpec(
         name="gh200", gpu="gh200", gpus_per_node=4,
-        memory_cap_bytes=GPU_MEMORY_BYTES["gh200"],
         # Quad GH200 node (HPE Cray EX254n, as in CSCS Alps): the four Hoppers are linked all to
         # all; each has 18 NVLink-4 links of 25 GB/s per direction (H100 data sheet), 6 to each
         # peer, so a ring step between two of them runs at 150 GB/s.
@@ -67,7 +51,6 @@ PRESETS: dict[str, ClusterSpec] = {
     ),
     "dgx-b200": ClusterSpec(
         name="dgx-b200", gpu="b200", gpus_per_node=8,
-        memory_cap_bytes=GPU_MEMORY_BYTES["b200"],
         # DGX B200 data sheet: fifth-generation NVLink, 1.8 TB/s per GPU (both directions).
         intra_node=Link(bandwidth_bytes_per_s=900 * GB, latency_us=_NVLINK_LATENCY_US),
         # DGX B200 data sheet: 8x single-port ConnectX-7, up to 400 Gb/s: one per GPU.
@@ -75,7 +58,6 @@ PRESETS: dict[str, ClusterSpec] = {
     ),
     "pcie-l4": ClusterSpec(
         name="pcie-l4", gpu="l4", gpus_per_node=8,
-        memory_cap_bytes=GPU_MEMORY_BYTES["l4"],
         # L4 data sheet: PCIe Gen4 x16, 64 GB/s (both directions); no NVLink.
         intra_node=Link(bandwidth_bytes_per_s=32 * GB, latency_us=_PCI_LATENCY_US),
         # Google Cloud g2-standard-96 (8 L4): 100 Gb/s network per VM, shared by 8 GPUs.
@@ -108,17 +90,24 @@ def resolve_cluster(name_or_path: str | Path) -> ClusterSpec:
 
 
 def memory_cap_bytes(spec: ClusterSpec) -> int:
-    """The spec's cap, else its GPU model's memory.
+    """The spec's cap, else its GPU model's memory (the GPU table, ``pipeplan gpus``).
 
     Raises
     ------
     BadInputError
         If neither is known: the file must give ``memory_cap``.
+
+    Examples
+    --------
+    >>> memory_cap_bytes(PRESETS["dgx-h100"]) / 2**30   # H100 SXM: 80 GB of HBM3 (80 GiB)
+    80.0
     """
     if spec.memory_cap_bytes is not None:
         return spec.memory_cap_bytes
-    if spec.gpu in GPU_MEMORY_BYTES:
-        return GPU_MEMORY_BYTES[spec.gpu]
+    from pipeplan.analytic.gpus import GPUS
+
+    if spec.gpu in GPUS:
+        return GPUS[spec.gpu].memory_bytes
     raise BadInputError(
-        f"cluster {spec.name!r}: gpu: {spec.gpu!r} has no known memory; give memory_cap "
-        f"(known GPUs: {', '.join(GPU_MEMORY_BYTES)})")
+        f"cluster {spec.name!r}: gpu: {spec.gpu!r} is not in the GPU table (pipeplan gpus); give memory_cap "
+        f"(known GPUs: {', '.join(GPUS)})")

@@ -267,7 +267,7 @@ def _infeasible_message(trials, settings: PlanSettings, cluster, usable: int, ca
                      f"tried; fully sharded (ZeRO 3) it fits only from about {gpus} GPUs (activations not counted)")
     if planned:
         lines.append(f"with the state fitting, {planned[0]}")
-    return "\n".join(lines)
+    return "; ".join(lines)
 
 
 def _alternatives(best: _Trial, trials) -> list[Alternative]:

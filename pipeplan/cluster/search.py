@@ -18,6 +18,7 @@ order, so the same inputs give the same plan.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -143,6 +144,9 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
     overlap = DEFAULT_OVERLAP if settings.data_parallel_overlap is None else settings.data_parallel_overlap
     sizes_all = profile.microbatch_sizes if settings.microbatch_size is None else [settings.microbatch_size]
 
+    bandwidth_only = cluster.model_copy(update={
+        "intra_node": cluster.intra_node.model_copy(update={"latency_us": 0.0}),
+        "inter_node": cluster.inter_node.model_copy(update={"latency_us": 0.0})})
     views: dict[tuple[int, str], DegreeView] = {}
     trials: list[_Trial] = []
     skipped: list[str] = []
@@ -183,15 +187,38 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
             continue
         shard = params / trial.pipeline / (trial.data if trial.zero_stage >= 1 else 1)
         step = optimizer_step_ms(shard, state, hbm, OPTIMIZER_HBM_EFFICIENCY, profile.dtype == "fp16") if hbm else 0.0
-        trial.lower_bound_ms = min(pipeline_lower_bound_ms(work, replica_batch // b, trial.pipeline, largest, step)
-                                   for b, (work, largest) in sums.items())
+        trial.extras["step_lb"] = step
+        span = Layout(trial.data, trial.tensor, trial.pipeline, cluster.gpus_per_node).data_span()
+        bounds = []
+        for b, (work, largest) in sums.items():
+            m = replica_batch // b
+            # Averaged over the ranks: some rank's busy time plus sync is at least the mean's
+            # (bandwidth terms only, which are linear in the parameters).
+            sync = data_parallel_sync(params / trial.pipeline, state, trial.zero_stage, span, bandwidth_only,
+                                      m, overlap).exposed_ms
+            bounds.append(max(pipeline_lower_bound_ms(work, m, trial.pipeline) + sync, m * largest) + step)
+        trial.lower_bound_ms = min(bounds)
 
+    # Branch and bound. A trial's bound is refined once, by its layout's pipeline optimum without
+    # a memory cap (memory only ever constrains, so no ZeRO stage or recomputation beats it).
     best: Optional[_Trial] = None
-    for trial in sorted((t for t in trials if t.status == "new"), key=lambda t: (t.lower_bound_ms, t.order)):
-        if best is not None and trial.lower_bound_ms > best.parts.iteration_ms:
+    unbounded: dict = {}
+    heap = [(t.lower_bound_ms, t.order, False, t) for t in trials if t.status == "new"]
+    heapq.heapify(heap)
+    while heap:
+        bound, _, refined, trial = heapq.heappop(heap)
+        if best is not None and bound > best.parts.iteration_ms:
             trial.status = "pruned"
-            trial.reason = (f"pruned: its lower bound {trial.lower_bound_ms:.1f} ms is above the best "
-                            f"{best.parts.iteration_ms:.1f} ms")
+            trial.reason = f"pruned: its lower bound {bound:.1f} ms is above the best {best.parts.iteration_ms:.1f} ms"
+            continue
+        if not refined:
+            family = "plain" if any(f == "plain" for f, _ in _families(settings, True)) else "selective"
+            key = (trial.data, trial.tensor, trial.pipeline, family)
+            if key not in unbounded:
+                unbounded[key] = _unbounded_ms(profile, settings, views[(trial.tensor, family)], trial, family,
+                                               cluster, profile_sha256)
+            trial.lower_bound_ms = max(bound, unbounded[key] + trial.extras["step_lb"])
+            heapq.heappush(heap, (trial.lower_bound_ms, trial.order, True, trial))
             continue
         _run_trial(trial, profile, settings, views[(trial.tensor, trial.family)], cluster, usable, state, hbm,
                    overlap, profile_sha256, record_time)
@@ -205,23 +232,46 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
     return _assemble(best, trials, profile, settings, views[(best.tensor, best.family)], cluster, cap, state)
 
 
-def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView, cluster, usable: int, state,
-               hbm, overlap: float, profile_sha256: str, record_time: bool) -> None:
-    from pipeplan.plan.planner import make_plan, plan_simulation
-
+def _pipeline_link(cluster, trial):
     layout = Layout(trial.data, trial.tensor, trial.pipeline, cluster.gpus_per_node)
     links = {layout.pipeline_link(i, (i + 1) % trial.pipeline) for i in range(trial.pipeline)} - {"local"}
-    link = cluster.inter_node if "inter" in links else cluster.intra_node
-    largest_unit_params = max(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes
-    gathered = zero3_gathered_bytes(largest_unit_params, state, trial.data) if trial.zero_stage == 3 else 0
-    recompute = dict(_families(settings, True))[trial.family]
-    sub = settings.model_copy(update={
+    return layout, links, (cluster.inter_node if "inter" in links else cluster.intra_node)
+
+
+def _sub_settings(settings: PlanSettings, trial, link, cap, recompute: str) -> PlanSettings:
+    """The pipeline planner's settings for one replica of a trial."""
+    return settings.model_copy(update={
         "stages": trial.pipeline, "global_batch": settings.global_batch // trial.data,
-        "memory_cap_bytes": max(1, usable - gathered), "bandwidth_bytes_per_s": link.achieved_bytes_per_s,
+        "memory_cap_bytes": cap, "bandwidth_bytes_per_s": link.achieved_bytes_per_s,
         "recompute": recompute, "zero_stage": trial.zero_stage, "data_parallel": trial.data,
         "num_gpus": None, "cluster": None, "tensor_parallel": None, "layers_per_stage": None,
         "data_parallel_overlap": None, "search_stages": None,
     })
+
+
+def _unbounded_ms(profile, settings: PlanSettings, view: DegreeView, trial, family: str, cluster,
+                  profile_sha256: str) -> float:
+    """The layout's fastest pipeline with no memory cap: a lower bound on every trial of it."""
+    from pipeplan.plan.planner import make_plan
+
+    _, _, link = _pipeline_link(cluster, trial)
+    recompute = dict(_families(settings, True))[family]
+    sub = _sub_settings(settings, trial, link, None, "none" if recompute == "auto" else recompute)
+    try:
+        return make_plan(view.profile, sub, profile_sha256=profile_sha256).predicted.iteration_ms
+    except (InfeasibleError, BadInputError):
+        return 0.0
+
+
+def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView, cluster, usable: int, state,
+               hbm, overlap: float, profile_sha256: str, record_time: bool) -> None:
+    from pipeplan.plan.planner import make_plan, plan_simulation
+
+    layout, links, link = _pipeline_link(cluster, trial)
+    largest_unit_params = max(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes
+    gathered = zero3_gathered_bytes(largest_unit_params, state, trial.data) if trial.zero_stage == 3 else 0
+    recompute = dict(_families(settings, True))[trial.family]
+    sub = _sub_settings(settings, trial, link, max(1, usable - gathered), recompute)
     try:
         plan = make_plan(view.profile, sub, profile_sha256=profile_sha256, record_time=record_time)
     except InfeasibleError as error:
@@ -270,7 +320,7 @@ def _infeasible_message(trials, settings: PlanSettings, cluster, usable: int, ca
     return "; ".join(lines)
 
 
-def _alternatives(best: _Trial, trials) -> list[Alternative]:
+def _alternatives(best: _Trial, trials, default_microbatch: int) -> list[Alternative]:
     """The best trial of each (d, t, p) other than the winner's, and why it lost."""
     by_key: dict = {}
     for trial in trials:
@@ -291,7 +341,7 @@ def _alternatives(best: _Trial, trials) -> list[Alternative]:
             reason = trial.reason
         out.append(Alternative(
             schedule=plan.schedule if plan else "-", virtual_stages=plan.virtual_stages if plan else 1,
-            microbatch_size=plan.microbatch_size if plan else 0,
+            microbatch_size=plan.microbatch_size if plan else default_microbatch,
             recompute=("selective" if trial.family == "selective" else
                        ("some" if plan and any(s.recompute for s in plan.stages) else "none")),
             iteration_ms=round(trial.parts.iteration_ms, 6) if trial.status == "planned" else None,
@@ -352,7 +402,7 @@ def _assemble(best: _Trial, trials, profile, settings: PlanSettings, view: Degre
     })
     return plan.model_copy(update={
         "schema_version": 2, "settings": out_settings, "stages": stages, "predicted": predicted,
-        "alternatives": _alternatives(best, trials), "notes": notes,
+        "alternatives": _alternatives(best, trials, settings.microbatch_size or min(profile.microbatch_sizes)), "notes": notes,
         "parallelism": Parallelism(num_gpus=settings.num_gpus, data=d, tensor=t, pipeline=p,
                                    virtual_stages=plan.virtual_stages, zero_stage=best.zero_stage,
                                    sequence_parallel=bool(t > 1 and _sequence_parallel(profile)),

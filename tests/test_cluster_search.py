@@ -57,7 +57,7 @@ def test_pruning_never_loses_the_best_layout(monkeypatch):
     """With the lower bounds switched off every candidate is planned; the winner must not change."""
     pruned = _plan()
     monkeypatch.setattr(search_module, "pipeline_lower_bound_ms", lambda *a, **k: 0.0)
-    monkeypatch.setattr(search_module, "_unbounded_ms", lambda *a, **k: 0.0)
+    monkeypatch.setattr(search_module, "_unbounded", lambda *a, **k: (0.0, float("inf"), 0))
     exhaustive = _plan()
     assert exhaustive.parallelism == pruned.parallelism
     assert exhaustive.predicted.iteration_ms == pytest.approx(pruned.predicted.iteration_ms)
@@ -103,7 +103,9 @@ def test_cli_plan_is_byte_identical_and_show_prints_the_layout(tmp_path):
     (["--gpus", "16"], 2, "give --cluster"),
     (["--gpus", "16", "--cluster", "nope"], 2, "neither a preset"),
     (["--stages", "4", "--zero", "1"], 2, "--zero: needs --gpus"),
-    (["--gpus", "16", "--cluster", "dgx-a100", "--memory-cap", "8GiB"], 3, "nothing fits"),
+    (["--gpus", "16", "--cluster", "dgx-a100", "--memory-cap", "8GiB"], 3, "fits only from about 24 GPUs"),
+    (["--gpus", "16", "--cluster", "dgx-a100", "--memory-cap", "12GiB", "--recompute", "none"], 3,
+     "per GPU fits d=8 t=1 p=2 ZeRO"),
     (["--gpus", "16", "--cluster", "dgx-a100", "--data-parallel", "3"], 2, "--data-parallel: 3 does not divide"),
 ])
 def test_cli_cluster_errors(args, code, message):

@@ -215,9 +215,9 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
             family = "plain" if any(f == "plain" for f, _ in _families(settings, True)) else "selective"
             key = (trial.data, trial.tensor, trial.pipeline, family)
             if key not in unbounded:
-                unbounded[key] = _unbounded_ms(profile, settings, views[(trial.tensor, family)], trial, family,
-                                               cluster, profile_sha256)
-            trial.lower_bound_ms = max(bound, unbounded[key] + trial.extras["step_lb"])
+                unbounded[key] = _unbounded(profile, settings, views[(trial.tensor, family)], trial, family,
+                                            cluster, profile_sha256)
+            trial.lower_bound_ms = max(bound, unbounded[key][0] + trial.extras["step_lb"])
             heapq.heappush(heap, (trial.lower_bound_ms, trial.order, True, trial))
             continue
         _run_trial(trial, profile, settings, views[(trial.tensor, trial.family)], cluster, usable, state, hbm,
@@ -228,7 +228,9 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
     if best is None:
         total_state = training_state(settings.optimizer, profile.dtype_bytes).total_bytes * sum(
             layer.param_bytes for layer in profile.layers) / profile.dtype_bytes
-        raise InfeasibleError(_infeasible_message(trials, settings, cluster, usable, cap, total_state))
+        needs = min(((peak, key, zero) for key, (_, peak, zero) in unbounded.items()),
+                    default=(math.inf, None, 0))
+        raise InfeasibleError(_infeasible_message(trials, settings, cluster, usable, cap, total_state, needs))
     return _assemble(best, trials, profile, settings, views[(best.tensor, best.family)], cluster, cap, state)
 
 
@@ -249,18 +251,23 @@ def _sub_settings(settings: PlanSettings, trial, link, cap, recompute: str) -> P
     })
 
 
-def _unbounded_ms(profile, settings: PlanSettings, view: DegreeView, trial, family: str, cluster,
-                  profile_sha256: str) -> float:
-    """The layout's fastest pipeline with no memory cap: a lower bound on every trial of it."""
+def _unbounded(profile, settings: PlanSettings, view: DegreeView, trial, family: str, cluster,
+               profile_sha256: str) -> tuple[float, float, int]:
+    """The layout's fastest pipeline with no memory cap: a lower bound on every trial of it.
+
+    Returns its make-span, its fullest rank's planned bytes and the ZeRO stage they are at: the
+    memory that one plan of the layout needs, for the infeasible message.
+    """
     from pipeplan.plan.planner import make_plan
 
     _, _, link = _pipeline_link(cluster, trial)
     recompute = dict(_families(settings, True))[family]
     sub = _sub_settings(settings, trial, link, None, "none" if recompute == "auto" else recompute)
     try:
-        return make_plan(view.profile, sub, profile_sha256=profile_sha256).predicted.iteration_ms
+        plan = make_plan(view.profile, sub, profile_sha256=profile_sha256)
     except (InfeasibleError, BadInputError):
-        return 0.0
+        return 0.0, math.inf, trial.zero_stage
+    return plan.predicted.iteration_ms, max(r.peak_memory_bytes for r in plan.ranks), trial.zero_stage
 
 
 def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView, cluster, usable: int, state,
@@ -302,7 +309,8 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
                     "gathered": gathered}
 
 
-def _infeasible_message(trials, settings: PlanSettings, cluster, usable: int, cap: int, total_state_bytes: float) -> str:
+def _infeasible_message(trials, settings: PlanSettings, cluster, usable: int, cap: int, total_state_bytes: float,
+                        needs=(math.inf, None, 0)) -> str:
     """What would fit: the least per-GPU memory the state needs, and a GPU count it could fit in."""
     G = cluster.gpus_per_node
     gpus = max(1, math.ceil(total_state_bytes / max(usable, 1)))
@@ -315,7 +323,13 @@ def _infeasible_message(trials, settings: PlanSettings, cluster, usable: int, ca
     if math.isfinite(least):
         lines.append(f"the training state alone needs at least {format_bytes(least)} per GPU in the best layout "
                      f"tried; fully sharded (ZeRO 3) it fits only from about {gpus} GPUs (activations not counted)")
-    if planned:
+    peak, key, zero = needs
+    if key is not None and math.isfinite(peak):
+        d, t, p, _ = key
+        planned_cap = math.ceil(peak * (1 + cluster.fragmentation) + cluster.reserve_bytes)
+        lines.append(f"a cap of {format_bytes(planned_cap)} per GPU fits d={d} t={t} p={p} ZeRO {zero} "
+                     f"without recomputation")
+    elif planned:
         lines.append(f"with the state fitting, {planned[0]}")
     return "; ".join(lines)
 

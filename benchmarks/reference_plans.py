@@ -2,6 +2,7 @@
 
     python benchmarks/reference_plans.py make    DIR   # import + plan each graph at 4, 8, 16 stages
     python benchmarks/reference_plans.py compare DIR   # re-plan and byte-compare with DIR
+    python benchmarks/reference_plans.py baselines     # re-plan profiles/baselines/, byte-compare
 
 Uses the CLI (as a user would): ``pipeplan import pipedream`` then ``pipeplan plan`` with the
 defaults, plus a capped variant (``--memory-cap`` at 70% of the uncapped plan's peak) for the
@@ -119,12 +120,35 @@ def compare(ref: Path) -> int:
     return 1 if bad else 0
 
 
+def baselines() -> int:
+    """Re-plan every shipped baseline with its own settings and byte-compare (stricter than
+    ``pipeplan check``, which compares throughput and splits)."""
+    sys.path.insert(0, str(REPO))
+    from pipeplan.formats.io import dump_model, file_sha256, load_plan, load_profile
+    try:
+        from pipeplan.plan import make_plan
+    except ImportError:  # before the plan package exported it
+        from pipeplan.plan.planner import make_plan
+
+    bad = 0
+    for base in sorted((REPO / "profiles" / "baselines").glob("*.plan.json")):
+        prof = REPO / "profiles" / base.name.replace(".plan.json", ".json")
+        plan = make_plan(load_profile(prof), load_plan(base).settings, profile_sha256=file_sha256(prof))
+        same = dump_model(plan) == base.read_text()
+        print(f"{'same' if same else 'DIFF'} {base.name}", flush=True)
+        bad += not same
+    print(f"{bad} differ")
+    return 1 if bad else 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=("make", "compare"))
-    parser.add_argument("dir", type=Path)
+    parser.add_argument("action", choices=("make", "compare", "baselines"))
+    parser.add_argument("dir", type=Path, nargs="?")
     parser.add_argument("--skip-over", type=float, default=60.0)
     args = parser.parse_args()
+    if args.action == "baselines":
+        return baselines()
     if args.action == "make":
         make(args.dir, args.skip_over)
         return 0

@@ -10,12 +10,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pipeplan.errors import BadInputError
+from pipeplan.plan.actions import Action, rank_actions
 from pipeplan.plan.schedules import (
     SCHEDULES,
     TORCH_SCHEDULE_CLASS,
-    Action,
     check_schedule,
-    rank_actions,
     stage_ranks,
     valid_virtual_stages,
 )

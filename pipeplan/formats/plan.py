@@ -10,6 +10,10 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Schedule names, one per torch.distributed.pipelining class; the records (torch class,
+# stages per rank, placement) are pipeplan.plan.schedules.SCHEDULE_INFO.
+from pipeplan.plan.schedules import SCHEDULES
+
 __all__ = [
     "SCHEDULES",
     "PlanProfileRef",
@@ -22,8 +26,6 @@ __all__ = [
     "Plan",
 ]
 
-#: Schedule names, one per torch.distributed.pipelining class.
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
 
 
 class _Strict(BaseModel):

@@ -64,7 +64,7 @@ def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int
 def stage_in_flight(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> tuple[int, ...]:
     """Per stage, the most micro-batches whose activations it holds at once under ``schedule``.
 
-    Read off the action order that torch runs (:func:`pipeplan.plan.schedules.rank_actions`):
+    Read off the action order that torch runs (:func:`pipeplan.plan.actions.rank_actions`):
     a forward adds one micro-batch, the action that frees it (the whole backward, or the
     weight gradient where the backward is split) removes one. It depends on the order only,
     not on the stage times, so the simulator reports the same counts for any costs.
@@ -97,13 +97,14 @@ def stage_in_flight(schedule: str, num_ranks: int, num_microbatches: int, virtua
     -----
     O(p m v), cached per ``(schedule, p, m, v)``.
     """
-    from pipeplan.plan.schedules import _rank_actions_cached, check_schedule
+    from pipeplan.plan.actions import cached_rank_actions
+    from pipeplan.plan.schedules import check_schedule
 
     check_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
 
     held = [0] * (num_ranks * virtual_stages)
     peak = [0] * (num_ranks * virtual_stages)
-    for actions in _rank_actions_cached(schedule, num_ranks, num_microbatches, virtual_stages):
+    for actions in cached_rank_actions(schedule, num_ranks, num_microbatches, virtual_stages):
         for action in actions:
             if action.kind == "F":
                 held[action.stage] += 1
@@ -123,11 +124,12 @@ def _live_count_rows(schedule: str, p: int, m: int, v: int):
     """
     import numpy as np
 
-    from pipeplan.plan.schedules import _rank_actions_cached, stage_ranks
+    from pipeplan.plan.actions import cached_rank_actions
+    from pipeplan.plan.schedules import stage_ranks
 
     placement = stage_ranks(schedule, p, v)
     out = []
-    for rank, actions in enumerate(_rank_actions_cached(schedule, p, m, v)):
+    for rank, actions in enumerate(cached_rank_actions(schedule, p, m, v)):
         stages = tuple(s for s in range(p * v) if placement[s] == rank)
         position = {s: i for i, s in enumerate(stages)}
         live = [0] * len(stages)

@@ -1,7 +1,7 @@
 """Event-level simulation of one training iteration under a pipeline schedule.
 
 The single source of truth for a plan's predicted time and memory: every
-compute action of :func:`pipeplan.plan.schedules.rank_actions` gets a start
+compute action of :func:`pipeplan.plan.actions.rank_actions` gets a start
 and an end, and every rank's memory is followed through the actual order of
 work. Closed-form bubble formulas only hold for equal stages and free
 transfers; this holds for any per-stage costs.
@@ -44,7 +44,8 @@ from functools import lru_cache
 from typing import NamedTuple, Optional, Sequence
 
 from pipeplan.errors import BadInputError
-from pipeplan.plan.schedules import _rank_actions_cached, check_schedule, stage_ranks
+from pipeplan.plan.actions import cached_rank_actions
+from pipeplan.plan.schedules import check_schedule, stage_ranks
 
 __all__ = ["StageCost", "Event", "Simulation", "simulate"]
 
@@ -304,7 +305,7 @@ def _compiled(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, i
     """
     last = p * v - 1
     out = []
-    for actions in _rank_actions_cached(schedule, p, m, v):
+    for actions in cached_rank_actions(schedule, p, m, v):
         row = []
         for action in actions:
             s, i, code = action.stage, action.microbatch, _KIND_CODE[action.kind]

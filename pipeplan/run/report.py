@@ -129,7 +129,7 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
     iteration_ms = _median([iteration_steps[i] for i in timed])
 
     predicted_rank = {summary.rank: summary for summary in plan.ranks}
-    from pipeplan.plan.schedules import rank_actions
+    from pipeplan.plan.actions import rank_actions
 
     actions_per_rank = [len(actions) for actions in rank_actions(
         plan.schedule, plan.settings.stages, plan.num_microbatches, plan.virtual_stages)]

@@ -125,10 +125,7 @@ def baselines() -> int:
     ``pipeplan check``, which compares throughput and splits)."""
     sys.path.insert(0, str(REPO))
     from pipeplan.formats.io import dump_model, file_sha256, load_plan, load_profile
-    try:
-        from pipeplan.plan import make_plan
-    except ImportError:  # before the plan package exported it
-        from pipeplan.plan.planner import make_plan
+    from pipeplan.plan import make_plan
 
     bad = 0
     for base in sorted((REPO / "profiles" / "baselines").glob("*.plan.json")):

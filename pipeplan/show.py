@@ -81,6 +81,6 @@ def comparison_table(rows, title: str) -> Table:
 
 def simulation_from_plan(plan: Plan):
     """Re-simulate a plan's schedule from its own numbers (for the timeline)."""
-    from pipeplan.plan.planner import plan_simulation
+    from pipeplan.plan import plan_simulation
 
     return plan_simulation(plan)

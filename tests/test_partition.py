@@ -13,15 +13,23 @@ from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.plan.baselines import baseline_partition
 from pipeplan.plan.graph import LayerGraph, is_chain
 from pipeplan.plan.ilp import partition_ilp
-from pipeplan.plan.partition import (
+from bruteforce import partition_brute_force
+from pipeplan.plan import (
+    CostModel,
     PartitionProblem,
+    evaluate_split,
+    layer_sums,
     partition_along_orders,
-    partition_brute_force,
     partition_chain,
     partition_ideals,
     split_fits,
-    stage_memory_bytes,
 )
+from pipeplan.plan.orders import refine_split
+
+
+def stage_memory_bytes(problem, j, layers, in_bytes):
+    return problem.cost.stage_memory_bytes(layer_sums(problem.graph, layers), in_bytes, problem.in_flight[j],
+                                           problem.recompute[j])
 
 
 def make_graph(compute, edges, forward=None, params=None, acts=None, out=None) -> LayerGraph:
@@ -78,7 +86,7 @@ def chain_problems(draw, max_layers=7):
     graph = make_graph(compute, [(i, i + 1) for i in range(n - 1)], params=params, acts=acts, out=out)
     return PartitionProblem(
         graph=graph, num_stages=k, in_flight=tuple(range(k, 0, -1)), recompute=recompute,
-        bandwidth_bytes_per_s=bandwidth, static_bytes_per_param_byte=1.0, memory_cap_bytes=cap,
+        cost=CostModel(bandwidth_bytes_per_s=bandwidth, static_bytes_per_param_byte=1.0), memory_cap_bytes=cap,
     )
 
 
@@ -99,7 +107,7 @@ def dag_problems(draw, max_layers=7):
     graph = make_graph(compute, sorted(edges), acts=acts, out=out)
     return PartitionProblem(
         graph=graph, num_stages=k, in_flight=tuple(range(k, 0, -1)),
-        bandwidth_bytes_per_s=bandwidth, static_bytes_per_param_byte=1.0, memory_cap_bytes=cap,
+        cost=CostModel(bandwidth_bytes_per_s=bandwidth, static_bytes_per_param_byte=1.0), memory_cap_bytes=cap,
     )
 
 
@@ -128,7 +136,7 @@ def test_chain_direct_dp_matches_brute_force(problem):
 @SETTINGS
 @given(chain_problems())
 def test_chain_bisection_matches_brute_force(problem):
-    problem = PartitionProblem(**{**problem.__dict__, "recompute": ()})
+    problem = problem.replace(recompute=())
     _same_optimum(problem, lambda p: partition_chain(p, method="bisect"))
 
 
@@ -203,8 +211,7 @@ def test_more_stages_than_layers_is_bad_input():
 def test_residual_branch_cut_sends_both_tensors():
     # 0 -> 1 -> 2 and 0 -> 2 (a skip): cutting after 1 carries outputs of 0 and 1.
     graph = make_graph([1, 1, 1], [(0, 1), (1, 2), (0, 2)], out=[7, 5, 0])
-    problem = PartitionProblem(graph=graph, num_stages=2, in_flight=(1, 1), bandwidth_bytes_per_s=1000.0)
-    from pipeplan.plan.partition import evaluate_split
+    problem = PartitionProblem(graph=graph, num_stages=2, in_flight=(1, 1), cost=CostModel(bandwidth_bytes_per_s=1000.0))
 
     split = evaluate_split(problem, [(0, 1), (2,)])
     assert split.boundary_bytes == (12,)
@@ -227,7 +234,7 @@ def test_direct_and_bisection_agree_on_a_long_chain():
     n = 400
     graph = make_graph(rng.uniform(0.1, 3, n), [(i, i + 1) for i in range(n - 1)], out=rng.integers(0, 100, n))
     problem = PartitionProblem(graph=graph, num_stages=8, in_flight=tuple(range(8, 0, -1)),
-                               bandwidth_bytes_per_s=1e4)
+                               cost=CostModel(bandwidth_bytes_per_s=1e4))
     a = partition_chain(problem, method="direct")
     b = partition_chain(problem, method="bisect")
     assert a.bottleneck_ms == pytest.approx(b.bottleneck_ms, rel=1e-9)
@@ -236,8 +243,6 @@ def test_direct_and_bisection_agree_on_a_long_chain():
 @SETTINGS
 @given(dag_problems())
 def test_refine_keeps_a_valid_split_and_never_gets_worse(problem):
-    from pipeplan.plan.partition import partition_chain, refine_split
-
     try:
         seed = partition_chain(problem)  # along the profile's order
     except InfeasibleError:

@@ -16,8 +16,9 @@ from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.io import dump_model, load_profile
 from pipeplan.formats.plan import PlanSettings
 from pipeplan.formats.profile import Profile
-from pipeplan.plan.memory import rank_peak_bytes, stage_in_flight, static_bytes_per_param_byte
-from pipeplan.plan.planner import make_plan, plan_simulation
+from pipeplan.plan.costmodel import static_bytes_per_param_byte
+from pipeplan.plan.memory import rank_peak_bytes, stage_in_flight
+from pipeplan.plan import make_plan, plan_simulation
 from pipeplan.plan.schedules import SCHEDULES, check_schedule, stage_ranks, valid_virtual_stages
 from pipeplan.plan.simulate import StageCost, simulate
 

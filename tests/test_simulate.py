@@ -382,7 +382,7 @@ def test_full_backward_defaults_to_the_two_passes():
 def test_the_planners_pruning_bound_never_exceeds_the_simulation(case):
     """``--schedule auto`` skips configurations whose lower bound exceeds the best simulated
     time, so the bound must hold for every schedule, split backward and overhead."""
-    from pipeplan.plan.planner import _busy_lower_bound_ms
+    from pipeplan.plan.search import busy_lower_bound_ms as _busy_lower_bound_ms
 
     schedule, p, m, v, costs = case
     sim = simulate(costs, schedule, p, m, v)

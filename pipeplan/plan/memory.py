@@ -1,10 +1,9 @@
-"""The memory model: what a stage holds at its peak.
+"""Memory over a schedule: micro-batches in flight per stage, and each rank's peak.
 
-    peak_memory_bytes = static_bytes_per_param_byte x param_bytes      (weights, grads, optimizer)
-                      + in_flight x activation_bytes                  (or, recomputing: in_flight x
-                                                                       input bytes + one micro-batch)
-
-See docs/cost-model.md for the derivation and what is left out.
+What one stage holds per micro-batch is the cost model's (:mod:`pipeplan.plan.costmodel`);
+how many micro-batches it holds at once, and how a rank's stages add up, follows the order of
+the schedule's actions (:mod:`pipeplan.plan.actions`), not their times. See
+docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -12,34 +11,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 __all__ = [
-    "BYTES_PER_PARAMETER",
-    "static_bytes_per_param_byte",
     "in_flight_microbatches",
     "stage_in_flight",
     "rank_peak_bytes",
 ]
-
-#: Bytes of training state per parameter. Adam with 16-bit weights: 2 (weights) + 2 (grads)
-#: + 4 (fp32 master) + 4 + 4 (moments) = 16; in fp32 it is 4 + 4 + 4 + 4 = 16 too.
-#: SGD with momentum: 12 either way (16-bit: 2 + 2 + 4 master + 4 momentum).
-BYTES_PER_PARAMETER = {"adam": 16, "sgd": 12}
-
-
-def static_bytes_per_param_byte(optimizer: str, dtype_bytes: int) -> float:
-    """Training state per byte of parameters.
-
-    Examples
-    --------
-    >>> static_bytes_per_param_byte("adam", 2)
-    8.0
-    >>> static_bytes_per_param_byte("adam", 4)
-    4.0
-    >>> static_bytes_per_param_byte("none", 2)  # weights and gradients only
-    2.0
-    """
-    if optimizer == "none":
-        return 2.0
-    return BYTES_PER_PARAMETER[optimizer] / float(dtype_bytes)
 
 
 def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int) -> tuple[int, ...]:

@@ -7,7 +7,8 @@ The data flow, one module per step (docs/architecture.md)::
           -> assemble -> Plan
 
 The names below are the stable surface other packages import (lazily: importing
-``pipeplan.plan`` loads nothing until a name is used).
+``pipeplan.plan`` loads nothing until a name is used). The simulator's function is
+``pipeplan.plan.simulate.simulate`` (``pipeplan.plan.simulate`` is its module).
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ _EXPORTS = {
     "rank_peak_bytes": "memory",
     "StageCost": "simulate",
     "Simulation": "simulate",
-    "simulate": "simulate",
     # the LayerGraph
     "LayerGraph": "graph",
     "build_layer_graph": "graph",

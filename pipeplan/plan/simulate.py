@@ -153,7 +153,8 @@ class Simulation:
     """Busy time of the critical rank."""
     bubble_ms: float
     """Idle time of the critical rank that free transfers would not remove: fill,
-    drain and waiting on slower stages."""
+    drain and waiting on slower stages. The sum of its idle intervals
+    (:meth:`rank_idle_intervals`) less ``transfer_ms``."""
     transfer_ms: float
     """Exposed transfer: how much longer the iteration is than with free transfers
     (transfers on the critical path that no compute hides); part of the critical
@@ -162,11 +163,34 @@ class Simulation:
     """The schedule's own time of each rank: its actions' ``action_overhead_ms``."""
     overhead_ms: float = 0.0
     """The schedule's own time on the critical rank."""
+    stage_action_overhead_ms: tuple[float, ...] = ()
+    """Per stage, the schedule's own time before each of its actions."""
 
     @property
     def peak_memory_bytes(self) -> int:
         """The largest per-rank peak."""
         return max(self.rank_peak_memory_bytes)
+
+    def rank_idle_intervals(self, rank: int) -> list[tuple[float, float]]:
+        """When ``rank`` waits: ``(start_ms, end_ms)`` from the events, in order.
+
+        Before each action the rank first spends its stage's own time per action, then waits
+        for the action's input; the wait is the interval. The time after its last action to
+        the end of the iteration is one more.
+        """
+        overhead = self.stage_action_overhead_ms or (0.0,) * len(self.stage_ranks)
+        intervals = []
+        free = 0.0
+        for event in self.events:
+            if event.rank != rank:
+                continue
+            ready = free + overhead[event.stage]
+            if event.start_ms > ready:
+                intervals.append((ready, event.start_ms))
+            free = event.end_ms
+        if self.iteration_ms > free:
+            intervals.append((free, self.iteration_ms))
+        return intervals
 
 
 def simulate(
@@ -268,6 +292,12 @@ def simulate(
         transfer_ms = min(max(0.0, iteration_ms - free_iteration_ms), idle[critical])
 
     peaks, timelines, in_flight_peak = _memory(rank_events, costs, placement, p, num_stages)
+    critical_waits = 0.0
+    free = 0.0
+    for event in rank_events[critical]:
+        critical_waits += max(0.0, event.start_ms - (free + overhead_ms[event.stage]))
+        free = event.end_ms
+    critical_waits += max(0.0, iteration_ms - free)
 
     return Simulation(
         schedule=schedule,
@@ -285,10 +315,11 @@ def simulate(
         stage_peak_in_flight=in_flight_peak,
         critical_rank=critical,
         compute_ms=busy[critical],
-        bubble_ms=max(0.0, iteration_ms - busy[critical] - overhead[critical] - transfer_ms),
+        bubble_ms=max(0.0, critical_waits - transfer_ms),
         transfer_ms=transfer_ms,
         rank_overhead_ms=overhead,
         overhead_ms=overhead[critical],
+        stage_action_overhead_ms=tuple(overhead_ms),
     )
 
 

@@ -203,13 +203,14 @@ def test_zero_paper_figure_1():
     assert gb == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.05)
 
 
-def test_adam_matches_the_planner_s_existing_convention():
-    from pipeplan.plan.memory import static_bytes_per_param_byte
+def test_adam_matches_the_planner_s_long_standing_convention():
+    """Plans of schema 1 assumed 16 bytes per parameter for adam, 12 for sgd, 2 x dtype for none."""
+    from pipeplan.plan.costmodel import BYTES_PER_PARAMETER, static_bytes_per_param_byte
 
     for dtype_bytes in (2, 4):
-        for optimizer in ("adam", "sgd", "none"):
-            state = training_state(optimizer, dtype_bytes)
-            assert state.total_bytes / dtype_bytes == static_bytes_per_param_byte(optimizer, dtype_bytes)
+        for optimizer, total in (*BYTES_PER_PARAMETER.items(), ("none", 2 * dtype_bytes)):
+            assert training_state(optimizer, dtype_bytes).total_bytes == total
+            assert static_bytes_per_param_byte(optimizer, dtype_bytes) == total / dtype_bytes
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,7 +1,7 @@
 """The cluster search: the fastest data x tensor x pipeline plan of a profile on N GPUs.
 
 For every layout (d, t, p) the rules allow (:mod:`pipeplan.cluster.space`), every ZeRO stage and
-recomputation family, the pipeline planner (:func:`pipeplan.plan.planner.make_plan`) finds the
+recomputation family, the pipeline planner (:func:`pipeplan.plan.search.make_plan`) finds the
 fastest exact split, schedule, stages per rank and micro-batch size of one replica: ``G / d``
 samples on ``p`` ranks, from the profile at degree ``t`` on the cluster's links
 (:func:`pipeplan.cluster.profile_view.degree_view`), with the ZeRO-sharded training state and
@@ -129,6 +129,9 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
     InfeasibleError
         Nothing fits the memory; the message gives the least memory or GPUs that could.
     """
+    from pipeplan.plan import with_profile_defaults
+
+    settings = with_profile_defaults(profile, settings)
     cluster = settings.cluster
     if cluster is None:
         raise BadInputError("--gpus: give the cluster (--cluster NAME or FILE; pipeplan cluster lists them)")
@@ -258,7 +261,7 @@ def _unbounded(profile, settings: PlanSettings, view: DegreeView, trial, family:
     Returns its make-span, its fullest rank's planned bytes and the ZeRO stage they are at: the
     memory that one plan of the layout needs, for the infeasible message.
     """
-    from pipeplan.plan.planner import make_plan
+    from pipeplan.plan import make_plan
 
     _, _, link = _pipeline_link(cluster, trial)
     recompute = dict(_families(settings, True))[family]
@@ -272,7 +275,7 @@ def _unbounded(profile, settings: PlanSettings, view: DegreeView, trial, family:
 
 def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView, cluster, usable: int, state,
                hbm, overlap: float, profile_sha256: str, record_time: bool) -> None:
-    from pipeplan.plan.planner import make_plan, plan_simulation
+    from pipeplan.plan import make_plan, plan_simulation
 
     layout, links, link = _pipeline_link(cluster, trial)
     largest_unit_params = max(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes

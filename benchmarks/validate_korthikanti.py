@@ -9,9 +9,9 @@ dgx-a100 --tensor-parallel --stages --data-parallel 1 --zero 0 --virtual-stages 
 --microbatch-size --global-batch --recompute``) and Megatron's optimizer convention
 (``adam-fp32-grads``, 18 bytes per parameter). Megatron of 2022 ran without flash attention,
 so the profiles keep the s^2 score tensors (``flash_attention=False``); that is the published
-configuration, not a tuning. The script checks that the planner's split is Megatron's (blocks
-divided equally over the virtual stages, the embedding on the first, the head and loss on the
-last) and fails if not.
+configuration, not a tuning. The split is Megatron's, given with ``--layers-per-stage``: the
+blocks divided equally over the virtual stages, the embedding on the first, the final norm and
+the head with the loss on the last.
 
 Full recomputation is planned with a 200 GiB cap: pipeplan's cost model keeps a whole stage's
 activations while a recomputing stage runs its forward again, where Megatron recomputes one
@@ -60,6 +60,18 @@ def _profile(model: str, folder: Path, degrees, sizes):
                             tensor_parallel=degrees, flash_attention=False)
 
 
+def _megatron_counts(profile, stages: int) -> list[int]:
+    """Megatron's split: blocks equally over the stages; embedding first, norm and head last."""
+    kinds = [layer.kind for layer in profile.layers]
+    blocks = kinds.count("block")
+    if blocks % stages:
+        raise SystemExit(f"{blocks} blocks do not divide over {stages} stages")
+    counts = [blocks // stages] * stages
+    counts[0] += sum(1 for k in kinds if k == "embedding")
+    counts[-1] += sum(1 for k in kinds if k in ("norm", "head"))
+    return counts
+
+
 def _megatron_split(plan, profile) -> bool:
     kinds = {layer.name: layer.kind for layer in profile.layers}
     blocks = [sum(kinds[name] == "block" for name in stage.layers) for stage in plan.stages]
@@ -98,7 +110,8 @@ def main(argv=None) -> int:
             cap = 200 * 2**30 if recompute == "all" else None
             plan = _plan(profile, "table5", num_gpus=gpus, tensor_parallel=t, stages=p, data_parallel=1,
                          zero_stage=0, virtual_stages=v, schedule=schedule, microbatch_size=b, global_batch=G,
-                         recompute=recompute, memory_cap_bytes=cap)
+                         recompute=recompute, memory_cap_bytes=cap,
+                         layers_per_stage=_megatron_counts(profile, p * v))
             if not _megatron_split(plan, profile):
                 print(f"{model} {recompute}: the planner's split is not Megatron's: "
                       f"{[len(s.layers) for s in plan.stages]}", file=sys.stderr)

@@ -188,6 +188,14 @@ def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer,
     )
 
 
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise BadInputError(f"--layers-per-stage: {text!r} is not a list of whole numbers, e.g. 5,7,7,7") from None
+    return counts
+
+
 def _cluster_settings(num_gpus=None, cluster=None, data_parallel=None, tensor_parallel=None, zero=None,
                       data_parallel_overlap=None):
     """The cluster options of ``pipeplan plan`` (docs/cluster-model.md); empty without --gpus."""
@@ -337,6 +345,7 @@ def plan(
     tensor_parallel: Optional[int] = typer.Option(None, "--tensor-parallel", help="With --gpus: fix the tensor-parallel degree t."),
     zero: Optional[int] = typer.Option(None, "--zero", help="With --gpus: fix the ZeRO stage (0-3); default: search."),
     data_parallel_overlap: Optional[float] = typer.Option(None, "--data-parallel-overlap", help="With --gpus: share of the gradient sync hidden behind compute (default 0)."),
+    layers_per_stage: Optional[str] = typer.Option(None, "--layers-per-stage", help="Fix the split: units per stage in profile order, e.g. 5,7,7,7 (virtual stages in order); needs a named --schedule."),
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
     from pipeplan.api import plan_profile
@@ -348,6 +357,8 @@ def plan(
                               optimizer, bandwidth, schedule, virtual_stages, recompute, solver, action_overhead_ms,
                               num_gpus=gpus, cluster=cluster, data_parallel=data_parallel,
                               tensor_parallel=tensor_parallel, zero=zero, data_parallel_overlap=data_parallel_overlap)
+    if layers_per_stage is not None:
+        settings = settings.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
     result = plan_profile(profile, settings, output, record_time=record_time)
     if not quiet:
         _console().print(plan_tables(result))

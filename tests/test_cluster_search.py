@@ -131,3 +131,33 @@ def test_exports_and_run_refuse_data_or_tensor_parallel_plans(tmp_path):
         refused = runner.invoke(app, args)
         assert refused.exit_code == 2, refused.output
         assert "not supported yet" in refused.output
+
+
+def test_layers_per_stage_fixes_the_split(tmp_path):
+    gpt2 = REPO / "profiles" / "gpt2-tiny-cpu.json"
+    out = tmp_path / "given.json"
+    result = runner.invoke(app, ["plan", str(gpt2), "--stages", "2", "--layers-per-stage", "3,4", "--schedule",
+                                 "1f1b", "-b", "2", "-q", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    assert [len(s.layers) for s in plan.stages] == [3, 4] and plan.solver.method == "given"
+    cluster = runner.invoke(app, ["plan", str(PROFILE), "--gpus", "16", "--cluster", "dgx-a100", "--layers-per-stage",
+                                  "9,8,9,9", "--schedule", "1f1b", "-b", "1", "--global-batch", "64", "-q",
+                                  "-o", str(tmp_path / "c.json")])
+    assert cluster.exit_code == 0, cluster.output
+    plan = load_plan(tmp_path / "c.json")
+    assert [len(s.layers) for s in plan.stages] == [9, 8, 9, 9] and plan.parallelism.pipeline == 4
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--layers-per-stage", "9,8,9", "--stages", "4"], "3 counts for --stages 4"),
+    (["--layers-per-stage", "9,8,x"], "not a list of whole numbers"),
+    (["--layers-per-stage", "9,8,9,9", "--schedule", "auto"], "needs a named --schedule"),
+])
+def test_layers_per_stage_errors(extra, message):
+    args = ["plan", str(PROFILE), "--gpus", "16", "--cluster", "dgx-a100", "-b", "1", "--global-batch", "64", "-q"]
+    if "--schedule" not in extra:
+        args += ["--schedule", "1f1b"]
+    result = runner.invoke(app, args + extra)
+    assert result.exit_code == 2, result.output
+    assert message in result.output

@@ -135,6 +135,8 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
     cluster = settings.cluster
     if cluster is None:
         raise BadInputError("--gpus: give the cluster (--cluster NAME or FILE; pipeplan cluster lists them)")
+    if settings.layers_per_stage is not None:
+        settings = _fixed_split_stages(settings)
     n_gpus = settings.num_gpus
     units = len(profile.layers)
     degrees = parallel_degrees(n_gpus, cluster.gpus_per_node, units, head_counts(profile), tensor_degrees(profile),
@@ -237,6 +239,41 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
     return _assemble(best, trials, profile, settings, views[(best.tensor, best.family)], cluster, cap, state)
 
 
+def _fixed_split_stages(settings: PlanSettings) -> PlanSettings:
+    """With ``--layers-per-stage`` the pipeline degree is the split's: counts / stages per rank."""
+    from pipeplan.plan import valid_virtual_stages
+
+    if settings.schedule == "auto":
+        raise BadInputError("--layers-per-stage: a given split needs a named --schedule, not auto")
+    v = settings.virtual_stages or valid_virtual_stages(settings.schedule)[0]
+    counts = len(settings.layers_per_stage)
+    if counts % v:
+        raise BadInputError(f"--layers-per-stage: {counts} counts are not a whole number of pipeline ranks "
+                            f"at {v} stages per rank")
+    if settings.stages is not None and settings.stages * v != counts:
+        raise BadInputError(f"--layers-per-stage: {counts} counts for --stages {settings.stages} x {v} stages "
+                            f"per rank; give {settings.stages * v}")
+    return settings.model_copy(update={"stages": counts // v, "virtual_stages": v})
+
+
+def _pipeline_plan(view: DegreeView, sub: PlanSettings, settings: PlanSettings, profile_sha256: str,
+                   record_time: bool = False) -> Plan:
+    """The pipeline planner's best plan of one replica, or the given split's (--layers-per-stage)."""
+    from pipeplan.plan import make_plan
+
+    if settings.layers_per_stage is None:
+        return make_plan(view.profile, sub, profile_sha256=profile_sha256, record_time=record_time)
+    from pipeplan.api import plan_split
+
+    plan = plan_split(view.profile, sub, settings.layers_per_stage, profile_sha256=profile_sha256)
+    cap = sub.memory_cap_bytes
+    peak = max(r.peak_memory_bytes for r in plan.ranks)
+    if cap is not None and peak > cap:
+        raise InfeasibleError(f"the given split needs {format_bytes(peak)} on its fullest rank, over the "
+                              f"{format_bytes(cap)} plannable")
+    return plan
+
+
 def _pipeline_link(cluster, trial):
     layout = Layout(trial.data, trial.tensor, trial.pipeline, cluster.gpus_per_node)
     links = {layout.pipeline_link(i, (i + 1) % trial.pipeline) for i in range(trial.pipeline)} - {"local"}
@@ -261,13 +298,11 @@ def _unbounded(profile, settings: PlanSettings, view: DegreeView, trial, family:
     Returns its make-span, its fullest rank's planned bytes and the ZeRO stage they are at: the
     memory that one plan of the layout needs, for the infeasible message.
     """
-    from pipeplan.plan import make_plan
-
     _, _, link = _pipeline_link(cluster, trial)
     recompute = dict(_families(settings, True))[family]
     sub = _sub_settings(settings, trial, link, None, "none" if recompute == "auto" else recompute)
     try:
-        plan = make_plan(view.profile, sub, profile_sha256=profile_sha256)
+        plan = _pipeline_plan(view, sub, settings, profile_sha256)
     except (InfeasibleError, BadInputError):
         return 0.0, math.inf, trial.zero_stage
     return plan.predicted.iteration_ms, max(r.peak_memory_bytes for r in plan.ranks), trial.zero_stage
@@ -275,7 +310,7 @@ def _unbounded(profile, settings: PlanSettings, view: DegreeView, trial, family:
 
 def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView, cluster, usable: int, state,
                hbm, overlap: float, profile_sha256: str, record_time: bool) -> None:
-    from pipeplan.plan import make_plan, plan_simulation
+    from pipeplan.plan import plan_simulation
 
     layout, links, link = _pipeline_link(cluster, trial)
     largest_unit_params = max(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes
@@ -283,7 +318,7 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     recompute = dict(_families(settings, True))[trial.family]
     sub = _sub_settings(settings, trial, link, max(1, usable - gathered), recompute)
     try:
-        plan = make_plan(view.profile, sub, profile_sha256=profile_sha256, record_time=record_time)
+        plan = _pipeline_plan(view, sub, settings, profile_sha256, record_time)
     except InfeasibleError as error:
         trial.status = "infeasible"
         trial.reason = f"infeasible: {str(error).splitlines()[0]}"

@@ -32,7 +32,7 @@ from pipeplan.cluster.optimizers import optimizer_step_ms, training_state
 from pipeplan.cluster.placement import Layout
 from pipeplan.cluster.presets import memory_cap_bytes
 from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, tensor_degrees
-from pipeplan.cluster.space import parallel_degrees
+from pipeplan.cluster.space import candidates, parallel_degrees
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.plan import Alternative, Parallelism, Plan, PlanSettings
 from pipeplan.quantities import format_bytes
@@ -154,24 +154,17 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
         "inter_node": cluster.inter_node.model_copy(update={"latency_us": 0.0})})
     views: dict[tuple[int, str], DegreeView] = {}
     trials: list[_Trial] = []
-    skipped: list[str] = []
-    for deg in degrees:
-        if G % deg.data:
-            skipped.append(f"d={deg.data} does not divide the global batch {G}")
-            continue
-        sizes = [b for b in sizes_all if (G // deg.data) % b == 0]
-        if not sizes:
-            skipped.append(f"d={deg.data}: no micro-batch size in {sizes_all} divides {G // deg.data}")
-            continue
-        if (deg.tensor, "plain") not in views:
-            views[(deg.tensor, "plain")] = degree_view(profile, deg.tensor, cluster)
-        selective_ok = all(getattr(c, "selective_activation_bytes", None) is not None
-                           for layer in profile.layers for c in layer.costs)
-        for zero in _zero_stages(settings, deg.data):
+    # The (d, t, p) that some micro-batch size b runs with d x b dividing the batch (space.candidates
+    # raises, naming the sizes, when none does).
+    runnable = sorted({(c.data, c.tensor, c.pipeline) for c in candidates(degrees, G, sizes_all)})
+    selective_ok = all(getattr(c, "selective_activation_bytes", None) is not None
+                       for layer in profile.layers for c in layer.costs)
+    for d, t, p in runnable:
+        if (t, "plain") not in views:
+            views[(t, "plain")] = degree_view(profile, t, cluster)
+        for zero in _zero_stages(settings, d):
             for family, _ in _families(settings, selective_ok):
-                trials.append(_Trial(deg.data, deg.tensor, deg.pipeline, zero, family, len(trials)))
-    if not trials:
-        raise BadInputError("--global-batch: " + "; ".join(skipped))
+                trials.append(_Trial(d, t, p, zero, family, len(trials)))
 
     # Lower bounds and the state-only memory check.
     for trial in trials:

@@ -30,18 +30,10 @@ def plan_profile(profile_path: str | Path, settings: PlanSettings, output: str |
     ``PlanSettings`` has the CLI's defaults, so this makes the plan ``pipeplan plan`` makes
     from the same options, byte for byte.
     """
-    from pipeplan.plan import make_plan
+    from pipeplan.cluster.search import plan_any  # cluster (--gpus), given split, or pipeline
 
     profile = load_profile(profile_path)
-    if settings.num_gpus is not None:  # the cluster search: d x t x p over the GPUs
-        from pipeplan.cluster.search import plan_cluster
-
-        plan = plan_cluster(profile, settings, profile_sha256=file_sha256(profile_path), record_time=record_time)
-    elif settings.layers_per_stage is not None:  # a given split (--layers-per-stage), costed as is
-        plan = plan_split(profile, settings, settings.layers_per_stage, profile_sha256=file_sha256(profile_path))
-        plan = plan.model_copy(update={"schema_version": 2})  # settings.layers_per_stage is a version-2 field
-    else:
-        plan = make_plan(profile, settings, profile_sha256=file_sha256(profile_path), record_time=record_time)
+    plan = plan_any(profile, settings, profile_sha256=file_sha256(profile_path), record_time=record_time)
     if output is not None:
         write_json_atomic(output, plan)
     return plan

@@ -161,3 +161,18 @@ def test_layers_per_stage_errors(extra, message):
     result = runner.invoke(app, args + extra)
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_check_replans_a_cluster_baseline(tmp_path):
+    import shutil
+
+    profiles, baselines = tmp_path / "profiles", tmp_path / "baselines"
+    profiles.mkdir()
+    shutil.copy(PROFILE, profiles / PROFILE.name)
+    result = runner.invoke(app, ["plan", str(profiles / PROFILE.name), "--gpus", "16", "--cluster", "dgx-a100",
+                                 "--global-batch", "64", "--schedule", "1f1b", "-q",
+                                 "-o", str(baselines / "transformer32-analytic.plan.json")])
+    assert result.exit_code == 0, result.output
+    checked = runner.invoke(app, ["check", str(profiles), "--baseline", str(baselines)])
+    assert checked.exit_code == 0, checked.output
+    assert "+0.00%" in checked.output

@@ -37,7 +37,7 @@ from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.plan import Alternative, Parallelism, Plan, PlanSettings
 from pipeplan.quantities import format_bytes
 
-__all__ = ["plan_cluster", "hbm_bytes_per_s", "peak_flops_per_s"]
+__all__ = ["plan_any", "plan_cluster", "hbm_bytes_per_s", "peak_flops_per_s"]
 
 #: Achieved share of HBM bandwidth by the fused optimizer kernels.
 OPTIMIZER_HBM_EFFICIENCY = 0.8
@@ -119,6 +119,21 @@ def _sums(view: DegreeView, sizes):
     return out
 
 
+def plan_any(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
+    """The plan ``settings`` ask for: a cluster plan (``num_gpus``), a given split
+    (``layers_per_stage``) or the pipeline planner's; what ``plan`` and ``check`` call."""
+    if settings.num_gpus is not None:
+        return plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
+    if settings.layers_per_stage is not None:
+        from pipeplan.api import plan_split
+
+        plan = plan_split(profile, settings, settings.layers_per_stage, profile_sha256=profile_sha256)
+        return plan.model_copy(update={"schema_version": 2})  # layers_per_stage is a version-2 field
+    from pipeplan.plan import make_plan
+
+    return make_plan(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
+
+
 def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
     """The fastest cluster plan of ``profile`` for ``settings.num_gpus`` GPUs of ``settings.cluster``.
 
@@ -132,6 +147,8 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
     from pipeplan.plan import with_profile_defaults
 
     settings = with_profile_defaults(profile, settings)
+    if settings.search_stages:  # re-planning a plan file whose pipeline degree was searched
+        settings = settings.model_copy(update={"stages": None, "search_stages": None})
     cluster = settings.cluster
     if cluster is None:
         raise BadInputError("--gpus: give the cluster (--cluster NAME or FILE; pipeplan cluster lists them)")

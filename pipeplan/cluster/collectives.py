@@ -1,8 +1,9 @@
 """Time of the collectives that tensor and data parallelism run, on a cluster's links.
 
-The alpha-beta model of NCCL's own tuner (``src/graph/tuning.cc``): a collective over ``n``
-ranks takes some steps, each costing the link's per-hop latency, and moves some bytes per rank
-at the link's achieved bandwidth. For a buffer of ``S`` bytes (the whole, unsharded tensor):
+The alpha-beta model of NCCL's own tuner (``src/graph/tuning.cc``): a collective call costs a
+fixed latency (``Link.call_latency_us``, NCCL's base latency), then some steps over ``n`` ranks,
+each costing the link's per-hop latency, and moves some bytes per rank at the link's achieved
+bandwidth. For a buffer of ``S`` bytes (the whole, unsharded tensor):
 
 =================  ==========================  =====================================
 collective         steps (ring)                bytes each rank sends (ring)
@@ -92,7 +93,8 @@ def ring_ms(kind: Collective, size_bytes: float, ranks: int, link: Link) -> floa
     if ranks == 1 or size_bytes == 0:
         return 0.0
     steps, share = _RING[kind]
-    return steps(ranks) * link.latency_us / 1e3 + share(ranks) * size_bytes / link.achieved_bytes_per_s * 1e3
+    return ((link.call_latency_us + steps(ranks) * link.latency_us) / 1e3
+            + share(ranks) * size_bytes / link.achieved_bytes_per_s * 1e3)
 
 
 def tree_all_reduce_ms(size_bytes: float, ranks: int, link: Link) -> float:
@@ -113,7 +115,7 @@ def tree_all_reduce_ms(size_bytes: float, ranks: int, link: Link) -> float:
     if ranks == 1 or size_bytes == 0:
         return 0.0
     steps = 2 * math.ceil(math.log2(ranks))
-    return steps * link.latency_us / 1e3 + 2 * size_bytes / link.achieved_bytes_per_s * 1e3
+    return (link.call_latency_us + steps * link.latency_us) / 1e3 + 2 * size_bytes / link.achieved_bytes_per_s * 1e3
 
 
 def flat_collective_ms(kind: Collective, size_bytes: float, ranks: int, link: Link) -> float:
@@ -215,7 +217,7 @@ def tensor_parallel_ms(collective: str, payload_bytes: float, count: int, ranks:
     if ranks == 1 or (payload_bytes == 0 and count == 0):
         return 0.0
     factor = 2 if collective == "all_reduce" else 1
-    return (count * factor * (ranks - 1) * link.latency_us / 1e3
+    return (count * (link.call_latency_us + factor * (ranks - 1) * link.latency_us) / 1e3
             + factor * (ranks - 1) / ranks * payload_bytes / link.achieved_bytes_per_s * 1e3)
 
 

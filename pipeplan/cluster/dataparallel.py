@@ -92,8 +92,8 @@ def data_parallel_sync(params: float, state: TrainingState, zero_stage: int, spa
     0.0
     >>> two_nodes = GroupSpan(ranks_per_node=1, nodes=2)   # d = 2 over the network
     >>> sync = data_parallel_sync(1e9, adam, 0, two_nodes, PRESETS["dgx-h100"], 8)
-    >>> round(sync.gradient_ms, 3)   # 2 x 1/2 x 2 GB at 0.8 x 50 GB/s, plus 2 hops of 14 us
-    50.028
+    >>> round(sync.gradient_ms, 4)   # 2 x 1/2 x 2 GB at 0.8 x 50 GB/s, 2 hops of 14 us, one call of 8.4 us
+    50.0364
     """
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage: {zero_stage} is not one of 0, 1, 2, 3")

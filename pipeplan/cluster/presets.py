@@ -23,45 +23,57 @@ GB = 10**9
 _NVLINK_LATENCY_US = 3.4
 _PCI_LATENCY_US = 5.7
 _NET_LATENCY_US = 14.0
+#: NCCL's base latency per call (Ring and Tree, Simple protocol), ``baseLat`` in the same file.
+_CALL_LATENCY_US = 8.4
 
 PRESETS: dict[str, ClusterSpec] = {
     "dgx-h100": ClusterSpec(
         name="dgx-h100", gpu="h100-sxm", gpus_per_node=8,
         # H100 data sheet: NVLink 900 GB/s (both directions) through DGX H100's four NVSwitches.
-        intra_node=Link(bandwidth_bytes_per_s=450 * GB, latency_us=_NVLINK_LATENCY_US),
+        intra_node=Link(bandwidth_bytes_per_s=450 * GB, latency_us=_NVLINK_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
         # DGX H100 data sheet: 8x single-port ConnectX-7, 400 Gb/s InfiniBand: one per GPU.
-        inter_node=Link(bandwidth_bytes_per_s=50 * GB, latency_us=_NET_LATENCY_US),
+        inter_node=Link(bandwidth_bytes_per_s=50 * GB, latency_us=_NET_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
     ),
     "dgx-a100": ClusterSpec(
         name="dgx-a100", gpu="a100-80gb", gpus_per_node=8,
         # A100 data sheet: NVLink 600 GB/s (both directions) through DGX A100's six NVSwitches.
-        intra_node=Link(bandwidth_bytes_per_s=300 * GB, latency_us=_NVLINK_LATENCY_US),
+        intra_node=Link(bandwidth_bytes_per_s=300 * GB, latency_us=_NVLINK_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
         # DGX A100 data sheet: 8x single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute
         # (Selene, where Korthikanti et al. 2022 ran, is built of these nodes).
-        inter_node=Link(bandwidth_bytes_per_s=25 * GB, latency_us=_NET_LATENCY_US),
+        inter_node=Link(bandwidth_bytes_per_s=25 * GB, latency_us=_NET_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
     ),
     "gh200": ClusterSpec(
         name="gh200", gpu="gh200", gpus_per_node=4,
         # Quad GH200 node (HPE Cray EX254n, as in CSCS Alps): the four Hoppers are linked all to
         # all; each has 18 NVLink-4 links of 25 GB/s per direction (H100 data sheet), 6 to each
         # peer, so a ring step between two of them runs at 150 GB/s.
-        intra_node=Link(bandwidth_bytes_per_s=150 * GB, latency_us=_NVLINK_LATENCY_US),
+        intra_node=Link(bandwidth_bytes_per_s=150 * GB, latency_us=_NVLINK_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
         # One Slingshot-11 NIC of 200 Gb/s per GH200 (CSCS Alps documentation).
-        inter_node=Link(bandwidth_bytes_per_s=25 * GB, latency_us=_NET_LATENCY_US),
+        inter_node=Link(bandwidth_bytes_per_s=25 * GB, latency_us=_NET_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
     ),
     "dgx-b200": ClusterSpec(
         name="dgx-b200", gpu="b200", gpus_per_node=8,
         # DGX B200 data sheet: fifth-generation NVLink, 1.8 TB/s per GPU (both directions).
-        intra_node=Link(bandwidth_bytes_per_s=900 * GB, latency_us=_NVLINK_LATENCY_US),
+        intra_node=Link(bandwidth_bytes_per_s=900 * GB, latency_us=_NVLINK_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
         # DGX B200 data sheet: 8x single-port ConnectX-7, up to 400 Gb/s: one per GPU.
-        inter_node=Link(bandwidth_bytes_per_s=50 * GB, latency_us=_NET_LATENCY_US),
+        inter_node=Link(bandwidth_bytes_per_s=50 * GB, latency_us=_NET_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
     ),
     "pcie-l4": ClusterSpec(
         name="pcie-l4", gpu="l4", gpus_per_node=8,
         # L4 data sheet: PCIe Gen4 x16, 64 GB/s (both directions); no NVLink.
-        intra_node=Link(bandwidth_bytes_per_s=32 * GB, latency_us=_PCI_LATENCY_US),
+        intra_node=Link(bandwidth_bytes_per_s=32 * GB, latency_us=_PCI_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
         # Google Cloud g2-standard-96 (8 L4): 100 Gb/s network per VM, shared by 8 GPUs.
-        inter_node=Link(bandwidth_bytes_per_s=100 * GB / 8 / 8, latency_us=_NET_LATENCY_US),
+        inter_node=Link(bandwidth_bytes_per_s=100 * GB / 8 / 8, latency_us=_NET_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
     ),
 }
 

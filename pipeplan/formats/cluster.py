@@ -14,6 +14,7 @@ A file looks like::
     [intra_node]                  # the link between GPUs of one node
     bandwidth = "450GB/s"         # per GPU, one direction (or bandwidth_bytes_per_s)
     latency_us = 3.4              # per step of a ring
+    call_latency_us = 8.4         # optional: per collective call (NCCL's base latency)
 
     [inter_node]                  # the network, per GPU
     bandwidth = "50GB/s"
@@ -77,6 +78,10 @@ class Link(_Strict):
         ge=0, allow_inf_nan=False,
         description="Time of one step of a ring (one hop), microseconds; NCCL's tuning model "
                     "calls it the hardware latency.")
+    call_latency_us: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False,
+        description="Fixed cost of each collective call, microseconds (NCCL's base latency: 8.4 us for "
+                    "Ring/Simple in the presets); 0 in a file that does not give it.")
     efficiency: float = Field(
         default=0.8, gt=0, le=1,
         description="Share of bandwidth_bytes_per_s that collectives achieve (NCCL's bus "

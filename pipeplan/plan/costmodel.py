@@ -197,6 +197,16 @@ class StageTime:
     total_ms: float
     """``compute_ms + recompute_ms + transfer_ms``: the stage time the solvers minimise."""
 
+    @property
+    def backward_action_ms(self) -> float:
+        """The whole backward as a schedule runs it: a recomputing stage's forward again first."""
+        return self.backward_ms + self.recompute_ms
+
+    @property
+    def backward_input_action_ms(self) -> float:
+        """The input-gradient pass (B) as a split schedule runs it, recompute first."""
+        return self.backward_input_ms + self.recompute_ms
+
 
 @dataclass(frozen=True)
 class StageMemory:
@@ -241,9 +251,9 @@ class StageBreakdown:
         t, m = self.time, self.memory
         return StageCost(
             forward_ms=t.forward_ms,
-            backward_input_ms=t.backward_input_ms + t.recompute_ms,
+            backward_input_ms=t.backward_input_action_ms,
             backward_weight_ms=t.backward_weight_ms,
-            full_backward_ms=t.backward_ms + t.recompute_ms,
+            full_backward_ms=t.backward_action_ms,
             send_ms=0.0 if self.last else t.send_ms,
             static_memory_bytes=int(math.ceil(m.state_bytes) + math.ceil(m.recompute_bytes)),
             activation_bytes=int(math.ceil(m.kept_bytes)),

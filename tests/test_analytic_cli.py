@@ -152,7 +152,9 @@ def _v2(**cost):
     data = make_profile_dict(n_layers=2, sizes=(1,))
     data["schema_version"] = 2
     for layer in data["layers"]:
-        layer["costs"].append({**layer["costs"][0], "tensor_parallel": 2, "param_bytes": 500, **cost})
+        layer["costs"].append({**layer["costs"][0], "tensor_parallel": 2, "param_bytes": 500,
+                               "tensor_parallel_collective": "all_reduce", "tensor_parallel_forward_bytes": 20,
+                               "tensor_parallel_backward_bytes": 20, **cost})
     return data
 
 
@@ -180,6 +182,13 @@ def test_every_degree_has_the_same_sizes_and_degree_1_is_present():
     for layer in data["layers"]:
         layer["costs"] = layer["costs"][1:]
     with pytest.raises(ValueError, match="degree 1"):
+        Profile.model_validate(data)
+
+
+def test_entries_above_degree_1_give_their_share_and_traffic():
+    data = _v2()
+    del data["layers"][1]["costs"][1]["tensor_parallel_forward_bytes"]
+    with pytest.raises(ValueError, match=r"costs\[1\]\.tensor_parallel_forward_bytes: needed at tensor_parallel 2"):
         Profile.model_validate(data)
 
 

@@ -55,6 +55,9 @@ def test_analytic_8b_profile_plans_at_degree_1_and_is_byte_identical(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(plan.read_text())
     assert sum(len(s["layers"]) for s in data["stages"]) == 35
+    # Megatron's layout comes from the units' roles: embedding first, loss last.
+    result = invoke("export", plan, "--format", "megatron", "--profile", out1)
+    assert result.exit_code == 0 and "--pipeline-model-parallel-layout 'E" in result.output and "L'" in result.output
     # The plan saw degree-1 costs: its stages' forward times add up to the degree-1 entries'.
     b = data["microbatch_size"]
     assert sum(s["forward_ms"] for s in data["stages"]) == pytest.approx(

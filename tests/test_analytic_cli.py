@@ -56,7 +56,10 @@ def test_analytic_8b_profile_plans_at_degree_1_and_is_byte_identical(tmp_path):
     data = json.loads(plan.read_text())
     assert sum(len(s["layers"]) for s in data["stages"]) == 35
     # Megatron's layout comes from the units' roles: embedding first, loss last.
-    result = invoke("export", plan, "--format", "megatron", "--profile", out1)
+    megatron = tmp_path / "megatron-plan.json"
+    result = invoke("plan", out1, "--stages", 4, "--global-batch", 16, "--schedule", "1f1b", "-o", megatron, "-q")
+    assert result.exit_code == 0, result.output
+    result = invoke("export", megatron, "--format", "megatron", "--profile", out1)
     assert result.exit_code == 0 and "--pipeline-model-parallel-layout 'E" in result.output and "L'" in result.output
     # The plan saw degree-1 costs: its stages' forward times add up to the degree-1 entries'.
     b = data["microbatch_size"]

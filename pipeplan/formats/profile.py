@@ -17,11 +17,18 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["Device", "LayerCost", "Layer", "Profile", "NonNegativeMs", "LAYER_KINDS", "SCHEMA_VERSIONS",
-           "V2_COST_FIELDS", "TP_COLLECTIVES"]
+from pipeplan.formats.limits import Bytes, Ms, Name, PositiveCount, Text
 
-NonNegativeMs = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-NonNegativeBytes = Annotated[int, Field(ge=0)]
+__all__ = ["Device", "LayerCost", "Layer", "Profile", "NonNegativeMs", "LAYER_KINDS", "DTYPES",
+           "SCHEMA_VERSIONS", "V2_COST_FIELDS", "TP_COLLECTIVES"]
+
+
+# Finite ranges (pipeplan.formats.limits): 0..1e9 ms, 0..2**53 bytes, no booleans or strings.
+NonNegativeMs = Ms
+NonNegativeBytes = Bytes
+
+#: Training dtypes a profile may name (bytes per element: 8, 4, 2 or 1).
+DTYPES = ("fp64", "float64", "fp32", "float32", "tf32", "bf16", "bfloat16", "fp16", "float16")
 
 #: Profile versions this pipeplan reads; it writes 2 only where a version-2 field is set.
 SCHEMA_VERSIONS = (1, 2)
@@ -41,7 +48,7 @@ class _Strict(BaseModel):
 class Device(_Strict):
     """Where the profile was measured."""
 
-    name: str = Field(min_length=1, description="Device name, e.g. 'NVIDIA H200' or 'cpu'.")
+    name: Name = Field(description="Device name, e.g. 'NVIDIA H200' or 'cpu'.")
     memory_bytes: Optional[NonNegativeBytes] = Field(
         default=None, description="Device memory, if known."
     )
@@ -50,7 +57,7 @@ class Device(_Strict):
 class LayerCost(_Strict):
     """One layer's cost at one micro-batch size."""
 
-    microbatch_size: int = Field(gt=0, description="Samples per micro-batch.")
+    microbatch_size: PositiveCount = Field(description="Samples per micro-batch.")
     forward_ms: NonNegativeMs = Field(description="Forward time of one micro-batch.")
     backward_ms: NonNegativeMs = Field(description="Whole backward time of one micro-batch.")
     activation_bytes: NonNegativeBytes = Field(
@@ -156,7 +163,7 @@ V2_COST_FIELDS = tuple(
 class Layer(_Strict):
     """One partitionable unit: a module of the model, or a node of an imported graph."""
 
-    name: str = Field(min_length=1, description="Unique; the module's dotted name for torch models.")
+    name: Name = Field(description="Unique; the module's dotted name for torch models; plain text.")
     param_bytes: NonNegativeBytes = Field(description="Bytes of the layer's parameters (unsharded: degree 1).")
     costs: list[LayerCost] = Field(
         min_length=1,
@@ -165,7 +172,7 @@ class Layer(_Strict):
     kind: Optional[Literal["embedding", "block", "norm", "head", "other"]] = Field(
         default=None, description="The layer's role, for launchers that name layers by role."
     )
-    description: Optional[str] = Field(default=None, description="Free text, e.g. the module's repr.")
+    description: Optional[Text] = Field(default=None, description="Free text, e.g. the module's repr.")
 
     @model_validator(mode="after")
     def _one_cost_per_size(self) -> "Layer":
@@ -221,13 +228,13 @@ class Profile(_Strict):
         description="Format version: 2 where a cost entry sets a version-2 field (tensor_parallel, "
         "param_bytes, the tensor-parallel bytes, sequence_parallel, the selective fields), else 1."
     )
-    model: str = Field(min_length=1, description="Model name.")
+    model: Name = Field(description="Model name.")
     source: Literal["measured", "analytic", "imported"] = Field(description="How the numbers were obtained.")
     device: Device
-    dtype: str = Field(min_length=1, description="Training dtype: fp32, bf16, fp16.")
-    sequence_length: Optional[int] = Field(default=None, gt=0, description="Tokens per sample, for LMs.")
+    dtype: Literal[DTYPES] = Field(description="Training dtype: fp32, bf16, fp16, ...")
+    sequence_length: Optional[PositiveCount] = Field(default=None, description="Tokens per sample, for LMs.")
     layers: list[Layer] = Field(min_length=1)
-    edges: Optional[list[tuple[str, str]]] = Field(
+    edges: Optional[list[tuple[Name, Name]]] = Field(
         default=None,
         description="[src, dst] pairs; absent means a chain in list order.",
     )
@@ -277,7 +284,13 @@ class Profile(_Strict):
                     f"{what}; every degree needs the same sizes, and degree 1 (what the pipeline planner "
                     f"reads) must be present"
                 )
+        first_edge: dict[tuple[str, str], int] = {}
         for index, (src, dst) in enumerate(self.edges or ()):
+            if (src, dst) in first_edge:
+                raise ValueError(
+                    f"edges[{index}]: [{src!r}, {dst!r}] repeats edges[{first_edge[src, dst]}]; list each edge once"
+                )
+            first_edge[src, dst] = index
             for end in (src, dst):
                 if end not in seen:
                     raise ValueError(f"edges[{index}]: unknown layer {end!r}")
@@ -286,6 +299,13 @@ class Profile(_Strict):
                 raise ValueError(
                     f"edges[{index}]: [{src!r}, {dst!r}] goes backwards in the layer list "
                     f"({kind}); list layers in a topological order"
+                )
+        for size in sizes:
+            costs = [layer.cost_at(size) for layer in self.layers]
+            if not any(c.forward_ms > 0 or c.backward_ms > 0 for c in costs):
+                raise ValueError(
+                    f"layers: every forward_ms and backward_ms at micro-batch size {size} is 0; a profile "
+                    f"needs some time to plan (a layer with no cost can share a stage with one that has)"
                 )
         return self
 
@@ -302,7 +322,7 @@ class Profile(_Strict):
     @property
     def dtype_bytes(self) -> int:
         """Bytes per element of the training dtype (for counting parameters)."""
-        return {"fp32": 4, "float32": 4, "tf32": 4, "fp64": 8}.get(self.dtype, 2)
+        return {"fp32": 4, "float32": 4, "tf32": 4, "fp64": 8, "float64": 8}.get(self.dtype, 2)
 
     def edge_list(self) -> list[tuple[str, str]]:
         """The edges, with the implicit chain made explicit."""

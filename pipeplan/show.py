@@ -95,6 +95,6 @@ def comparison_table(rows, title: str, memory_cap_bytes: int | None = None) -> T
 
 def simulation_from_plan(plan: Plan):
     """Re-simulate a plan's schedule from its own numbers (for the timeline)."""
-    from pipeplan.plan.planner import plan_simulation
+    from pipeplan.plan import plan_simulation
 
     return plan_simulation(plan)

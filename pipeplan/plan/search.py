@@ -18,7 +18,9 @@ Search
 - Recomputation (``--recompute auto``): stages are ranked by the micro-batches they hold in
   flight (the early stages first); the candidates are prefixes of that ranking: none, the
   fewest stages that make the split fit the cap, a few more while that still shortens the
-  slowest stage, and the fewest with which no rank can exceed the cap (see below).
+  slowest stage, and the fewest with which no rank can exceed the cap (see below). Where the
+  profile gives the selective-recomputation fields, the same prefixes are tried with
+  ``selective`` as well as ``full`` recomputation.
 - Each configuration is simulated once (``O(p m v)``, up to ~80 ms at 16 ranks), not once
   per candidate split: the partitioner picks the split, the simulator checks it.
 - Branch and bound: a rank cannot finish sooner than its own work, so ``m`` times its
@@ -184,7 +186,8 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
     See the module docstring. Feasibility is taken to be monotone in the prefix length
     (more recomputation, less memory); the stages that hold one micro-batch come last,
     where recomputing saves nothing. Where the profile gives the selective fields the same
-    prefixes are tried with selective recomputation as well (cheaper, saves less).
+    prefixes are tried with selective recomputation as well (usually cheaper in time; it saves
+    most where the attention core's ``s^2`` tensors are kept, i.e. without flash attention).
     """
     p = settings.stages
     in_flight = stage_in_flight(schedule, p, m, v)

@@ -165,8 +165,8 @@ def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer,
         raise BadInputError(f"--optimizer: {optimizer!r} is not one of adam, sgd, none")
     if solver not in ("auto", "dp", "ilp"):
         raise BadInputError(f"--solver: {solver!r} is not one of auto, dp, ilp")
-    if recompute not in ("auto", "none", "all"):
-        raise BadInputError(f"--recompute: {recompute!r} is not one of auto, none, all")
+    if recompute not in ("auto", "none", "selective", "all"):
+        raise BadInputError(f"--recompute: {recompute!r} is not one of auto, none, selective, all")
     bandwidth_value = parse_bandwidth(bandwidth)
     return _settings(
         stages=stages,
@@ -192,7 +192,7 @@ _OPTIMIZER = typer.Option("adam", "--optimizer", help="adam (16 B/param), sgd (1
 _BANDWIDTH = typer.Option("25GB/s", "--bandwidth", help="Point-to-point bandwidth, e.g. 25GB/s; inf ignores transfers.")
 _SCHEDULE = typer.Option("auto", "--schedule", help="auto, gpipe, 1f1b, interleaved, zb, zbv or dualpipev.")
 _VIRTUAL = typer.Option(None, "--virtual-stages", "-v", help="Stages per rank (interleaved/zero-bubble); default: search.")
-_RECOMPUTE = typer.Option("auto", "--recompute", help="Activation recomputation: auto, none or all.")
+_RECOMPUTE = typer.Option("auto", "--recompute", help="Activation recomputation: auto, none, selective (the attention core; analytic profiles) or all.")
 _SOLVER = typer.Option("auto", "--solver", help="auto, dp (chain / ideal-lattice DP) or ilp (PuLP + HiGHS).")
 _ACTION_OVERHEAD = typer.Option(
     None, "--action-overhead-ms",

@@ -199,11 +199,17 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
         notes.append(
             f"Megatron-LM runs {runs} with this split; the plan's numbers are for {plan.schedule}"
         )
-    if any(s.recompute for s in shape.stages):
+    full = [s.index for s in shape.stages if s.recompute and s.recompute_granularity != "selective"]
+    selective = [s.index for s in shape.stages if s.recompute and s.recompute_granularity == "selective"]
+    if full:
         notes.append(
-            "the plan recomputes activations on stages "
-            f"{[s.index for s in shape.stages if s.recompute]}: see --recompute-granularity full "
+            f"the plan recomputes activations on stages {full}: see --recompute-granularity full "
             "with --recompute-num-layers (Megatron-LM applies it per rank)"
+        )
+    if selective:
+        notes.append(
+            f"the plan recomputes the attention core on stages {selective}: --recompute-granularity "
+            "selective (Megatron-LM applies it to every layer)"
         )
     if shape.virtual_stages > 1:
         notes.append(

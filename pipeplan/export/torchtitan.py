@@ -99,8 +99,9 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None) -> st
     recompute = [s.index for s in shape.stages if s.recompute]
     if recompute:
         lines.append(
-            f"# The plan recomputes activations on stages {recompute}; torchtitan's "
-            f"[activation_checkpoint] mode applies to every stage."
+            f"# The plan recomputes activations on stages {recompute}"
+            + (" (selective: the attention core)" if any(s.recompute_granularity == "selective" for s in shape.stages) else "")
+            + "; torchtitan's [activation_checkpoint] mode applies to every stage."
         )
     lines += ["", "[parallelism]", f"pipeline_parallel_degree = {shape.num_ranks}"]
     # With a CSV, torchtitan still reads the schedule name to place stages (loop or V).

@@ -13,7 +13,9 @@ import pytest
 
 from pipeplan.errors import BadInputError
 from pipeplan.export import export_plan, run_export
+from pipeplan.export.common import TORCH_SCHEDULE_NAME
 from pipeplan.export.megatron import expand_layout, megatron_layout
+from pipeplan.export.torchtitan import TORCHTITAN_NAME, schedule_csv
 from pipeplan.formats.io import dump_model, write_text_atomic
 
 from test_export_fixtures import (
@@ -336,10 +338,27 @@ def test_shipped_baselines_export_to_every_launcher(baseline, tmp_path):
     profile_path = find_profile(baseline, plan, REPO / "profiles")
     profile = load_profile(profile_path)
     sha = file_sha256(profile_path)
-    files = export_plan(plan, profile, "torchtitan", profile_sha256=sha, stem=str(tmp_path / "t"),
-                        with_schedule_csv=True)
-    toml = tomllib.loads(files[".toml"])
-    assert toml["parallelism"]["module_fqns_per_model_part"] == [s.layers for s in sorted(plan.stages, key=lambda s: s.index)]
+    from pipeplan.export.torchtitan import torchtitan_module_names
+
+    try:
+        names = torchtitan_module_names(profile)
+    except BadInputError:  # not a decoder torchtitan has (convnet): the export must refuse it
+        with pytest.raises(BadInputError, match="torchtitan"):
+            export_plan(plan, profile, "torchtitan", profile_sha256=sha)
+        names = None
+    if names is not None:
+        files = export_plan(plan, profile, "torchtitan", profile_sha256=sha, stem=str(tmp_path / "t"),
+                            with_schedule_csv=True)
+        toml = tomllib.loads(files[".toml"])
+        # torchtitan's module names (tok_embeddings, layers.N, norm, output), never the profile's own
+        assert toml["parallelism"]["module_fqns_per_model_part"] == [
+            [names[n] for n in s.layers if names[n]] for s in sorted(plan.stages, key=lambda s: s.index)]
+        assert all(TORCHTITAN_NAME.fullmatch(n) for part in toml["parallelism"]["module_fqns_per_model_part"]
+                   for n in part)
+    else:
+        files = export_plan(plan, None, "torch", profile_sha256=sha)
+        toml = {"parallelism": {"pipeline_parallel_schedule": TORCH_SCHEDULE_NAME[plan.schedule]}}
+        files[".schedule.csv"] = schedule_csv(plan)
     torch = pytest.importorskip("torch")
     from torch.distributed.pipelining import schedules as S
 

@@ -23,7 +23,7 @@ from pipeplan.errors import BadInputError
 from pipeplan.export.common import check_profile_matches, header_lines, pipeline_shape
 from pipeplan.formats.plan import Plan
 
-__all__ = ["export_megatron", "megatron_layout", "expand_layout"]
+__all__ = ["export_megatron", "megatron_layout", "expand_layout", "interleaved_refusal"]
 
 
 def _compress_stage(symbols: list[str]) -> str:
@@ -56,6 +56,33 @@ def _compress_layout(stage_strings: list[str]) -> str:
             parts.append(stage_strings[i] + "|")
         i = j
     return "".join(parts)
+
+
+def interleaved_refusal(num_ranks: int, num_microbatches: int, group_size: int | None = None) -> str | None:
+    """Why Megatron's interleaved schedule refuses ``num_microbatches``, or None if it runs.
+
+    megatron-core's ``forward_backward_pipelining_with_interleaving`` raises unless the group of
+    contiguous micro-batches per virtual stage ``N`` (``--microbatch-group-size-per-virtual-
+    pipeline-stage``, default ``p``) lies in ``[p, M]`` and ``M % N`` is 0 or at least ``p``.
+
+    Examples
+    --------
+    >>> interleaved_refusal(4, 8) is None
+    True
+    >>> interleaved_refusal(4, 6)[:30]
+    'The remainder of M (the total '
+    """
+    p, m = num_ranks, num_microbatches
+    n = p if group_size is None else group_size
+    if n > m or n < p:
+        return (f"The number of contiguous micro-batches in a virtual pipeline stage should range in "
+                f"[PP={p}, M={m}] (N = {n})")
+    remainder = m % n
+    if 0 < remainder < p:
+        return (f"The remainder of M (the total micro-batches, {m}) divided by N (contiguous micro-batches "
+                f"in a virtual pipeline stage, {n}) should be 0, or larger than or equal to the "
+                f"pipeline-parallel size ({p}), but it is {remainder}")
+    return None
 
 
 def expand_layout(layout: str) -> list[str]:
@@ -206,6 +233,15 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
             "with --recompute-num-layers (Megatron-LM applies it per rank)"
         )
     if shape.virtual_stages > 1:
+        why = interleaved_refusal(shape.num_ranks, plan.num_microbatches)
+        if why is not None:
+            good = next(k for k in range(plan.num_microbatches, 2 * plan.num_microbatches + shape.num_ranks)
+                        if interleaved_refusal(shape.num_ranks, k) is None)
+            raise BadInputError(
+                f"plan: Megatron-LM's interleaved schedule refuses {plan.num_microbatches} micro-batches on "
+                f"{shape.num_ranks} ranks ({why}): re-plan with a global batch of {good} x the micro-batch size "
+                f"(or any micro-batch count it accepts), or with --schedule 1f1b"
+            )
         notes.append(
             f"the layout sets {shape.virtual_stages} virtual stages per rank; Megatron-LM refuses "
             f"--num-virtual-stages-per-pipeline-rank beside it"

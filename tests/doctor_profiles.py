@@ -1,8 +1,9 @@
 """Analytic decoder profiles for the doctor tests (no tests here).
 
 Times from FLOPs at a fixed throughput, activation bytes from Korthikanti et al. (2022,
-"Reducing Activation Recomputation in Large Transformer Models": s*b*h*(34 + 5*a*s/h) bytes per
-layer in 16-bit, no recomputation, tensor-parallel 1), transfers of s*b*h 16-bit values. The
+"Reducing Activation Recomputation in Large Transformer Models": 34*s*b*h bytes per layer in
+16-bit at tensor-parallel 1, with the 5*a*s^2*b attention term gone because flash attention keeps
+no score matrix), transfers of s*b*h 16-bit values. The
 layers carry torchtitan's names and their ``kind``, so every launcher's units map onto them.
 """
 
@@ -29,7 +30,7 @@ def decoder_profile(num_layers: int, hidden: int, heads: int, seq: int, vocab: i
                 "activation_bytes": int(activation_bytes * b), "output_bytes": int(output_bytes * b)}
 
     tokens = seq
-    act_block = seq * hidden * (34 + 5 * heads * seq / hidden)
+    act_block = 34 * seq * hidden
     out = 2 * seq * hidden
     layers = [{"name": "tok_embeddings", "kind": "embedding", "param_bytes": 2 * vocab * hidden,
                "costs": [cost(b, 2 * tokens * hidden, out, out) for b in sizes]}]

@@ -92,11 +92,16 @@ def _layout_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:
                      "deepspeed": "PipelineModule partition (parts / partition_method)"}[config.launcher]
     lost = [u for u in layout.all_units if u not in counts]
     if lost:
-        trained = len(layout.all_units) - len(lost)
+        # Count transformer layers where the launcher has them apart from embedding and loss.
+        special = ("embedding", "loss", "mtp", "tok_embeddings", "norm", "output")
+        layers = [u for u in layout.all_units if u not in special] if config.launcher != "deepspeed" \
+            else list(layout.all_units)
+        lost_layers = [u for u in lost if u in layers]
+        what = "transformer layers" if config.launcher != "deepspeed" else "PipelineModule layers"
         out.append(Finding(
             "layers-lost", "error", split_setting,
-            f"{len(lost)} of {len(layout.all_units)} units are on no stage ({_ranges(lost)}): only {trained} "
-            f"are trained" + (" (what Megatron-LM versions without the divisibility checks built)"
+            f"{len(lost_layers)} of {len(layers)} {what} are on no stage ({_ranges(lost)}): only "
+            f"{len(layers) - len(lost_layers)} are trained" + (" (what Megatron-LM versions without the divisibility checks built)"
                               if config.launcher == "megatron" else ""),
             "use the layout of pipeplan's plan (--fix writes it)"))
     repeated = [u for u, c in counts.items() if c > 1]

@@ -62,6 +62,8 @@ def _world_size(command: list[str], scalars: dict[str, str]) -> int | None:
 
 def _launch_command(script) -> tuple[list[str], list[str]]:
     """(words before the training script, Megatron arguments) of the command that trains."""
+    if script.commands and all(words[0].startswith("--") for _, words in script.commands):
+        return [], [w for _, words in script.commands for w in words]  # a plain argument list
     best = None
     for _, words in script.commands:
         if any(w in ("--num-layers", "--pipeline-model-parallel-size") or w.startswith("--num-layers=")
@@ -227,7 +229,7 @@ def _expand(path: str, layout: str) -> list[str]:
         except Exception as exc:  # megatron-core raises AssertionError/ValueError on bad strings
             raise BadInputError(f"{path}: --pipeline-model-parallel-layout: {layout!r}: {exc}") from None
         symbols = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
-        return ["".join(symbols.get(str(x).lower(), "?") for x in stage) for stage in parsed]
+        return ["".join(symbols.get(getattr(x, "name", str(x)).lower(), "?") for x in stage) for stage in parsed]
     text = layout.replace(",", "").replace(" ", "")
     text = re.sub(r"\(([^()]*)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
     text = re.sub(r"([A-Za-z])\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)

@@ -105,8 +105,12 @@ def _check_with_torchtitan(path: str) -> None:
         from torchtitan.config import ConfigManager
     except Exception:  # not installed, or a torchtitan without the TOML config
         return
+    import contextlib
+    import io
+
     try:
-        ConfigManager().parse_args(["--job.config_file", path])
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            ConfigManager().parse_args(["--job.config_file", path])
     except ValueError as exc:
         first = str(exc).splitlines()[0]
         if "Invalid field names" in first and "pipeline_parallel_split_points" in first and first.count("'") == 2:

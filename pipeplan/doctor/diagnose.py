@@ -50,6 +50,8 @@ class Diagnosis:
     stage_layers: list[list[str]] = field(default_factory=list)
     """Profile layer names of each stage of the config's layout."""
     notes: list[str] = field(default_factory=list)
+    memory_checked: bool = True
+    """Whether peaks were checked against a cap (not with t > 1 or ZeRO: issue 13)."""
 
     @property
     def exit_code(self) -> int:
@@ -236,8 +238,12 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
                                      recompute=config.recompute == "full", profile_sha256=profile_sha256)
             result.findings += _cost_findings(config, result.plan, settings)
     refuse = (lambda schedule, p, m, v: launcher_refusal(config.launcher, schedule, p, m, v))
+    memory_checked = settings.memory_cap_bytes is not None
+    # Without a memory check, dropping recomputation always looks faster: keep the user's.
+    recompute = ("none", "all") if memory_checked else (("all",) if config.recompute == "full" else ("none",))
     result.best, skipped = best_plan(profile, settings, LAUNCHERS[config.launcher], refuse=refuse,
-                                     profile_sha256=profile_sha256)
+                                     recompute_options=recompute, profile_sha256=profile_sha256)
+    result.memory_checked = memory_checked
     result.notes += [f"not considered ({config.launcher} refuses it): {note}" for note in skipped[:3]]
     result.findings += _gap_findings(result)
     return result
@@ -318,7 +324,8 @@ def _gap_findings(result: Diagnosis) -> list[Finding]:
                         f"{len(best.stages)} stages, {best.num_microbatches} x {best.microbatch_size}, predicted "
                         f"{best.predicted.iteration_ms:.6g} ms per iteration", "--fix writes it")]
     speedup = result.speedup
-    severity = "warning" if speedup >= GAP_WARNING else "info"
+    # A gap found without checking memory may not fit: report it, do not flag it.
+    severity = "warning" if speedup >= GAP_WARNING and result.memory_checked else "info"
     return [Finding("gap-to-best", severity, _split_setting(config),
                     f"pipeplan's plan is predicted {speedup:.2f}x faster "
                     f"({best.predicted.iteration_ms:.6g} vs {result.plan.predicted.iteration_ms:.6g} ms): "

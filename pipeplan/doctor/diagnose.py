@@ -225,7 +225,7 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
     if layout.stages:
         positions = stage_positions(profile, [s.units for s in layout.stages], mapping)
         result.stage_layers = [[profile.layers[i].name for i in pos] for pos in positions]
-        costable = all(positions) and not any(f.code in ("refused", "schedule-refuses", "layers-duplicated")
+        costable = all(positions) and not any(f.code in ("refused", "schedule-refuses", "layers-duplicated", "layers-lost")
                                               for f in result.findings)
         if config.microbatch_size not in profile.microbatch_sizes:
             result.notes.append(f"micro-batch size {config.microbatch_size} was not profiled "

@@ -85,11 +85,13 @@ def partition_balanced(weights: list[float], num_parts: int) -> list[int]:
 
 def _deepspeed_partitioners():
     """DeepSpeed's own partition functions where it imports, else the restatements."""
-    try:
-        import logging
+    import contextlib
+    import io
 
-        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-        from deepspeed.runtime.utils import partition_balanced as balanced, partition_uniform as uniform
+    try:
+        # DeepSpeed logs its accelerator choice to stdout at import; doctor's stdout is its report.
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            from deepspeed.runtime.utils import partition_balanced as balanced, partition_uniform as uniform
         return uniform, balanced, "deepspeed.runtime.utils"
     except Exception:  # not installed, or it fails to import (no accelerator)
         return partition_uniform, partition_balanced, "pipeplan's restatement"

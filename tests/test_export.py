@@ -385,3 +385,57 @@ def test_shipped_baselines_export_to_every_launcher(baseline, tmp_path):
             return
         layout = Layout(flags["--pipeline-model-parallel-layout"], p)
         layout.validate_layer_layout(int(flags["--num-layers"]), None)
+
+
+# --------------------------------------------------------------------------- the documented snippets
+
+
+def test_documented_torch_snippet_builds_every_schedule_with_one_stage_per_rank():
+    """docs/launchers.md's schedule line: multi-stage classes get a list even at one stage per rank."""
+    import re
+
+    torch = pytest.importorskip("torch")
+    from torch.distributed.pipelining import schedules as S
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "launchers.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "get_schedule_class" in b)
+    line = block[block.index("schedule_class = get_schedule_class"):]
+    for schedule, p, v, m in [("zb", 2, 1, 4), ("1f1b", 2, 1, 4), ("gpipe", 2, 1, 3), ("interleaved", 2, 2, 4)]:
+        _, plan = _case_plan(schedule, p, v, m)
+        exported = json.loads(export_plan(plan, None, "torch")[".json"])
+        stages = [_fake_stage(p, p * v, 0, s) for s, r in enumerate(exported["stage_to_rank"]) if r == 0]
+        namespace = {"exported": exported, "stages": stages, "loss_fn": torch.nn.MSELoss(),
+                     "get_schedule_class": S.get_schedule_class, "PipelineScheduleMulti": S.PipelineScheduleMulti}
+        exec(line, namespace)
+        assert type(namespace["schedule"]).__name__ == exported["schedule_class"]
+
+
+def test_torchtitan_export_maps_profile_names_or_refuses(tmp_path):
+    from pipeplan.formats.profile import Profile
+
+    profile = llama_like_profile(4)
+    data = profile.model_dump()
+    rename = {"tok_embeddings": "embed", "output": "head"}
+    for layer in data["layers"]:
+        layer["name"] = rename.get(layer["name"], layer["name"].replace("layers.", "blocks."))
+    ours = Profile.model_validate(data)
+    plan = hand_plan(ours, [3, 4], "1f1b", 2, 1, 1, 4)
+    with pytest.raises(BadInputError, match="not torchtitan module names"):
+        export_plan(plan, None, "torchtitan")
+    toml = tomllib.loads(export_plan(plan, ours, "torchtitan")[".toml"])
+    assert toml["parallelism"]["module_fqns_per_model_part"] == [
+        ["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]
+    for layer in data["layers"]:
+        layer["kind"] = "other" if layer["kind"] == "embedding" else layer["kind"]
+    with pytest.raises(BadInputError, match="cannot name these layers for torchtitan"):
+        export_plan(plan, Profile.model_validate(data), "torchtitan")
+
+
+@pytest.mark.parametrize("m,refused", [(2, True), (4, False), (6, True), (8, False)])
+def test_megatron_export_refuses_interleaved_counts_megatron_refuses(m, refused):
+    profile, plan = _case_plan("interleaved", 4, 2, m, blocks=3 * 8 + 1)
+    if refused:
+        with pytest.raises(BadInputError, match="interleaved schedule refuses"):
+            export_plan(plan, profile, "megatron")
+    else:
+        assert "--pipeline-model-parallel-layout" in export_plan(plan, profile, "megatron")[".sh"]

@@ -244,7 +244,9 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
     result.best, skipped = best_plan(profile, settings, LAUNCHERS[config.launcher], refuse=refuse,
                                      recompute_options=recompute, profile_sha256=profile_sha256)
     result.memory_checked = memory_checked
-    result.notes += [f"not considered ({config.launcher} refuses it): {note}" for note in skipped[:3]]
+    if skipped:
+        result.notes.append(f"{len(skipped)} schedule / micro-batch combination(s) left out of the best plan because "
+                            f"{config.launcher} refuses them, e.g. {skipped[0]}")
     result.findings += _gap_findings(result)
     return result
 
@@ -324,6 +326,10 @@ def _gap_findings(result: Diagnosis) -> list[Finding]:
                         f"{len(best.stages)} stages, {best.num_microbatches} x {best.microbatch_size}, predicted "
                         f"{best.predicted.iteration_ms:.6g} ms per iteration", "--fix writes it")]
     speedup = result.speedup
+    if speedup <= 1 + 1e-3:
+        return [Finding("gap-to-best", "info", "",
+                        f"the config is as fast as pipeplan's best plan for these ranks "
+                        f"({result.plan.predicted.iteration_ms:.6g} ms per iteration)")]
     # A gap found without checking memory may not fit: report it, do not flag it.
     severity = "warning" if speedup >= GAP_WARNING and result.memory_checked else "info"
     return [Finding("gap-to-best", severity, _split_setting(config),

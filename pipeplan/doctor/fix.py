@@ -261,17 +261,41 @@ def _torchtitan(config: LauncherConfig, text: str, plan: Plan, profile) -> str:
     return text
 
 
+def _json_set(text: str, key: str, value: int, after: str) -> str:
+    """Set a top-level number in a JSON text in place (or add it after the ``after`` key's line)."""
+    pattern = re.compile(rf'("{re.escape(key)}"\s*:\s*)(-?\d+|"[^"]*")')
+    if pattern.search(text):
+        return pattern.sub(lambda m: m.group(1) + str(value), text, count=1)
+    m = re.search(rf'^([ \t]*)"{re.escape(after)}"\s*:[^\n]*$', text, re.M)
+    if m is None:
+        return text
+    line = m.group(0)
+    comma = "" if line.rstrip().endswith(",") else ","
+    return text[:m.start()] + line.rstrip() + comma + "\n" + f'{m.group(1)}"{key}": {value}' \
+        + ("," if comma == "" else "") + text[m.end():]
+
+
 def _deepspeed(config: LauncherConfig, text: str, plan: Plan, output: str) -> dict[str, str]:
     from pipeplan.export.deepspeed import export_deepspeed
 
     data = json.loads(text)
-    data["train_micro_batch_size_per_gpu"] = plan.microbatch_size
-    data["gradient_accumulation_steps"] = plan.num_microbatches
+    wanted = dict(data)
+    wanted["train_micro_batch_size_per_gpu"] = plan.microbatch_size
+    wanted["gradient_accumulation_steps"] = plan.num_microbatches
     if "train_batch_size" in data and config.data_degree:
-        data["train_batch_size"] = plan.microbatch_size * plan.num_microbatches * config.data_degree
-    indent = 4 if re.search(r"\n {4}\"", text) and not re.search(r"\n {2}\"", text) else 2
+        wanted["train_batch_size"] = plan.microbatch_size * plan.num_microbatches * config.data_degree
+    edited = text
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        if key in wanted:
+            edited = _json_set(edited, key, wanted[key], "train_micro_batch_size_per_gpu")
+    try:
+        ok = json.loads(edited) == wanted
+    except json.JSONDecodeError:
+        ok = False
+    if not ok:  # an unusual layout: re-serialise rather than risk a wrong edit
+        edited = json.dumps(wanted, indent=2) + "\n"
     parts_path = str(Path(output).with_suffix("")) + ".parts.json"
-    return {output: json.dumps(data, indent=indent) + "\n", parts_path: export_deepspeed(plan)}
+    return {output: edited, parts_path: export_deepspeed(plan)}
 
 
 def fix_config(config: LauncherConfig, text: str, plan: Plan, profile, output: str) -> dict[str, str]:

@@ -219,8 +219,12 @@ def _layout_stage_count(path: str, layout: str) -> int:
 
 def _expand(path: str, layout: str) -> list[str]:
     """Stage strings of a layout, as megatron-core's ``parse_str_to_list`` expands them."""
+    import warnings
+
     try:
-        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
+            from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
     except ImportError:
         PipelineParallelLayerLayout = None
     if PipelineParallelLayerLayout is not None:
@@ -340,6 +344,11 @@ def megatron_layout_of(config: LauncherConfig) -> Layout:
                "use --pipeline-model-parallel-layout, or a per-rank layer count divisible by the virtual stages")
     if "--num-layers-per-virtual-pipeline-stage" in s and first is None and last is None:
         chunk = int(s["--num-layers-per-virtual-pipeline-stage"])
+        if per_rank[0] % chunk and v > 1 and not any(pr.setting.startswith("--num-layers-per-virtual") for pr in problems):
+            refuse(config.setting("--num-layers-per-virtual-pipeline-stage"),
+                   f"the {per_rank[0]} layers per rank are not divisible by {chunk} layers per virtual stage; "
+                   f"current Megatron-LM refuses to start",
+                   "use --pipeline-model-parallel-layout, or a divisor of the layers per rank")
         per_chunk = [[chunk] * v for _ in range(p)]
     else:
         per_chunk = [[n // v] * v for n in per_rank]

@@ -19,7 +19,7 @@ from pipeplan.export import export_plan
 from pipeplan.formats.plan import PlanSettings
 
 from doctor_profiles import decoder_profile, llama3_8b, write_profile
-from test_export_fixtures import even_split, hand_plan, llama_like_profile
+from test_export_fixtures import hand_plan, llama_like_profile
 
 DATA = Path(__file__).parent / "data" / "doctor"
 GIB = 2**30

@@ -14,6 +14,7 @@ from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import PlanSettings
 
 from doctor_profiles import llama3_8b, llama3_70b, write_profile
+from test_export_fixtures import torchtitan_config_manager
 
 tomllib = pytest.importorskip("tomllib")
 
@@ -27,29 +28,10 @@ def _doctor(name, profile, tmp_path, settings=SETTINGS, path=None, **kw):
     return doctor_file("torchtitan", path or DATA / name, prof, settings, **kw)
 
 
-def _config_manager():
-    """torchtitan's ConfigManager, loaded without torchtitan/__init__ (its model registry pulls triton)."""
-    pytest.importorskip("tyro")
-    import importlib.util
-
-    if "torchtitan" not in sys.modules:
-        spec = importlib.util.find_spec("torchtitan")
-        if spec is None or not spec.submodule_search_locations:
-            pytest.skip("torchtitan not installed")
-        package = types.ModuleType("torchtitan")
-        package.__path__ = list(spec.submodule_search_locations)
-        sys.modules["torchtitan"] = package
-    try:
-        from torchtitan.config import ConfigManager
-    except ImportError as exc:
-        pytest.skip(f"torchtitan's ConfigManager is not importable: {exc}")
-    return ConfigManager
-
-
 def _torchtitan_generator():
     """torchtitan's own generate_llm_fqn_per_model_part (its module imports torch and the model code)."""
     pytest.importorskip("torch")
-    _config_manager()
+    torchtitan_config_manager()
     kernels = "torchtitan.models.moe.kernels"
     if kernels not in sys.modules:
         # It imports triton at import time (no GPU, no triton here); nothing doctor calls uses it.
@@ -79,7 +61,7 @@ def test_generated_stages_are_torchtitans(stages, layers, first, last):
 @pytest.mark.parametrize("name", ["torchtitan_llama3_8b_pp4.toml", "torchtitan_llama3_70b_interleaved.toml",
                                   "torchtitan_issue775_microbatches_lt_pp.toml", "torchtitan_profile_names.toml"])
 def test_test_configs_are_valid_torchtitan_configs(name):
-    config = _config_manager()().parse_args(["--job.config_file", str(DATA / name)])
+    config = torchtitan_config_manager()().parse_args(["--job.config_file", str(DATA / name)])
     assert config.parallelism.pipeline_parallel_degree == 4
 
 
@@ -147,7 +129,7 @@ def test_first_and_last_stage_over_memory(tmp_path):
 ])
 def test_bad_toml_names_the_file_and_setting(tmp_path, edit, setting):
     if setting == "ConfigManager":
-        _config_manager()
+        torchtitan_config_manager()
     path = tmp_path / "bad.toml"
     path.write_text((DATA / "torchtitan_llama3_8b_pp4.toml").read_text().replace(*edit))
     with pytest.raises(BadInputError) as info:
@@ -175,6 +157,6 @@ def test_fix_round_trips_keeps_other_settings_and_torchtitan_accepts_it(tmp_path
     assert [s.rank for s in layout.stages] == [s.rank for s in sorted(best.stages, key=lambda s: s.index)]
     assert (config.schedule, config.microbatch_size) == (best.schedule, best.microbatch_size)
     assert (DATA / name).read_text().split("[parallelism]")[0] == out.read_text().split("[parallelism]")[0]
-    _config_manager()().parse_args(["--job.config_file", str(out)])
+    torchtitan_config_manager()().parse_args(["--job.config_file", str(out)])
     again, _, _ = doctor_file("torchtitan", out, tmp_path / "profile.json", SETTINGS)
     assert again.exit_code == 0 and again.speedup == pytest.approx(1.0, abs=1e-6)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +17,7 @@ from pipeplan.export.torchtitan import TORCHTITAN_NAME, schedule_csv
 from pipeplan.formats.io import dump_model, write_text_atomic
 
 from test_export_fixtures import (
-    SCHEDULE_CASES, even_split, hand_plan, llama_like_profile, profile_bytes, profile_sha,
+    SCHEDULE_CASES, even_split, hand_plan, llama_like_profile, profile_bytes, profile_sha, torchtitan_config_manager,
 )
 
 tomllib = pytest.importorskip("tomllib")
@@ -46,25 +44,6 @@ def test_torchtitan_toml_keys(schedule, p, v, m):
     assert par["pipeline_parallel_microbatch_size"] == 2
     assert config["training"]["local_batch_size"] // par["pipeline_parallel_microbatch_size"] == m
     assert "pipeline_parallel_schedule_csv" not in par
-
-
-def _torchtitan_config_manager():
-    """torchtitan's real ConfigManager, loaded without torchtitan/__init__ (which pulls tokenizers)."""
-    pytest.importorskip("tyro")
-    import importlib.util
-
-    if "torchtitan" not in sys.modules:
-        spec = importlib.util.find_spec("torchtitan")
-        if spec is None or not spec.submodule_search_locations:
-            pytest.skip("torchtitan not installed")
-        package = types.ModuleType("torchtitan")
-        package.__path__ = list(spec.submodule_search_locations)
-        sys.modules["torchtitan"] = package
-    try:
-        from torchtitan.config import ConfigManager
-    except ImportError as exc:  # a torchtitan without the TOML config (>= 0.3)
-        pytest.skip(f"torchtitan's TOML ConfigManager is not importable: {exc}")
-    return ConfigManager
 
 
 def _fake_stage(p, num_stages, rank, index):
@@ -96,7 +75,7 @@ def test_torchtitan_accepted_by_torchtitan_and_torch(tmp_path, schedule, p, v, m
     assert list(files) == [".toml", ".schedule.csv"]
     for suffix, text in files.items():
         write_text_atomic(stem + suffix, text)
-    ConfigManager = _torchtitan_config_manager()
+    ConfigManager = torchtitan_config_manager()
     config = ConfigManager().parse_args(["--job.config_file", stem + ".toml"])
     par = config.parallelism
     assert par.module_fqns_per_model_part == [s.layers for s in plan.stages]

@@ -65,7 +65,7 @@ def read_config(launcher: str, path: str | Path, profile, options: DoctorOptions
         config = parse_megatron(path, text, variables=dict(options.variables), world_size=options.world_size)
         return config, megatron_layout_of(config)
     if launcher == "torchtitan":
-        from pipeplan.doctor.torchtitan import _load_toml, parse_torchtitan, torchtitan_layout_of
+        from pipeplan.doctor.torchtitan import load_toml, parse_torchtitan, torchtitan_layout_of
         from pipeplan.doctor.units import unit_positions
 
         blocks = sum(layer.kind == "block" for layer in profile.layers)
@@ -73,7 +73,7 @@ def read_config(launcher: str, path: str | Path, profile, options: DoctorOptions
         if config.num_layers is None:
             config = parse_torchtitan(path, text, num_layers=blocks, validate_with_torchtitan=False)
         units, _ = unit_positions("torchtitan", profile, config.num_layers)
-        raw = _load_toml(path, text).get("parallelism", {}).get("module_fqns_per_model_part")
+        raw = load_toml(path, text).get("parallelism", {}).get("module_fqns_per_model_part")
         return config, torchtitan_layout_of(config, units, raw)
     from pipeplan.doctor.deepspeed import deepspeed_layout_of, parse_deepspeed
 

@@ -19,7 +19,6 @@ import re
 from pipeplan.doctor.config import LauncherConfig, Layout, LayoutStage, Problem
 from pipeplan.doctor.shell import read_script
 from pipeplan.errors import BadInputError
-from pipeplan.export.megatron import interleaved_refusal
 
 __all__ = ["parse_megatron", "megatron_layout_of", "MEGATRON_INT_FLAGS"]
 

@@ -17,7 +17,7 @@ import math
 from pipeplan.doctor.config import LauncherConfig, Layout, LayoutStage, Problem
 from pipeplan.errors import BadInputError
 
-__all__ = ["parse_torchtitan", "torchtitan_layout_of", "TORCHTITAN_SCHEDULES", "llm_fqns_per_stage",
+__all__ = ["parse_torchtitan", "torchtitan_layout_of", "load_toml", "TORCHTITAN_SCHEDULES", "llm_fqns_per_stage",
            "model_layer_count"]
 
 #: torchtitan schedule name (torch's ``get_schedule_class`` names) to pipeplan's.
@@ -55,7 +55,8 @@ _TYPES = {
 }
 
 
-def _load_toml(path: str, text: str) -> dict:
+def load_toml(path: str, text: str) -> dict:
+    """The TOML as a dict; invalid TOML is a BadInputError naming the file."""
     try:
         import tomllib
     except ImportError:  # Python 3.10
@@ -147,7 +148,7 @@ def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
         Invalid TOML, a key of the wrong type, an unknown schedule, or a file torchtitan's
         ConfigManager refuses; each names the file and the key.
     """
-    data = _load_toml(path, text)
+    data = load_toml(path, text)
     for (section, key) in _TYPES:
         _get(path, data, section, key)
     if validate_with_torchtitan:

@@ -106,7 +106,7 @@ def test_torchtitan_accepted_by_torchtitan_and_torch(tmp_path, schedule, p, v, m
 
 
 def test_torchtitan_csv_rows_are_rank_actions():
-    from pipeplan.plan.schedules import rank_actions
+    from pipeplan.plan.actions import rank_actions
 
     _, plan = _case_plan("zb", 2, 2, 4)
     csv = export_plan(plan, None, "torchtitan", with_schedule_csv=True)[".schedule.csv"]

@@ -253,7 +253,7 @@ def test_report_measures_the_schedules_own_time_per_action_and_calibrate_keeps_i
     assert calibrated.measurement["action_overhead_ms"] == pytest.approx(pooled, abs=1e-4)
     # The next plan made from the calibrated profile counts it before every action.
     from pipeplan.formats.plan import PlanSettings
-    from pipeplan.plan.planner import make_plan
+    from pipeplan.plan import make_plan
 
     again = make_plan(calibrated, PlanSettings(stages=2, global_batch=8, microbatch_size=2, schedule="1f1b"),
                       profile_sha256="0" * 64)
@@ -294,6 +294,11 @@ def test_cli_calibrate_and_run_errors(tmp_path):
     profile = _profile()
     plan = balanced_plan(profile, schedule="1f1b", ranks=2, microbatch_size=2, num_microbatches=4)
     write_json_atomic(tmp_path / "profile.json", profile)
+    from pipeplan.formats.io import file_sha256
+
+    # calibrate checks that the profile is the one the plan was made from.
+    plan = plan.model_copy(update={"profile": plan.profile.model_copy(
+        update={"sha256": file_sha256(tmp_path / "profile.json")})})
     write_json_atomic(tmp_path / "plan.json", plan)
     report = build_report(plan, _results(plan, forward_scale=2.0), profile_path=str(tmp_path / "profile.json"))
     write_text_atomic(tmp_path / "report.json", json.dumps(report))

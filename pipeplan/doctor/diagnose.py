@@ -66,7 +66,7 @@ class Diagnosis:
 
 def launcher_refusal(launcher: str, schedule: str, p: int, m: int, v: int, group_size: int | None = None) -> str | None:
     """Why ``launcher`` refuses ``schedule`` with ``m`` micro-batches on ``p`` ranks x ``v``, or None."""
-    from pipeplan.plan.schedules import check_schedule
+    from pipeplan.plan import check_schedule
 
     if launcher == "megatron":
         if schedule == "interleaved":

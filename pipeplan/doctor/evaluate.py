@@ -1,16 +1,15 @@
 """doctor's one door into the planner: cost a given split, and find the best plan a launcher can run.
 
 Both go through the planner's own cost model and simulator, so a launcher config and a pipeplan
-plan are compared like for like. Until the planner's ``pipeplan.api.plan_split`` (issue 11)
-lands, the given split is costed with today's public pieces (``evaluate_split`` and
-``plan_from_partition``), the way ``pipeplan compare`` costs its baselines.
+plan are compared like for like: the given split through ``pipeplan.api.plan_split``, the best
+plan through ``make_plan`` with the schedule, stages per rank, micro-batch size and
+recomputation the launcher can express.
 
 Everything here is at the pipeline level: one data-parallel replica at tensor-parallel size 1.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from pipeplan.errors import BadInputError, InfeasibleError
@@ -28,9 +27,10 @@ def cost_split(profile, settings: PlanSettings, stage_layers: list[list[int]], *
     ----------
     profile : Profile
     settings : PlanSettings
-        Memory cap, optimizer, bandwidth, ranks (``stages``) and global batch (one replica's).
+        Memory cap, optimizer, bandwidth and ranks (``stages``).
     stage_layers : list of list of int
-        Profile layer positions of each stage, pipeline order (virtual-stage-major); none empty.
+        Profile layer positions of each stage, pipeline order (virtual-stage-major); none empty,
+        each a run of consecutive positions.
     schedule : str
     virtual_stages, microbatch_size, num_microbatches : int
     recompute : bool
@@ -40,33 +40,21 @@ def cost_split(profile, settings: PlanSettings, stage_layers: list[list[int]], *
     Raises
     ------
     BadInputError
-        The micro-batch size was not profiled, or the schedule refuses the numbers.
+        The micro-batch size was not profiled, the schedule refuses the numbers, or a stage's
+        layers are not consecutive in the profile.
     """
-    from pipeplan.plan.graph import build_layer_graph
-    from pipeplan.plan.memory import stage_in_flight, static_bytes_per_param_byte
-    from pipeplan.plan.partition import PartitionProblem, evaluate_split
-    from pipeplan.plan.planner import plan_from_partition, with_profile_defaults
+    from pipeplan.api import plan_split
 
-    settings = with_profile_defaults(profile, settings)
-    p = settings.stages
-    graph = build_layer_graph(profile, microbatch_size)
-    in_flight = stage_in_flight(schedule, p, num_microbatches, virtual_stages)
-    problem = PartitionProblem(
-        graph=graph,
-        num_stages=len(stage_layers),
-        in_flight=tuple(in_flight),
-        recompute=(recompute,) * len(stage_layers),
-        bandwidth_bytes_per_s=math.inf if settings.bandwidth_bytes_per_s is None else settings.bandwidth_bytes_per_s,
-        static_bytes_per_param_byte=static_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes),
-        memory_cap_bytes=math.inf if settings.memory_cap_bytes is None else float(settings.memory_cap_bytes),
-        action_overhead_ms=settings.action_overhead_ms or 0.0,
-    )
-    try:
-        partition = evaluate_split(problem, stage_layers)
-    except ValueError as exc:
-        raise BadInputError(f"the launcher's split cannot be costed: {exc}") from None
-    return plan_from_partition(profile, settings, graph, problem, partition, schedule, microbatch_size,
-                               num_microbatches, profile_sha256, 0.0, virtual_stages=virtual_stages)
+    start = 0
+    for s, positions in enumerate(stage_layers):
+        if list(positions) != list(range(start, start + len(positions))):
+            raise BadInputError(f"stage {s}: its layers are not the next run of the profile's layers; "
+                                f"the launcher's split cannot be costed as a pipeline")
+        start += len(positions)
+    given = settings.model_copy(update={
+        "schedule": schedule, "virtual_stages": virtual_stages, "microbatch_size": microbatch_size,
+        "global_batch": microbatch_size * num_microbatches, "recompute": "all" if recompute else "none"})
+    return plan_split(profile, given, [len(p) for p in stage_layers], profile_sha256=profile_sha256)
 
 
 def best_plan(profile, settings: PlanSettings, schedules: tuple[str, ...], *, recompute_options=("none", "all"),
@@ -96,8 +84,7 @@ def best_plan(profile, settings: PlanSettings, schedules: tuple[str, ...], *, re
     One planner call per (schedule, micro-batch size, recompute): the planner is exact for a
     fixed schedule, so the best of these calls is the best plan the launcher can run.
     """
-    from pipeplan.plan.planner import candidate_microbatch_sizes, make_plan
-    from pipeplan.plan.schedules import valid_virtual_stages
+    from pipeplan.plan import candidate_microbatch_sizes, make_plan, valid_virtual_stages
 
     best, notes = None, []
     p = settings.stages

@@ -93,10 +93,11 @@ def schedule_csv(plan: Plan) -> str:
 
     Notes
     -----
-    The order is :func:`pipeplan.plan.schedules.rank_actions`, the one the simulator predicted;
+    The order is :func:`pipeplan.plan.actions.rank_actions`, the one the simulator predicted;
     ``_PipelineScheduleRuntime._load_csv(path, format="compute_only")`` reads it. O(p m v).
     """
-    from pipeplan.plan.schedules import SCHEDULES, rank_actions
+    from pipeplan.plan.actions import rank_actions
+    from pipeplan.plan.schedules import SCHEDULES
 
     if plan.schedule not in SCHEDULES:
         raise BadInputError(

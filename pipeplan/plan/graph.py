@@ -7,6 +7,7 @@ chain of *ideals* (down-closed node sets) and a boundary carries every tensor th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import networkx as nx
 import numpy as np
@@ -50,7 +51,7 @@ class LayerGraph:
     def num_layers(self) -> int:
         return len(self.names)
 
-    @property
+    @cached_property
     def compute_ms(self) -> np.ndarray:
         """Forward plus backward time of each layer."""
         return self.forward_ms + self.backward_ms

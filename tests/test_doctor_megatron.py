@@ -268,3 +268,29 @@ def test_fix_round_trips_and_keeps_other_settings(tmp_path, name, profile):
     assert [line for line in fixed.splitlines() if line in kept] == kept
     again, _, _ = doctor_file("megatron", out, tmp_path / "profile.json", SETTINGS)
     assert again.exit_code == 0 and again.speedup == pytest.approx(1.0, abs=1e-6)
+
+
+# ------------------------------------------------------------------------ the planner, told the launcher
+
+
+def test_planner_does_not_pick_interleaved_counts_megatron_refuses():
+    """PlanSettings.launcher = megatron: no interleaved plan with a micro-batch count Megatron refuses."""
+    from pipeplan.api import plan_profile  # noqa: F401  (the public API the CLI calls)
+    from pipeplan.plan import make_plan
+
+    profile = llama3_8b(sizes=(1, 2))
+    base = PlanSettings(stages=4, global_batch=6, schedule="interleaved", virtual_stages=2, microbatch_size=1,
+                        memory_cap_bytes=None, recompute="none")
+    free = make_plan(profile, base, profile_sha256="0" * 64)  # torch's class runs 6 micro-batches
+    assert free.num_microbatches == 6 and interleaved_refusal(4, 6) is not None
+    with pytest.raises(BadInputError, match="launcher megatron: its interleaved schedule refuses 6"):
+        make_plan(profile, base.model_copy(update={"launcher": "megatron"}), profile_sha256="0" * 64)
+    auto = base.model_copy(update={"launcher": "megatron", "schedule": "auto", "virtual_stages": None,
+                                   "microbatch_size": None, "global_batch": 12})
+    plan = make_plan(profile, auto, profile_sha256="0" * 64)
+    assert plan.schedule in ("1f1b", "interleaved")
+    assert plan.schedule == "1f1b" or interleaved_refusal(4, plan.num_microbatches) is None
+    refused = [a for a in plan.alternatives if a.reason.startswith("refused") and "launcher megatron" in a.reason]
+    assert refused  # 12 / 2 = 6 micro-batches were on offer and refused
+    with pytest.raises(BadInputError, match="deepspeed runs 1f1b"):
+        make_plan(profile, base.model_copy(update={"launcher": "deepspeed"}), profile_sha256="0" * 64)

@@ -13,12 +13,10 @@ from dataclasses import dataclass, field
 
 __all__ = ["LauncherConfig", "LayoutStage", "Layout", "Problem", "LAUNCHERS"]
 
+from pipeplan.plan.schedules import LAUNCHER_SCHEDULES
+
 #: Launchers doctor reads, and the pipeplan schedules each can run.
-LAUNCHERS = {
-    "megatron": ("1f1b", "interleaved"),
-    "torchtitan": ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"),
-    "deepspeed": ("1f1b",),
-}
+LAUNCHERS = LAUNCHER_SCHEDULES
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,7 @@ def _schedule_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:
 
 
 def _settings_for(config: LauncherConfig, base: PlanSettings) -> PlanSettings:
-    return base.model_copy(update={"stages": config.pipeline_degree,
+    return base.model_copy(update={"stages": config.pipeline_degree, "launcher": config.launcher,
                                    "global_batch": config.samples_per_replica})
 
 

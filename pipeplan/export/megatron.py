@@ -22,6 +22,7 @@ import shlex
 from pipeplan.errors import BadInputError
 from pipeplan.export.common import check_profile_matches, header_lines, pipeline_shape
 from pipeplan.formats.plan import Plan
+from pipeplan.plan.schedules import megatron_interleaved_refusal as interleaved_refusal
 
 __all__ = ["export_megatron", "megatron_layout", "expand_layout", "interleaved_refusal"]
 
@@ -56,33 +57,6 @@ def _compress_layout(stage_strings: list[str]) -> str:
             parts.append(stage_strings[i] + "|")
         i = j
     return "".join(parts)
-
-
-def interleaved_refusal(num_ranks: int, num_microbatches: int, group_size: int | None = None) -> str | None:
-    """Why Megatron's interleaved schedule refuses ``num_microbatches``, or None if it runs.
-
-    megatron-core's ``forward_backward_pipelining_with_interleaving`` raises unless the group of
-    contiguous micro-batches per virtual stage ``N`` (``--microbatch-group-size-per-virtual-
-    pipeline-stage``, default ``p``) lies in ``[p, M]`` and ``M % N`` is 0 or at least ``p``.
-
-    Examples
-    --------
-    >>> interleaved_refusal(4, 8) is None
-    True
-    >>> interleaved_refusal(4, 6)[:30]
-    'The remainder of M (the total '
-    """
-    p, m = num_ranks, num_microbatches
-    n = p if group_size is None else group_size
-    if n > m or n < p:
-        return (f"The number of contiguous micro-batches in a virtual pipeline stage should range in "
-                f"[PP={p}, M={m}] (N = {n})")
-    remainder = m % n
-    if 0 < remainder < p:
-        return (f"The remainder of M (the total micro-batches, {m}) divided by N (contiguous micro-batches "
-                f"in a virtual pipeline stage, {n}) should be 0, or larger than or equal to the "
-                f"pipeline-parallel size ({p}), but it is {remainder}")
-    return None
 
 
 def expand_layout(layout: str) -> list[str]:

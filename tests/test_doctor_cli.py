@@ -90,3 +90,23 @@ def test_unparseable_script_as_a_subprocess(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert str(script) in proc.stderr and "unterminated" in proc.stderr
+
+
+REPO = Path(__file__).resolve().parents[1]
+ANALYTIC = REPO / "profiles" / "transformer32-analytic.json"
+
+
+@pytest.mark.parametrize("page,args", [
+    ("doctor-megatron.md", ["megatron", "docs/examples/doctor/train_llama_pp4.sh"]),
+    ("doctor-torchtitan.md", ["torchtitan", "docs/examples/doctor/llama_pp4.toml"]),
+    ("doctor-deepspeed.md", ["deepspeed", "docs/examples/doctor/ds_config.json", "--world-size", "4",
+                             "--num-stages", "4", "--partition-method", "uniform"]),
+])
+def test_worked_examples_in_the_docs_are_what_doctor_prints(monkeypatch, page, args):
+    if not ANALYTIC.exists():
+        pytest.skip("the shipped analytic profile is absent")
+    monkeypatch.chdir(REPO)
+    result = runner.invoke(app, ["doctor", *args, "--profile", str(ANALYTIC.relative_to(REPO))])
+    assert result.exit_code in (0, 1), result.output
+    text = (REPO / "docs" / page).read_text()
+    assert result.output.rstrip() in text, f"docs/{page} is out of date: rerun its worked example"

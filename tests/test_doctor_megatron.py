@@ -294,3 +294,46 @@ def test_planner_does_not_pick_interleaved_counts_megatron_refuses():
     assert refused  # 12 / 2 = 6 micro-batches were on offer and refused
     with pytest.raises(BadInputError, match="deepspeed runs 1f1b"):
         make_plan(profile, base.model_copy(update={"launcher": "deepspeed"}), profile_sha256="0" * 64)
+
+
+# ------------------------------------------------------------------------ script edits, by property
+
+_STYLES = ("array", "continuation", "variable", "inline")
+
+
+def _script(style: str, mbs: int, gbs: int, vp: int | None) -> str:
+    flags = [("--num-layers", "24"), ("--pipeline-model-parallel-size", "4"), ("--micro-batch-size", str(mbs)),
+             ("--global-batch-size", str(gbs)), ("--hidden-size", "1024")]
+    if vp:
+        flags.append(("--num-layers-per-virtual-pipeline-stage", str(vp)))
+    if style == "array":
+        body = "\n".join(f"    {f} {v}  # {f[2:]}" for f, v in flags)
+        return f"ARGS=(\n{body}\n)\ntorchrun --nproc_per_node 4 pretrain_gpt.py ${{ARGS[@]}} --bf16\n"
+    if style == "continuation":
+        body = " \\\n".join(f"    {f} {v}" for f, v in flags)
+        return f"torchrun --nproc_per_node 4 pretrain_gpt.py \\\n{body} \\\n    --bf16\n"
+    if style == "variable":
+        names = {f: f[2:].upper().replace("-", "_") for f, _ in flags}
+        head = "".join(f"{names[f]}={v}\n" for f, v in flags)
+        return head + "torchrun pretrain_gpt.py " + " ".join(f'{f} "${{{names[f]}}}"' for f, _ in flags) + "\n"
+    return "torchrun pretrain_gpt.py " + " ".join(f"{f}={v}" for f, v in flags) + " --bf16\n"
+
+
+@settings(max_examples=40, deadline=None)
+@given(style=st.sampled_from(_STYLES), mbs=st.integers(1, 8), gbs=st.integers(1, 64), vp=st.sampled_from([None, 1, 2, 3]),
+       new_mbs=st.integers(1, 16), layout=st.sampled_from(["Et*6|t*6|t*6|t*6L", "Et*2|(t*3|)*6,t*4L"]))
+def test_fix_edits_are_what_megatron_reads(style, mbs, gbs, vp, new_mbs, layout):
+    from pipeplan.doctor.fix import edit_flag
+
+    text = _script(style, mbs, gbs, vp)
+    anchors = ("--pipeline-model-parallel-size",)
+    edited = edit_flag(text, "--num-layers-per-virtual-pipeline-stage", None)
+    edited = edit_flag(edited, "--micro-batch-size", str(new_mbs), after=anchors)
+    edited = edit_flag(edited, "--pipeline-model-parallel-layout", layout, after=anchors)
+    before, after = parse_megatron("a.sh", text), parse_megatron("b.sh", edited)
+    assert after.microbatch_size == new_mbs
+    assert after.settings["--pipeline-model-parallel-layout"] == layout
+    assert "--num-layers-per-virtual-pipeline-stage" not in after.settings
+    for flag in ("--num-layers", "--pipeline-model-parallel-size", "--global-batch-size", "--hidden-size"):
+        assert after.settings.get(flag) == before.settings.get(flag)
+    assert not megatron_layout_of(after).problems

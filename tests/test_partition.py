@@ -105,7 +105,7 @@ def dag_problems(draw, max_layers=7):
     bandwidth = draw(st.sampled_from([math.inf, 1000.0]))
     cap = draw(st.sampled_from([math.inf, 150.0, 90.0]))
     # Recomputing stages keep only their input (docs/partitioning.md): the DAG solvers model it too.
-    recompute = tuple(draw(st.lists(st.booleans(), min_size=k, max_size=k))) if draw(st.booleans()) else ()
+    recompute = tuple(draw(st.lists(st.booleans(), min_size=k, max_size=k)))
     graph = make_graph(compute, sorted(edges), acts=acts, out=out)
     return PartitionProblem(
         graph=graph, num_stages=k, in_flight=tuple(range(k, 0, -1)), recompute=recompute,
@@ -152,7 +152,7 @@ def test_the_dag_examples_cover_recomputation():
     # The brute-force comparisons above must see recomputing stages on DAGs, not only chains.
     seen = []
 
-    @settings(max_examples=60, deadline=None, database=None)
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True)
     @given(dag_problems())
     def sample(problem):
         seen.append(problem.any_recompute and not problem.graph.chain)

@@ -93,8 +93,7 @@ class PlanSettings(_Strict):
                     "always writes it (null included); one without it, from before 25 GB/s became "
                     "the default, means null."
     )
-    schedule: Literal["auto", "gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"] = Field(
-        default="auto", description="Requested schedule, or 'auto' to search.")
+    schedule: Literal[("auto", *SCHEDULES)] = Field(default="auto", description="Requested schedule, or 'auto' to search.")
     virtual_stages: Optional[PositiveCount] = Field(default=None, description="Requested stages per rank, or null to search.")
     recompute: Literal["auto", "none", "all"] = Field(
         default="auto", description="Activation recomputation: auto (searched), none, or all stages.")
@@ -212,7 +211,7 @@ class Plan(_Strict):
     schema_version: Literal[1]
     profile: PlanProfileRef
     settings: PlanSettings
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"]
+    schedule: Literal[SCHEDULES]
     virtual_stages: PositiveCount = Field(default=1, description="Stages per rank.")
     microbatch_size: PositiveCount
     num_microbatches: PositiveCount = Field(le=MAX_MICROBATCHES)

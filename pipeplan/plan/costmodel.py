@@ -31,8 +31,8 @@ are linear in the sums and in the boundary bytes, so the same code serves all th
 Adding a term
 -------------
 - A per-layer quantity (e.g. tensor-parallel collective bytes): a field of
-  :class:`pipeplan.plan.graph.LayerGraph` and of :data:`LayerSums.FIELDS`; every solver then
-  sums it.
+  :class:`pipeplan.plan.graph.LayerGraph` named in :data:`pipeplan.plan.graph.LAYER_ARRAYS`
+  and filled in ``build_layer_graph``; every solver then sums it.
 - A time or memory term: a method of :class:`CostModel` and one line in
   :meth:`CostModel.load_ms` (split-independent time), :meth:`CostModel.transfer_ms` (boundary
   time) or :meth:`CostModel.stage_memory_bytes`, plus a named field of :class:`StageTime` or
@@ -50,6 +50,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
+
+from pipeplan.plan.graph import LAYER_ARRAYS
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -120,11 +122,9 @@ class LayerSums:
     read.
     """
 
-    #: Per-layer arrays of :class:`pipeplan.plan.graph.LayerGraph` that stages add up.
-    FIELDS: ClassVar[tuple[str, ...]] = (
-        "forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms", "compute_ms",
-        "param_bytes", "activation_bytes",
-    )
+    #: Per-layer arrays of :class:`pipeplan.plan.graph.LayerGraph` that stages add up
+    #: (:data:`pipeplan.plan.graph.LAYER_ARRAYS`, and ``compute_ms``, forward plus backward).
+    FIELDS: ClassVar[tuple[str, ...]] = (*LAYER_ARRAYS, "compute_ms")
 
     __slots__ = ("_get", "_values")
 
@@ -197,6 +197,16 @@ class StageTime:
     total_ms: float
     """``compute_ms + recompute_ms + transfer_ms``: the stage time the solvers minimise."""
 
+    @property
+    def backward_action_ms(self) -> float:
+        """The whole backward as a schedule runs it: a recomputing stage's forward again first."""
+        return self.backward_ms + self.recompute_ms
+
+    @property
+    def backward_input_action_ms(self) -> float:
+        """The input-gradient pass (B) as a split schedule runs it, recompute first."""
+        return self.backward_input_ms + self.recompute_ms
+
 
 @dataclass(frozen=True)
 class StageMemory:
@@ -241,9 +251,9 @@ class StageBreakdown:
         t, m = self.time, self.memory
         return StageCost(
             forward_ms=t.forward_ms,
-            backward_input_ms=t.backward_input_ms + t.recompute_ms,
+            backward_input_ms=t.backward_input_action_ms,
             backward_weight_ms=t.backward_weight_ms,
-            full_backward_ms=t.backward_ms + t.recompute_ms,
+            full_backward_ms=t.backward_action_ms,
             send_ms=0.0 if self.last else t.send_ms,
             static_memory_bytes=int(math.ceil(m.state_bytes) + math.ceil(m.recompute_bytes)),
             activation_bytes=int(math.ceil(m.kept_bytes)),

@@ -14,7 +14,13 @@ import numpy as np
 
 from pipeplan.errors import BadInputError
 
-__all__ = ["LayerGraph", "build_layer_graph", "is_chain", "reorder"]
+__all__ = ["LAYER_ARRAYS", "LayerGraph", "build_layer_graph", "is_chain", "reorder"]
+
+#: The per-layer arrays of a :class:`LayerGraph`, each indexed by layer position. A stage's
+#: sums (:class:`pipeplan.plan.costmodel.LayerSums`) add these up, and :func:`reorder` permutes
+#: them, so a new per-layer quantity is one field here and one line in :func:`build_layer_graph`.
+LAYER_ARRAYS = ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms", "param_bytes",
+                "activation_bytes", "output_bytes")
 
 
 @dataclass(frozen=True)
@@ -143,14 +149,8 @@ def reorder(graph: LayerGraph, order) -> LayerGraph:
     pick = np.array(order)
     return LayerGraph(
         names=tuple(graph.names[i] for i in order),
-        forward_ms=graph.forward_ms[pick],
-        backward_ms=graph.backward_ms[pick],
-        backward_input_ms=graph.backward_input_ms[pick],
-        backward_weight_ms=graph.backward_weight_ms[pick],
         backward_split_measured=graph.backward_split_measured,
-        param_bytes=graph.param_bytes[pick],
-        activation_bytes=graph.activation_bytes[pick],
-        output_bytes=graph.output_bytes[pick],
         graph=edges,
         chain=is_chain(edges, len(order)),
+        **{name: getattr(graph, name)[pick] for name in LAYER_ARRAYS},
     )

@@ -105,6 +105,11 @@ class PlanSettings(_Strict):
         description="The schedule's own time per compute action on a rank (posting transfers, "
                     "bookkeeping), outside compute; null means none. `pipeplan run` measures it.",
     )
+    launcher: Optional[Literal["megatron", "torchtitan", "deepspeed"]] = Field(
+        default=None,
+        description="The launcher the plan is for, or null for torch: the planner only picks schedules "
+                    "and micro-batch counts it runs (e.g. not the interleaved counts Megatron-LM refuses).",
+    )
 
     @model_serializer(mode="wrap")
     def _keep_null_bandwidth(self, handler) -> dict[str, Any]:

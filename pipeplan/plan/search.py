@@ -50,7 +50,8 @@ from pipeplan.plan.explain import explain_choice, infeasible_message, runners_up
 from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.memory import rank_peak_bytes, stage_in_flight
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, PartitionProblem, build_problem, stage_costs
-from pipeplan.plan.schedules import PLANNER_SCHEDULES, check_schedule, stage_ranks, valid_virtual_stages
+from pipeplan.plan.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
+                                     stage_ranks, valid_virtual_stages)
 from pipeplan.plan.simulate import StageCost, simulate
 from pipeplan.plan.solve import search_partition, solve_partition
 from pipeplan.quantities import format_bytes
@@ -144,6 +145,11 @@ def schedule_space(settings: PlanSettings, num_layers: int) -> list[tuple[str, i
         raise BadInputError(
             f"--schedule: {settings.schedule!r} is not a schedule; use auto or one of {', '.join(PLANNER_SCHEDULES)}"
         )
+    if settings.launcher is not None:
+        runs = LAUNCHER_SCHEDULES[settings.launcher]
+        if settings.schedule != "auto" and settings.schedule not in runs:
+            raise BadInputError(f"--schedule: {settings.launcher} runs {', '.join(runs)}, not {settings.schedule}")
+        schedules = tuple(s for s in schedules if s in runs)
     space = []
     for schedule in schedules:
         allowed = valid_virtual_stages(schedule)
@@ -401,6 +407,7 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
             m = settings.global_batch // b
             try:
                 check_schedule(schedule, p, m, v)
+                check_launcher(settings.launcher, schedule, p, m, v)
             except BadInputError as error:
                 refusals.append(str(error))
                 candidates.append(Candidate(schedule, v, b, m, ("none",) * (p * v), status="refused",

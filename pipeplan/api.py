@@ -54,7 +54,7 @@ def plan_split(profile, settings: PlanSettings, layers_per_stage: list[int], *,
     settings : PlanSettings
         ``schedule`` names a schedule (not ``auto``); ``virtual_stages`` defaults to the
         schedule's smallest; ``microbatch_size`` is required unless the profile has one size;
-        ``recompute`` is ``none`` or ``all`` (``auto`` is read as ``none``).
+        ``recompute`` is ``none``, ``selective`` or ``all`` (``auto`` is read as ``none``).
     layers_per_stage : list of int
         One count per stage, ``stages x virtual_stages`` of them, virtual stages in pipeline
         order; each at least 1, summing to the profile's unit count.
@@ -110,7 +110,8 @@ def plan_split(profile, settings: PlanSettings, layers_per_stage: list[int], *,
         raise BadInputError(f"microbatch_size: {b} does not divide the global batch {settings.global_batch}")
     stages = _stages_from_counts(layers_per_stage, len(profile.layers), settings.stages, v)
     settings = settings.model_copy(update={"virtual_stages": v, "microbatch_size": b,
-                                           "recompute": "all" if settings.recompute == "all" else "none"})
+                                           "recompute": settings.recompute if settings.recompute in ("all", "selective")
+                                           else "none"})
     from pipeplan.plan import plan_given_split
 
     return plan_given_split(profile, settings, build_layer_graph(profile, b), stages, schedule=settings.schedule,

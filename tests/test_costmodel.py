@@ -80,19 +80,34 @@ def reference_stage(profile, b, layers, in_bytes, out_bytes, in_flight, recomput
     per_byte = 2.0 if optimizer == "none" else BYTES_PER_PARAM[optimizer] / dtype_bytes
     ms_per_byte = 0.0 if bandwidth is None else 1000.0 / bandwidth
     full = recompute == "full"
-    time = f + whole + (f if full else 0.0) + (in_bytes + out_bytes) * ms_per_byte
-    memory = per_byte * params + (in_flight * in_bytes + acts if full else in_flight * acts)
+    if recompute == "selective":
+        # The attention core again before each layer's backward, one layer at a time: the
+        # largest core of the model is the working memory.
+        again = sum(c.selective_recompute_ms for c in costs)
+        kept = sum(c.selective_activation_bytes for c in costs)
+        working = reference_selective_working_bytes(profile, b)
+    else:
+        again = f if full else 0.0
+        kept = in_bytes if full else acts
+        working = acts if full else 0
+    time = f + whole + again + (in_bytes + out_bytes) * ms_per_byte
+    memory = per_byte * params + in_flight * kept + working
     return {
         "time_ms": time,
         "memory_bytes": memory,
         "forward_ms": f,
-        "backward_ms": whole + (f if full else 0.0),
-        "backward_input_ms": b_in + (f if full else 0.0),
+        "backward_ms": whole + again,
+        "backward_input_ms": b_in + again,
         "backward_weight_ms": b_w,
         "send_ms": out_bytes * ms_per_byte,
-        "static_bytes": math.ceil(per_byte * params) + (math.ceil(acts) if full else 0),
-        "kept_bytes": in_bytes if full else acts,
+        "static_bytes": math.ceil(per_byte * params) + math.ceil(working),
+        "kept_bytes": kept,
     }
+
+
+def reference_selective_working_bytes(profile, b):
+    return max(layer.cost_at(b).activation_bytes - layer.cost_at(b).selective_activation_bytes
+               for layer in profile.layers)
 
 
 # ------------------------------------------------------------------------------- the profiles
@@ -108,6 +123,7 @@ def cases(draw):
                        | {(u, v) for u, v in draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)),
                                                                max_size=n)) if u < v})
     split_backward = draw(st.booleans())
+    selective = draw(st.booleans())
     sizes = draw(st.sampled_from([(1,), (1, 2)]))
     layers = []
     for i in range(n):
@@ -119,15 +135,19 @@ def cases(draw):
             if split_backward:
                 entry["backward_input_ms"] = 0.75 * f * b
                 entry["backward_weight_ms"] = 1.5 * f * b
+            if selective:
+                entry["selective_activation_bytes"] = draw(st.integers(0, entry["activation_bytes"]))
+                entry["selective_recompute_ms"] = draw(st.sampled_from([0.0, 0.25])) * f * b
             entries.append(entry)
         layers.append({"name": f"l{i}", "param_bytes": draw(st.integers(0, 500)), "costs": entries})
-    data = {"schema_version": 1, "model": "random", "source": "analytic", "device": {"name": "t"},
+    data = {"schema_version": 2 if selective else 1, "model": "random", "source": "analytic", "device": {"name": "t"},
             "dtype": draw(st.sampled_from(["fp32", "bf16"])), "layers": layers}
     if not chain:
         data["edges"] = [[f"l{u}", f"l{v}"] for u, v in edges]
     profile = Profile.model_validate(data)
     k = draw(st.integers(1, min(3, n)))
-    recompute = tuple(draw(st.lists(st.sampled_from(["none", "full"]), min_size=k, max_size=k)))
+    modes = ["none", "selective", "full"] if selective else ["none", "full"]
+    recompute = tuple(draw(st.lists(st.sampled_from(modes), min_size=k, max_size=k)))
     bandwidth = draw(st.sampled_from([None, 1e5, 1e6]))
     optimizer = draw(st.sampled_from(["adam", "sgd", "none"]))
     b = draw(st.sampled_from(sizes))
@@ -139,8 +159,10 @@ def cases(draw):
 
 def problem_of(profile, k, recompute, bandwidth, optimizer, b, in_flight, cap=math.inf):
     graph = build_layer_graph(profile, b)
+    working = reference_selective_working_bytes(profile, b) if graph.selective_known else 0.0
     cost = CostModel(bandwidth_bytes_per_s=math.inf if bandwidth is None else bandwidth,
-                     static_bytes_per_param_byte=static_bytes_per_param_byte(optimizer, profile.dtype_bytes))
+                     static_bytes_per_param_byte=static_bytes_per_param_byte(optimizer, profile.dtype_bytes),
+                     selective_working_bytes=float(working))
     return PartitionProblem(graph=graph, num_stages=k, in_flight=in_flight, recompute=recompute, cost=cost,
                             memory_cap_bytes=cap)
 
@@ -265,6 +287,7 @@ def test_plans_and_their_files_cost_stages_as_the_reference(case, schedule):
         assert stage.backward_input_ms == pytest.approx(r["backward_input_ms"], abs=1e-6)
         assert stage.peak_memory_bytes == math.ceil(r["memory_bytes"])
         assert stage.recompute == (recompute[stage.index] != "none")
+        assert (stage.recompute_granularity == "selective") == (recompute[stage.index] == "selective")
     # The plan file simulated again from its own numbers: the same stage costs (to its rounding).
     direct = stage_costs(problem, evaluate_split(problem, split))
     for again, c in zip(plan_stage_costs(plan), direct):

@@ -134,14 +134,20 @@ class PlanSettings(_Strict):
     )
     schedule: Literal[("auto", *SCHEDULES)] = Field(default="auto", description="Requested schedule, or 'auto' to search.")
     virtual_stages: Optional[PositiveCount] = Field(default=None, description="Requested stages per rank, or null to search.")
-    recompute: Literal["auto", "none", "all", "selective"] = Field(
-        default="auto", description="Activation recomputation: auto (searched), none, or all stages; selective "
-                                    "(cluster plans of analytic profiles) recomputes the attention core, as Megatron does.")
+    recompute: Literal["auto", "none", "selective", "all"] = Field(
+        default="auto",
+        description="Activation recomputation: auto (searched: none, selective where the profile "
+                    "gives it, full, per stage), none, selective (every stage) or all (every stage, full).")
     solver: Literal["auto", "dp", "ilp"] = "auto"
     action_overhead_ms: Optional[Ms] = Field(
         default=None,
         description="The schedule's own time per compute action on a rank (posting transfers, "
                     "bookkeeping), outside compute; null means none. `pipeplan run` measures it.",
+    )
+    launcher: Optional[Literal["megatron", "torchtitan", "deepspeed"]] = Field(
+        default=None,
+        description="The launcher the plan is for, or null for torch: the planner only picks schedules "
+                    "and micro-batch counts it runs (e.g. not the interleaved counts Megatron-LM refuses).",
     )
     # --- schema_version 2: the cluster plan (all null for a pipeline-only plan) ---
     num_gpus: Optional[PositiveCount] = Field(
@@ -202,7 +208,16 @@ class PlanStage(_Strict):
     param_bytes: PlanBytes = Field(default=0, description="Bytes of the stage's parameters.")
     activation_bytes: PlanBytes = Field(default=0, description="Bytes kept for backward per micro-batch in flight.")
     in_flight: Count = Field(default=1, description="Micro-batches whose activations it holds at its peak.")
-    recompute: bool = Field(default=False, description="Keeps only its input and recomputes the forward.")
+    recompute: bool = Field(
+        default=False,
+        description="Recomputes in backward: its whole forward, keeping only its input, or with "
+                    "recompute_granularity selective each layer's attention core.")
+    recompute_granularity: Optional[Literal["full", "selective"]] = Field(
+        default=None,
+        description="With recompute: full (also when absent) or selective (Megatron's "
+                    "--recompute-granularity).")
+    selective_activation_bytes: Optional[PlanBytes] = Field(
+        default=None, description="Selective stages: bytes kept for backward per micro-batch in flight.")
     peak_memory_bytes: PlanBytes = Field(description="Predicted peak memory of the stage.")
     # --- schema_version 2 (cluster plans): the stage's share of its GPU's memory, by part ---
     weight_bytes: Optional[PlanBytes] = Field(default=None, description="Weights held (ZeRO 3: the shard and the gathered units).")

@@ -68,6 +68,9 @@ def plan_from_partition(profile, settings, problem: PartitionProblem, partition:
                 activation_bytes=int(graph.activation_bytes[layers].sum()),
                 in_flight=m.in_flight,
                 recompute=b.recompute != "none",
+                recompute_granularity="selective" if b.recompute == "selective" else None,
+                selective_activation_bytes=int(graph.selective_activation_bytes[layers].sum())
+                if b.recompute == "selective" else None,
                 peak_memory_bytes=int(math.ceil(m.peak_bytes)),
             )
         )
@@ -147,7 +150,7 @@ def plan_given_split(profile, settings, graph, stages, *, schedule: str, virtual
         raise BadInputError(f"{len(stages)} stages given for {p} ranks x {v} stages per rank; give {p * v}")
     in_flight = stage_in_flight(schedule, p, m, v)
     if recompute is None:
-        recompute = ("full" if settings.recompute == "all" else "none",) * (p * v)
+        recompute = ({"all": "full", "selective": "selective"}.get(settings.recompute, "none"),) * (p * v)
     problem = build_problem(profile, graph, settings, in_flight, recompute)
     try:
         partition = evaluate_split(problem, stages, method=method)

@@ -51,16 +51,23 @@ class Candidate:
 
 
 def recompute_text(recompute) -> str:
-    """``none``, ``all`` or the recomputing stages, e.g. ``stages 0-2,5``.
+    """``none``, ``all`` or the recomputing stages, e.g. ``stages 0-2,5``; selective
+    recomputation says so.
 
     Examples
     --------
     >>> recompute_text(("full", "full", "none", "full"))
     'stages 0-1,3'
+    >>> recompute_text(("selective", "none"))
+    'selective on stages 0'
     """
     chosen = [j for j, mode in enumerate(recompute) if mode != "none"]
     if not chosen:
         return "none"
+    if any(mode == "selective" for mode in recompute):
+        kinds = {mode for mode in recompute if mode != "none"}
+        plain = recompute_text(tuple("none" if mode == "none" else "full" for mode in recompute))
+        return ("selective on " if kinds == {"selective"} else "selective and full on ") + plain
     if len(chosen) == len(recompute):
         return "all"
     runs, start = [], chosen[0]

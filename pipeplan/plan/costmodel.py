@@ -8,13 +8,17 @@ and the run report's replay. A new term is added here, once.
 Terms, per micro-batch of one stage (``sums`` are its layers' profile entries added up)::
 
     compute_ms      = sum(forward_ms + backward_ms)
-    recompute_ms    = recompute rule (below): sum(forward_ms) for "full", 0 for "none"
+    recompute_ms    = recompute rule (below): sum(forward_ms) for "full",
+                      sum(selective_recompute_ms) for "selective", 0 for "none"
     transfer_ms     = (input-boundary bytes + output-boundary bytes) x ms_per_byte
     stage_time_ms   = compute_ms + recompute_ms + transfer_ms           (what the solvers minimise)
 
     state_bytes     = static_bytes_per_param_byte x param_bytes          (weights, grads, optimizer)
-    kept_bytes      = per micro-batch in flight: activation_bytes, or for "full" the stage's input
-    recompute_bytes = for "full", one micro-batch's activations while it recomputes; else 0
+    kept_bytes      = per micro-batch in flight: activation_bytes, for "full" the stage's input,
+                      for "selective" sum(selective_activation_bytes)
+    recompute_bytes = for "full", one micro-batch's activations while it recomputes; for
+                      "selective", one layer's rebuilt attention core (selective_working_bytes);
+                      else 0
     peak_bytes      = state_bytes + in_flight x kept_bytes + recompute_bytes
 
 The schedule's own time per action (``action_overhead_ms``) is a simulator term: the same for
@@ -69,8 +73,12 @@ __all__ = [
 ]
 
 #: What a stage keeps for its backward. ``none``: every activation, per micro-batch in flight.
+#: ``selective``: all but each layer's attention core (scores, softmax, dropout), recomputed from
+#: the kept Q, K and V just before that layer's backward (Megatron's
+#: ``--recompute-granularity selective``; Korthikanti et al. 2022); profiles give the bytes and
+#: the time (``selective_activation_bytes``, ``selective_recompute_ms``).
 #: ``full``: only its input; the forward runs again before the backward.
-RECOMPUTE_MODES = ("none", "full")
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 #: Bytes of training state per parameter. Adam with 16-bit weights: 2 (weights) + 2 (grads)
 #: + 4 (fp32 master) + 4 + 4 (moments) = 16; in fp32 it is 4 + 4 + 4 + 4 = 16 too.
@@ -276,9 +284,14 @@ class CostModel:
     """Weights, gradients and optimizer state per byte of parameters."""
     action_overhead_ms: float = 0.0
     """The schedule's own time per action (simulator only: the same for every stage)."""
+    selective_working_bytes: float = 0.0
+    """Under selective recomputation, the largest one layer's rebuilt attention core for one
+    micro-batch (layers are recomputed one at a time, just before their backward): the model's
+    largest ``activation_bytes - selective_activation_bytes``, a bound for every stage."""
 
     def __post_init__(self):
-        for name in ("bandwidth_bytes_per_s", "static_bytes_per_param_byte", "action_overhead_ms"):
+        for name in ("bandwidth_bytes_per_s", "static_bytes_per_param_byte", "action_overhead_ms",
+                     "selective_working_bytes"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
                 raise ValueError(f"CostModel.{name} = {value!r} must be a number >= 0")
@@ -286,15 +299,20 @@ class CostModel:
             raise ValueError("CostModel.bandwidth_bytes_per_s must be > 0 (inf ignores transfers)")
 
     @classmethod
-    def from_settings(cls, settings, dtype_bytes: int) -> "CostModel":
-        """The model of a :class:`pipeplan.formats.plan.PlanSettings` for a profile's dtype."""
+    def from_settings(cls, settings, dtype_bytes: int, graph=None) -> "CostModel":
+        """The model of a :class:`pipeplan.formats.plan.PlanSettings` for a profile's dtype
+        (and, for selective recomputation's working memory, the layer graph)."""
         bandwidth = settings.bandwidth_bytes_per_s
+        working = 0.0
+        if graph is not None and graph.selective_known and graph.num_layers:
+            working = float(max(0.0, (graph.activation_bytes - graph.selective_activation_bytes).max()))
         return cls(
             bandwidth_bytes_per_s=math.inf if bandwidth is None else float(bandwidth),
             # The training state's conventions and ZeRO's sharding over d: docs/cluster-model.md.
             static_bytes_per_param_byte=state_bytes_per_param_byte(
                 settings.optimizer, dtype_bytes, settings.zero_stage or 0, settings.data_parallel or 1),
             action_overhead_ms=float(settings.action_overhead_ms or 0.0),
+            selective_working_bytes=working,
         )
 
     @property
@@ -309,9 +327,12 @@ class CostModel:
     # -- time ------------------------------------------------------------------------------
 
     def recompute_ms(self, sums: LayerSums, mode: str):
-        """The recompute rule, time: a recomputing stage runs its forward again."""
+        """The recompute rule, time: a recomputing stage runs its forward (or, selective, each
+        layer's attention core) again."""
         if mode == "full":
             return sums.forward_ms
+        if mode == "selective":
+            return sums.selective_recompute_ms
         return 0.0
 
     def load_ms(self, sums: LayerSums, mode: str):
@@ -340,12 +361,17 @@ class CostModel:
         """The recompute rule, memory: what a stage keeps per micro-batch in flight."""
         if mode == "full":
             return in_bytes
+        if mode == "selective":
+            return sums.selective_activation_bytes
         return sums.activation_bytes
 
     def recompute_bytes(self, sums: LayerSums, mode: str):
-        """The recompute rule, working memory: one micro-batch's activations, rebuilt."""
+        """The recompute rule, working memory: one micro-batch's activations, rebuilt (for
+        selective: one layer's attention core)."""
         if mode == "full":
             return sums.activation_bytes
+        if mode == "selective":
+            return self.selective_working_bytes
         return 0.0
 
     def stage_memory_bytes(self, sums: LayerSums, in_bytes, in_flight, mode: str):
@@ -391,8 +417,11 @@ class CostModel:
         """
         from pipeplan.plan.simulate import StageCost
 
-        mode = "full" if stage.recompute else "none"
-        sums = LayerSums.of(forward_ms=stage.forward_ms, activation_bytes=stage.activation_bytes)
+        mode = ("selective" if stage.recompute_granularity == "selective" else "full") if stage.recompute else "none"
+        # A plan keeps a selective stage's kept bytes, not its recompute time (B includes it).
+        sums = LayerSums.of(forward_ms=stage.forward_ms, activation_bytes=stage.activation_bytes,
+                            selective_activation_bytes=stage.selective_activation_bytes or 0,
+                            selective_recompute_ms=0.0)
         recompute = self.recompute_ms(sums, mode)
         if stage.backward_input_ms is not None:
             b_input = stage.backward_input_ms

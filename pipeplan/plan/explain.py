@@ -78,10 +78,10 @@ def explain_choice(best: Candidate, sim: Simulation, candidates, settings, space
                     same[0].reason = (f"over the cap at every split: its smallest per-rank peak is "
                                       f"{format_bytes(need)}, {format_bytes(need - cap)} over")
                     same[0].over_bytes = int(need - cap)
-        notes.append(
-            f"recomputation on {recompute_text(best.recompute)} (they keep only their input per "
-            f"micro-batch in flight and run the forward again before the backward): {why}"
-        )
+        how = ("they keep all but each layer's attention core and recompute it before that layer's backward"
+               if "selective" in best.recompute else
+               "they keep only their input per micro-batch in flight and run the forward again before the backward")
+        notes.append(f"recomputation on {recompute_text(best.recompute)} ({how}): {why}")
     if SCHEDULE_INFO[best.schedule].split_backward and not graph.backward_split_measured:
         notes.append(
             f"{best.schedule} runs input and weight gradients apart, but the profile lacks "

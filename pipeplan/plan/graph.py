@@ -20,7 +20,7 @@ __all__ = ["LAYER_ARRAYS", "LayerGraph", "build_layer_graph", "is_chain", "reord
 #: sums (:class:`pipeplan.plan.costmodel.LayerSums`) add these up, and :func:`reorder` permutes
 #: them, so a new per-layer quantity is one field here and one line in :func:`build_layer_graph`.
 LAYER_ARRAYS = ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms", "param_bytes",
-                "activation_bytes", "output_bytes")
+                "activation_bytes", "output_bytes", "selective_activation_bytes", "selective_recompute_ms")
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,20 @@ class LayerGraph:
     """Edges between layer positions (ints)."""
     chain: bool
     """True when the graph is the path 0 -> 1 -> ... -> n-1."""
+    selective_activation_bytes: np.ndarray | None = None
+    """Bytes kept per micro-batch in flight under selective recomputation (the attention core
+    recomputed in backward). Default: ``activation_bytes`` (nothing to recompute)."""
+    selective_recompute_ms: np.ndarray | None = None
+    """Extra forward time of the selective recomputation per micro-batch. Default: 0."""
+    selective_known: bool = False
+    """Whether every layer's profile entry gave the selective fields (else ``selective`` is not
+    searched: it would save nothing)."""
+
+    def __post_init__(self):
+        if self.selective_activation_bytes is None:
+            object.__setattr__(self, "selective_activation_bytes", self.activation_bytes.copy())
+        if self.selective_recompute_ms is None:
+            object.__setattr__(self, "selective_recompute_ms", np.zeros_like(self.forward_ms))
 
     @property
     def num_layers(self) -> int:
@@ -117,6 +131,7 @@ def build_layer_graph(profile, microbatch_size: int) -> LayerGraph:
     else:
         b_input = backward * _ESTIMATED_INPUT_GRAD_SHARE
         b_weight = backward - b_input
+    selective = all(c.selective_activation_bytes is not None for c in costs)
     graph = nx.DiGraph()
     graph.add_nodes_from(range(len(profile.layers)))
     graph.add_edges_from((index[a], index[b]) for a, b in profile.edge_list())
@@ -133,6 +148,10 @@ def build_layer_graph(profile, microbatch_size: int) -> LayerGraph:
         output_bytes=np.array([c.output_bytes for c in costs], dtype=float),
         graph=graph,
         chain=is_chain(graph, n),
+        selective_activation_bytes=np.array([c.selective_activation_bytes for c in costs], dtype=float)
+        if selective else None,
+        selective_recompute_ms=np.array([c.selective_recompute_ms for c in costs], dtype=float) if selective else None,
+        selective_known=selective,
     )
 
 
@@ -152,5 +171,6 @@ def reorder(graph: LayerGraph, order) -> LayerGraph:
         backward_split_measured=graph.backward_split_measured,
         graph=edges,
         chain=is_chain(edges, len(order)),
+        selective_known=graph.selective_known,
         **{name: getattr(graph, name)[pick] for name in LAYER_ARRAYS},
     )

@@ -122,7 +122,7 @@ def build_problem(profile, graph: LayerGraph, settings, in_flight, recompute=(),
         num_stages=len(in_flight),
         in_flight=tuple(in_flight),
         recompute=tuple(recompute),
-        cost=CostModel.from_settings(settings, profile.dtype_bytes),
+        cost=CostModel.from_settings(settings, profile.dtype_bytes, graph),
         memory_cap_bytes=float(memory_cap_bytes),
     )
 

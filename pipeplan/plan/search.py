@@ -18,7 +18,9 @@ Search
 - Recomputation (``--recompute auto``): stages are ranked by the micro-batches they hold in
   flight (the early stages first); the candidates are prefixes of that ranking: none, the
   fewest stages that make the split fit the cap, a few more while that still shortens the
-  slowest stage, and the fewest with which no rank can exceed the cap (see below).
+  slowest stage, and the fewest with which no rank can exceed the cap (see below). Where the
+  profile gives the selective-recomputation fields, the same prefixes are tried with
+  ``selective`` as well as ``full`` recomputation.
 - Each configuration is simulated once (``O(p m v)``, up to ~80 ms at 16 ranks), not once
   per candidate split: the partitioner picks the split, the simulator checks it.
 - Branch and bound: a rank cannot finish sooner than its own work, so ``m`` times its
@@ -48,7 +50,8 @@ from pipeplan.plan.explain import explain_choice, infeasible_message, runners_up
 from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.memory import rank_peak_bytes, stage_in_flight
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, PartitionProblem, build_problem, stage_costs
-from pipeplan.plan.schedules import PLANNER_SCHEDULES, check_schedule, stage_ranks, valid_virtual_stages
+from pipeplan.plan.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
+                                     stage_ranks, valid_virtual_stages)
 from pipeplan.plan.simulate import StageCost, simulate
 from pipeplan.plan.solve import search_partition, solve_partition
 from pipeplan.quantities import format_bytes
@@ -142,6 +145,11 @@ def schedule_space(settings: PlanSettings, num_layers: int) -> list[tuple[str, i
         raise BadInputError(
             f"--schedule: {settings.schedule!r} is not a schedule; use auto or one of {', '.join(PLANNER_SCHEDULES)}"
         )
+    if settings.launcher is not None:
+        runs = LAUNCHER_SCHEDULES[settings.launcher]
+        if settings.schedule != "auto" and settings.schedule not in runs:
+            raise BadInputError(f"--schedule: {settings.launcher} runs {', '.join(runs)}, not {settings.schedule}")
+        schedules = tuple(s for s in schedules if s in runs)
     space = []
     for schedule in schedules:
         allowed = valid_virtual_stages(schedule)
@@ -172,10 +180,10 @@ def recompute_order(in_flight: tuple[int, ...]) -> list[int]:
     return sorted(range(len(in_flight)), key=lambda s: (-in_flight[s], s))
 
 
-def recompute_prefix(order: list[int], k: int, num_stages: int) -> tuple[str, ...]:
-    """The first ``k`` stages of ``order`` recompute in full, the others not at all."""
+def recompute_prefix(order: list[int], k: int, num_stages: int, mode: str = "full") -> tuple[str, ...]:
+    """The first ``k`` stages of ``order`` recompute (``mode``: full or selective), the others not at all."""
     chosen = set(order[:k])
-    return tuple("full" if s in chosen else "none" for s in range(num_stages))
+    return tuple(mode if s in chosen else "none" for s in range(num_stages))
 
 
 def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> list[tuple[tuple[str, ...], Partition | None]]:
@@ -183,7 +191,9 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
 
     See the module docstring. Feasibility is taken to be monotone in the prefix length
     (more recomputation, less memory); the stages that hold one micro-batch come last,
-    where recomputing saves nothing.
+    where recomputing saves nothing. Where the profile gives the selective fields the same
+    prefixes are tried with selective recomputation as well (usually cheaper in time; it saves
+    most where the attention core's ``s^2`` tensors are kept, i.e. without flash attention).
     """
     p = settings.stages
     in_flight = stage_in_flight(schedule, p, m, v)
@@ -203,6 +213,14 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
     if settings.recompute == "all":
         everything = ("full",) * num_stages
         return [(everything, solve(everything))]
+    if settings.recompute == "selective":
+        if not graph.selective_known:
+            raise BadInputError(
+                "--recompute selective: the profile has no selective_activation_bytes/selective_recompute_ms "
+                "(analytic profiles give them: pipeplan profile --analytic); use all or auto"
+            )
+        everything = ("selective",) * num_stages
+        return [(everything, solve(everything))]
     base = solve(none)
     if (settings.recompute == "none" or math.isinf(cap)
             or graph.num_layers > RECOMPUTE_SEARCH_MAX_LAYERS):
@@ -214,18 +232,32 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
         binding = free is not None and base.bottleneck_ms > free.bottleneck_ms * (1 + CAP_TOLERANCE)
         if not binding and max(rank_peaks(problem0, base, schedule, p, m, v)) <= cap:
             return [(none, base)]
+    modes = ("selective", "full") if graph.selective_known else ("full",)
+    out = {none: base}
+    for mode in modes:
+        for recompute, partition in _recompute_ladder(profile, graph, settings, schedule, m, v, in_flight,
+                                                      order, mode, base, solve):
+            out.setdefault(recompute, partition)
+    if len(out) == 1:
+        return [(none, base), (("full",) * num_stages, None)]
+    return list(out.items())
+
+
+def _recompute_ladder(profile, graph, settings, schedule, m, v, in_flight, order, mode, base, solve):
+    """The prefixes of ``order`` recomputing with ``mode`` worth simulating (empty if none fits)."""
+    p, num_stages, cap = settings.stages, len(in_flight), _cap(settings)
     found: dict[int, Partition | None] = {0: base}
 
     def at(k):
         if k not in found:
-            found[k] = solve(recompute_prefix(order, k, num_stages))
+            found[k] = solve(recompute_prefix(order, k, num_stages, mode))
         return found[k]
 
     def safe(k):
         part = at(k)
         if part is None:
             return False
-        problem = build_problem(profile, graph, settings, in_flight, recompute_prefix(order, k, num_stages))
+        problem = build_problem(profile, graph, settings, in_flight, recompute_prefix(order, k, num_stages, mode))
         return max(rank_peaks(problem, part, schedule, p, m, v)) <= cap
 
     def smallest(test, lo):
@@ -246,24 +278,22 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
         if k in found or not graph.chain:
             return at(k) is not None
         return math.isfinite(chain_bottleneck_ms(
-            build_problem(profile, graph, settings, in_flight, recompute_prefix(order, k, num_stages))))
+            build_problem(profile, graph, settings, in_flight, recompute_prefix(order, k, num_stages, mode))))
 
-    keep = [0]  # listed even when nothing fits: it shows why recomputation is needed
     first = smallest(fits, 1)
-    if first is not None:
-        keep.append(first)
-        k = first
-        # A little more recomputation can buy a better balance; stop once it stops paying.
-        while k + 1 <= num_stages and at(k + 1) is not None and at(k + 1).bottleneck_ms < at(k).bottleneck_ms * (1 - CAP_TOLERANCE):
-            k += 1
-            keep.append(k)
-        # With one stage per rank the partitioner's memory is the rank's: what fits is safe.
-        sure = first if v == 1 else smallest(safe, first)
-        if sure is not None:
-            keep.append(sure)
     if first is None:
-        return [(none, base), (("full",) * num_stages, None)]
-    return [(recompute_prefix(order, k, num_stages), at(k)) for k in sorted(set(keep))]
+        return []
+    keep = [first]
+    k = first
+    # A little more recomputation can buy a better balance; stop once it stops paying.
+    while k + 1 <= num_stages and at(k + 1) is not None and at(k + 1).bottleneck_ms < at(k).bottleneck_ms * (1 - CAP_TOLERANCE):
+        k += 1
+        keep.append(k)
+    # With one stage per rank the partitioner's memory is the rank's: what fits is safe.
+    sure = first if v == 1 else smallest(safe, first)
+    if sure is not None:
+        keep.append(sure)
+    return [(recompute_prefix(order, k, num_stages, mode), at(k)) for k in sorted(set(keep))]
 
 
 def evaluate_candidate(profile, graph, settings, cand: Candidate, in_flight) -> None:
@@ -377,6 +407,7 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
             m = settings.global_batch // b
             try:
                 check_schedule(schedule, p, m, v)
+                check_launcher(settings.launcher, schedule, p, m, v)
             except BadInputError as error:
                 refusals.append(str(error))
                 candidates.append(Candidate(schedule, v, b, m, ("none",) * (p * v), status="refused",

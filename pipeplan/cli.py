@@ -382,22 +382,28 @@ def run(
     job_timeout: float = typer.Option(3600.0, "--job-timeout", help="Wall-clock limit of the whole job, seconds."),
     alone_repeats: int = typer.Option(2, "--alone-repeats", min=0, help="Timed passes each time the stages are re-timed alone (about every fifth step: the machine's drift since profiling); 0 skips it."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the ranks' output."),
+    verify: bool = typer.Option(False, "--verify", help="Compare the first step's loss and gradients with one process on the same batch; exit 1 above --verify-tolerance."),
+    verify_tolerance: Optional[float] = typer.Option(None, "--verify-tolerance", help="Largest relative difference --verify accepts (default 1e-4 in fp32, 2e-2 in bf16/fp16)."),
 ):
     """Run a plan with torch.distributed.pipelining under torchrun; report measured vs predicted."""
     from pipeplan.run import report_table, run_plan_file
+    from pipeplan.run.verify import check_verdict, verdict_lines
 
     result = run_plan_file(
         plan_file, report_path=report, profile_path=profile, model=model, steps=steps, threads=threads,
         seq_len=seq_len, model_options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab},
         seed=seed, lr=lr, device=device, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
         rdzv_id=rdzv_id, nproc_per_node=nproc_per_node, timeout_s=timeout, job_timeout_s=job_timeout,
-        alone_repeats=alone_repeats, echo=not quiet,
+        alone_repeats=alone_repeats, echo=not quiet, verify=verify, verify_tolerance=verify_tolerance,
     )
     _console().print(report_table(result))
     for note in result.get("notes", []):
         typer.echo(f"note: {note}")
+    for line in verdict_lines(result["verify"]) if result.get("verify") else []:
+        typer.echo(line)
     if report:
         typer.echo(f"wrote {report}")
+    check_verdict(result)
 
 
 @app.command()

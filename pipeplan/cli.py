@@ -159,7 +159,7 @@ def import_pipedream_cmd(
 @app.command()
 @_handled
 def profile(
-    model: str = typer.Argument(..., metavar="MODEL", help="Built-in (gpt2-tiny, gpt2, llama-tiny, bert-tiny, convnet-tiny, ...) or module:callable.", show_default=False),
+    model: str = typer.Argument(..., metavar="MODEL", help="Built-in (gpt2-tiny, gpt2, llama-tiny, bert-tiny, convnet-tiny, ...), module:callable, or hf:MODEL_TYPE (transformers, no weights: hf:gpt2, hf:llama, hf:bert, hf:vit, ...).", show_default=False),
     microbatch_sizes: str = typer.Option("1,2,4", "--microbatch-sizes", help="Micro-batch sizes to measure, e.g. 1,2,4,8."),
     seq_len: int = typer.Option(128, "--seq-len", help="Tokens per sample (language models)."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16."),
@@ -173,15 +173,22 @@ def profile(
     vocab: Optional[int] = typer.Option(None, "--vocab", help="Vocabulary size of a built-in LM."),
     units: Optional[list[str]] = typer.Option(None, "--units", help="Units by dotted name or glob, e.g. 'encoder.layer.*' (repeatable)."),
     seed: int = typer.Option(0, "--seed", help="Weight and batch seed."),
+    config: Optional[Path] = typer.Option(None, "--config", help="hf: models: a transformers config.json to build from (the size options override it)."),
+    split_backward: bool = typer.Option(True, "--split-backward/--no-split-backward", help="Time the backward's input and weight parts apart (zero-bubble schedules); off: whole backward only."),
     output: Path = typer.Option(..., "-o", "--output", help="Profile JSON to write (atomically).", show_default=False),
 ):
     """Measure a torch model per unit (time, activation and output bytes) into a profile."""
     from pipeplan.profile import profile_to_file, summary_table
 
+    options = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}
+    if config is not None:
+        from pipeplan.profile.hf import read_config
+
+        options["config"] = read_config(model, str(config))
     result = profile_to_file(
         model, str(output), microbatch_sizes=microbatch_sizes, seq_len=seq_len, dtype=dtype, device=device,
         repeats=repeats, warmup=warmup, threads=threads, units=units or None, seed=seed,
-        options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}, progress=True,
+        options=options, split_backward=split_backward, progress=True,
     )
     _console().print(summary_table(result))
     typer.echo(f"wrote {output}")

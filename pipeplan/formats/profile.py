@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["Device", "LayerCost", "Layer", "Profile", "NonNegativeMs", "LAYER_KINDS"]
+__all__ = ["Device", "LayerCost", "Layer", "Profile", "TiedWeight", "NonNegativeMs", "LAYER_KINDS"]
 
 NonNegativeMs = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 NonNegativeBytes = Annotated[int, Field(ge=0)]
@@ -93,6 +93,17 @@ class Layer(_Strict):
         raise KeyError(microbatch_size)
 
 
+class TiedWeight(_Strict):
+    """One parameter shared by several layers (tied weights, e.g. the embedding and the LM head)."""
+
+    name: str = Field(min_length=1, description="The parameter's name in the model (its first name).")
+    layers: list[str] = Field(min_length=2, description="The layers that use it; the first counts its bytes.")
+    param_bytes: NonNegativeBytes = Field(
+        description="Its bytes, counted once in the first layer's param_bytes; a stage that holds "
+        "another of these layers but not the first keeps a copy of this size."
+    )
+
+
 class Profile(_Strict):
     """A whole model's profile; layers in a topological order."""
 
@@ -110,6 +121,10 @@ class Profile(_Strict):
     measurement: Optional[dict[str, Any]] = Field(
         default=None,
         description="How it was measured: torch version, repeats, whole-model check, load.",
+    )
+    tied_weights: Optional[list[TiedWeight]] = Field(
+        default=None,
+        description="Parameters shared by several layers; absent means none.",
     )
 
     @model_validator(mode="after")
@@ -140,6 +155,10 @@ class Profile(_Strict):
                     f"edges[{index}]: [{src!r}, {dst!r}] goes backwards in the layer list "
                     f"({kind}); list layers in a topological order"
                 )
+        for index, tie in enumerate(self.tied_weights or ()):
+            for layer in tie.layers:
+                if layer not in seen:
+                    raise ValueError(f"tied_weights[{index}].layers: unknown layer {layer!r}")
         return self
 
     @property

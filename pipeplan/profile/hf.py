@@ -28,7 +28,7 @@ from typing import Any, Optional
 from pipeplan.errors import BadInputError
 from pipeplan.profile.registry import ModelBundle
 
-__all__ = ["is_hf_model", "hf_bundle", "hf_config", "HF_PREFIX"]
+__all__ = ["is_hf_model", "hf_bundle", "hf_config", "read_config", "HF_PREFIX"]
 
 HF_PREFIX = "hf:"
 
@@ -66,6 +66,20 @@ def _read_config_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise BadInputError(f"--config {path}: a HuggingFace config.json is a JSON object")
     return data
+
+
+def read_config(model: str, path: str) -> dict[str, Any]:
+    """``--config FILE`` for ``model``: the config as a dict (kept whole in the profile, so that
+    ``run`` rebuilds the same model without the file).
+
+    Raises
+    ------
+    BadInputError
+        ``model`` is not ``hf:``, or the file is unreadable.
+    """
+    if not is_hf_model(model):
+        raise BadInputError(f"--config: only hf: models take a transformers config; {model!r} is not one")
+    return _read_config_file(path)
 
 
 def hf_config(name: str, config: Any = None, keep_dropout: bool = False, **options: Any) -> Any:

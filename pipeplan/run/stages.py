@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from pipeplan.errors import BadInputError
+from pipeplan.profile.units import tied_parameter_names
 
 __all__ = [
     "RankStages",
@@ -64,28 +65,6 @@ class RankStages:
     """Per module, example ``(inputs, outputs)`` for ``PipelineStage(input_args=, output_args=)``,
     or None to let the stage infer them. The traced builder gives them: torch's inference runs a
     stage on tensors made from metadata, whose integer values (``labels``) are garbage."""
-
-
-def tied_parameter_names(model: Any) -> dict[str, list[str]]:
-    """Names of each parameter the model holds under more than one name (tied weights).
-
-    Returns
-    -------
-    dict
-        The canonical name (``named_parameters()``'s) -> every name of that tensor.
-
-    Examples
-    --------
-    >>> import torch
-    >>> m = torch.nn.Module(); m.a = torch.nn.Linear(2, 2, bias=False); m.b = torch.nn.Linear(2, 2, bias=False)
-    >>> m.b.weight = m.a.weight
-    >>> tied_parameter_names(m)
-    {'a.weight': ['a.weight', 'b.weight']}
-    """
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return {group[0]: group for group in names.values() if len(group) > 1}
 
 
 class _Routing:

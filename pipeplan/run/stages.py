@@ -233,7 +233,8 @@ def traced_split(model: Any, example_inputs: Any, stage_first_units: Sequence[st
 
 
 def stage_builder(model: str, stage_layers: Sequence[Sequence[str]], *, seed: int = 0, device: Any = "cpu",
-                  dtype: str = "fp32", unit_patterns: Optional[Sequence[str]] = None, **options: Any) -> str:
+                  dtype: str = "fp32", unit_patterns: Optional[Sequence[str]] = None, bundle: Any = None,
+                  **options: Any) -> str:
     """``units`` or ``traced``: which builder runs this model split this way (see the module doc)."""
     from pipeplan.profile.hf import is_hf_model
 
@@ -244,7 +245,7 @@ def stage_builder(model: str, stage_layers: Sequence[Sequence[str]], *, seed: in
     from pipeplan.profile.loading import load_bundle
     from pipeplan.profile.units import default_units, select_units, trace_units
 
-    bundle = load_bundle(model, seed=seed, device=device, dtype=dtype, **options)
+    bundle = bundle or load_bundle(model, seed=seed, device=device, dtype=dtype, **options)
     patterns = unit_patterns or bundle.units
     names = select_units(bundle.model, list(patterns)) if patterns else default_units(bundle.model)
     try:
@@ -262,7 +263,7 @@ def stage_builder(model: str, stage_layers: Sequence[Sequence[str]], *, seed: in
 def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_indices: Sequence[int], *,
                       example_inputs: Any = None, seed: int = 0, device: Any = "cpu", dtype: str = "fp32",
                       unit_patterns: Optional[Sequence[str]] = None, builder: Optional[str] = None,
-                      **options: Any) -> RankStages:
+                      bundle: Any = None, **options: Any) -> RankStages:
     """Build the stages ``stage_indices`` of a model split into ``stage_layers``.
 
     Parameters
@@ -277,6 +278,9 @@ def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_i
         One micro-batch (the traced builder traces on it); default: the model's own factory.
     builder : {'units', 'traced'}, optional
         Default: :func:`stage_builder`.
+    bundle : ModelBundle, optional
+        The whole model, already built with ``seed`` (the traced builder traces it; saves a
+        second build). Not used by the ``units`` builder.
 
     Returns
     -------
@@ -299,7 +303,7 @@ def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_i
         names = [{n: n for n, _ in m.named_parameters()} for m in modules]
         return RankStages(modules=modules, builder="units", loss=loss, param_names=names)
 
-    bundle = load_bundle(model, seed=seed, device=device, dtype=dtype, **options)
+    bundle = bundle or load_bundle(model, seed=seed, device=device, dtype=dtype, **options)
     net = bundle.model
     if example_inputs is None:
         raise BadInputError("the traced stage builder needs one micro-batch to trace on")

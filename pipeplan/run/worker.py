@@ -405,25 +405,29 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         return make_microbatch(bundle, batch_size, seq_len, seed=seed + 1 + step, device=device, dtype=dtype)
 
     example = None
+    whole = bundle if ":" in model else None  # user and hf: models: the whole model, built
     builder = stage_builder(model, [s.layers for s in plan.stages], seed=seed, device=device, dtype=dtype,
-                            unit_patterns=config.get("unit_patterns"), **options)
+                            unit_patterns=config.get("unit_patterns"), bundle=whole, **options)
     first_inputs, first_target_batch = batch_of(0)
+    reference = None
+    if config.get("verify"):
+        from pipeplan.run.verify import reference_step
+
+        # Before the stages are built from the same model: the reference leaves the weights as
+        # they were and clears its gradients.
+        ref_bundle = whole or load_bundle(model, seed=seed, device=device, dtype=dtype, **options)
+        reference = reference_step(ref_bundle, first_inputs, first_target_batch, m)
+        del ref_bundle
     if builder == "traced":
         from pipeplan.run.verify import microbatches
 
         example = microbatches(first_inputs, first_target_batch, m)[0][0]
     built = build_rank_stages(model, [s.layers for s in plan.stages], [s.index for s in stages_here],
                               example_inputs=example, seed=seed, device=device, dtype=dtype,
-                              unit_patterns=config.get("unit_patterns"), builder=builder, **options)
+                              unit_patterns=config.get("unit_patterns"), builder=builder,
+                              bundle=whole if builder == "traced" else None, **options)
     modules = built.modules
     tied = TiedGrads(built.tied, {s.index: s.rank for s in plan.stages}, modules, built.param_names, rank)
-    reference = None
-    if config.get("verify"):
-        from pipeplan.run.verify import reference_step
-
-        ref_bundle = bundle if ":" in model else load_bundle(model, seed=seed, device=device, dtype=dtype, **options)
-        reference = reference_step(ref_bundle, first_inputs, first_target_batch, m)
-        del ref_bundle
     pipeline_stages = []
     for i, (module, stage) in enumerate(zip(modules, stages_here)):
         static = built.static_args[i] if built.static_args else None

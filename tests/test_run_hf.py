@@ -1,0 +1,143 @@
+"""HuggingFace models from profile to a running pipeline: ``hf:`` source, traced stages, ``--verify``.
+
+Each model is built from a tiny config (no weights), profiled in this process (one repeat, no
+warm-up: only the names, edges and tied weights matter here), planned by the planner at 2 or 4
+stages under a schedule, and run for 2 steps on gloo with ``verify=True``: the pipelined first
+step's loss and gradients must equal one process's on the same batch. One torchrun job runs
+every schedule of a case (the worker runs a list of plans in one process group).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from pipeplan.errors import BadInputError  # noqa: E402
+from pipeplan.formats.plan import PlanSettings  # noqa: E402
+from pipeplan.plan.planner import make_plan  # noqa: E402
+from pipeplan.profile import profile_model  # noqa: E402
+from pipeplan.run import run_plans  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+SEQ_LEN = 8
+#: Tiny configs; enough units for 8 stages (4 ranks x 2 stages) in each.
+TINY = {
+    "hf:gpt2": {"layers": 4, "hidden": 32, "heads": 2, "vocab": 64},
+    "hf:llama": {"layers": 4, "hidden": 32, "heads": 2, "vocab": 64},
+    "hf:qwen2": {"layers": 4, "hidden": 32, "heads": 2, "vocab": 64},
+    "hf:bert": {"layers": 6, "hidden": 32, "heads": 2, "vocab": 64},
+    "hf:vit": {"layers": 5, "hidden": 32, "heads": 2, "image_size": 16},
+}
+
+_PROFILES: dict[str, object] = {}
+
+
+def _profile(model: str):
+    if model not in _PROFILES:
+        _PROFILES[model] = profile_model(model, microbatch_sizes=[1], seq_len=SEQ_LEN, repeats=1, warmup=0,
+                                         options=TINY[model], whole_model_check=False)
+    return _PROFILES[model]
+
+
+def _plans(model: str, ranks: int, schedules: list[str]):
+    profile = _profile(model)
+    return [make_plan(profile, PlanSettings(stages=ranks, global_batch=4, microbatch_size=1, schedule=s,
+                                            virtual_stages=2 if s in ("interleaved", "zb") else None),
+                      profile_sha256="0" * 64) for s in schedules]
+
+
+@pytest.mark.parametrize("model, ranks, schedules", [
+    # Fast: one case per model family, 2 ranks (each job costs ~25 s on the loaded 2-core
+    # machine, most of it 2 processes importing transformers and tracing the model per plan).
+    ("hf:gpt2", 2, ["1f1b", "zbv"]),                     # tied embedding / LM head
+    ("hf:llama", 2, ["zb"]),                             # rotary tables cross every boundary
+    ("hf:bert", 2, ["interleaved"]),                     # tied; split backward falls back on 'cls'
+    # The rest of the matrix: every model at 2 and 4 ranks under 1f1b, interleaved and a
+    # zero-bubble schedule.
+    pytest.param("hf:vit", 2, ["1f1b", "zbv"], marks=pytest.mark.slow),  # [:, 0] before the classifier
+    pytest.param("hf:qwen2", 2, ["1f1b", "interleaved", "zbv"], marks=pytest.mark.slow),
+    pytest.param("hf:gpt2", 2, ["interleaved"], marks=pytest.mark.slow),
+    pytest.param("hf:llama", 2, ["1f1b", "interleaved"], marks=pytest.mark.slow),
+    pytest.param("hf:bert", 2, ["1f1b", "zbv"], marks=pytest.mark.slow),
+    pytest.param("hf:vit", 2, ["interleaved"], marks=pytest.mark.slow),
+    pytest.param("hf:gpt2", 4, ["1f1b", "interleaved", "zb"], marks=pytest.mark.slow),
+    pytest.param("hf:llama", 4, ["1f1b", "interleaved", "zbv"], marks=pytest.mark.slow),
+    pytest.param("hf:qwen2", 4, ["1f1b", "interleaved", "zb"], marks=pytest.mark.slow),
+    pytest.param("hf:bert", 4, ["1f1b", "interleaved", "zbv"], marks=pytest.mark.slow),
+    pytest.param("hf:vit", 4, ["1f1b", "interleaved", "zb"], marks=pytest.mark.slow),
+])
+def test_a_pipelined_step_equals_one_process(tmp_path, model, ranks, schedules):
+    plans = _plans(model, ranks, schedules)
+    assert [p.schedule for p in plans] == schedules
+    reports = run_plans(plans, profile=_profile(model), steps=2, work_dir=tmp_path, echo=False,
+                        timeout_s=90, verify=True, alone_repeats=0)
+    for plan, report in zip(plans, reports):
+        verdict = report["verify"]
+        assert verdict["passed"], (report["schedule"], verdict["failures"])
+        assert verdict["stage_builder"] == "traced"
+        assert [row["stage"] for row in verdict["stages"]] == list(range(len(plan.stages)))
+        assert all(row["parameters_compared"] > 0 or row["stage"] > 0 for row in verdict["stages"])
+        assert verdict["max_rel_diff"] < 1e-4
+        assert len(report["loss"]) == 2
+
+
+def test_the_profile_counts_tied_weights_once_and_names_their_layers():
+    profile = _profile("hf:gpt2")
+    ties = profile.tied_weights
+    assert [t.name for t in ties] == ["transformer.wte.weight"]
+    assert ties[0].layers == ["transformer.wte", "lm_head"]
+    head = next(layer for layer in profile.layers if layer.name == "lm_head")
+    assert head.param_bytes == 0
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("gpt2", n_layer=4, n_embd=32, n_head=2, vocab_size=64)
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in reference.parameters()) * 4  # parameters() counts a tie once
+    assert sum(layer.param_bytes for layer in profile.layers) == total
+
+
+def test_llama_profile_records_the_rotary_edges_to_every_layer():
+    profile = _profile("hf:llama")
+    edges = set(profile.edge_list())
+    layers = [f"model.layers.{i}" for i in range(4)]
+    assert all(("model.rotary_emb", layer) in edges for layer in layers)
+
+
+def test_split_backward_falls_back_and_says_which_units():
+    profile = _profile("hf:bert")
+    fallback = profile.measurement["backward_split_fallback"]["units"]
+    assert "cls" in fallback and fallback["cls"].startswith("RuntimeError: ")
+    cls = next(layer for layer in profile.layers if layer.name == "cls").costs[0]
+    assert cls.backward_input_ms == pytest.approx(cls.backward_ms / 2, abs=1e-4)
+
+
+def test_split_timing_can_be_turned_off():
+    profile = profile_model("hf:bert", microbatch_sizes=[1], seq_len=SEQ_LEN, repeats=1, warmup=0,
+                            options=TINY["hf:bert"], whole_model_check=False, split_backward=False)
+    assert all(c.backward_input_ms is None for layer in profile.layers for c in layer.costs)
+    assert "backward_split_fallback" not in profile.measurement
+
+
+def test_hf_config_file_and_bad_options(tmp_path):
+    from pipeplan.profile.hf import hf_bundle
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32,
+                                "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64,
+                                "vocab_size": 64}))
+    bundle = hf_bundle(f"hf:{path}")
+    assert type(bundle.model).__name__ == "LlamaForCausalLM" and bundle.units == ["model.layers.*"]
+    batch = bundle.make_batch(2, 8, seed=1)
+    assert sorted(batch) == ["input_ids", "labels"] and batch["input_ids"].shape == (2, 8)
+    with pytest.raises(BadInputError, match="--depth: does not apply to hf:gpt2"):
+        hf_bundle("hf:gpt2", depth=3)
+    with pytest.raises(BadInputError, match="does not know model_type 'no_such_model'"):
+        hf_bundle("hf:no_such_model")
+    with pytest.raises(BadInputError, match="cannot read it"):
+        hf_bundle("hf:/no/such/config.json")

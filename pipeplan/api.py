@@ -30,6 +30,11 @@ def plan_profile(profile_path: str | Path, settings: PlanSettings, output: str |
     from pipeplan.plan.planner import make_plan
 
     profile = load_profile(profile_path)
+    from pipeplan.run.stages import runnable_problem
+
+    problem = runnable_problem(profile)
+    if problem is not None:
+        raise BadInputError(f"{profile_path}: {problem}")
     plan = make_plan(profile, settings, profile_sha256=file_sha256(profile_path), record_time=record_time)
     if output is not None:
         write_json_atomic(output, plan)

@@ -141,3 +141,107 @@ def test_hf_config_file_and_bad_options(tmp_path):
         hf_bundle("hf:no_such_model")
     with pytest.raises(BadInputError, match="cannot read it"):
         hf_bundle("hf:/no/such/config.json")
+
+
+USER_MODEL = '''
+import torch
+from torch import nn
+from pipeplan.profile import InputSpec
+
+
+class Down(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        return y, y.mean(dim=(2, 3), keepdim=True)   # a tuple
+
+
+class Up(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, pair, skip):
+        y, gate = pair
+        return torch.relu(self.conv(y * gate)) + skip
+
+
+class Net(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.stem = nn.Conv2d(3, hidden, 3, padding=1)
+        self.down1 = Down(hidden)
+        self.down2 = Down(hidden)
+        self.up1 = Up(hidden)
+        self.head = nn.Linear(hidden * 64, 10)
+
+    def forward(self, x):
+        h = self.stem(x)
+        d1 = self.down1(h)
+        d2 = self.down2(d1[0])          # a value computed outside every unit
+        return self.head(self.up1(d2, h).flatten(1))
+
+
+def build(hidden=4):
+    return Net(hidden), [InputSpec(shape=(3, 8, 8))]   # no loss: the default loss trains it
+'''
+
+
+def test_a_user_model_with_tuples_and_no_loss_runs_traced(tmp_path, monkeypatch):
+    (tmp_path / "unet_tuples.py").write_text(USER_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    profile = profile_model("unet_tuples:build", microbatch_sizes=[1], repeats=1, warmup=0,
+                            whole_model_check=False)
+    assert ("stem", "up1") in profile.edge_list()
+    assert profile.measurement["stage_builders"]["run_uses"] == "traced"
+    plans = [make_plan(profile, PlanSettings(stages=2, global_batch=4, microbatch_size=1, schedule=s),
+                       profile_sha256="0" * 64) for s in ("1f1b", "zbv")]
+    import os
+
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    reports = run_plans(plans, profile=profile, steps=2, work_dir=tmp_path / "run", echo=False, env=env,
+                        timeout_s=90, verify=True, alone_repeats=0)
+    for report in reports:
+        assert report["verify"]["passed"], report["verify"]["failures"]
+        assert report["verify"]["stage_builder"] == "traced"
+
+
+def test_verify_fails_with_exit_1_when_tied_copies_are_not_synced(tmp_path):
+    """The BERT drift of the issue: without the sync, the tied weight's gradient differs."""
+    import os
+    import subprocess
+    import sys
+
+    from pipeplan.formats.io import write_json_atomic
+
+    profile_path, plan_path = tmp_path / "gpt2.json", tmp_path / "plan.json"
+    write_json_atomic(profile_path, _profile("hf:gpt2"))
+    write_json_atomic(plan_path, _plans("hf:gpt2", 2, ["1f1b"])[0])
+    env = {**os.environ, "PIPEPLAN_RUN_FAULT": "all:untie"}
+    done = subprocess.run([sys.executable, "-m", "pipeplan", "run", str(plan_path), "--profile", str(profile_path),
+                           "--steps", "2", "--verify", "--alone-repeats", "0", "-q"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "verify: FAILED" in done.stdout
+    assert "transformer.wte.weight" in done.stdout
+    assert "error: run --verify: the pipeline differs from one process" in done.stderr
+
+
+def test_plan_refuses_a_profile_no_stage_builder_can_run(tmp_path):
+    from typer.testing import CliRunner
+
+    from pipeplan.cli import app
+    from pipeplan.formats.io import write_json_atomic
+
+    profile = _profile("hf:gpt2").model_copy(deep=True)
+    profile.measurement["stage_builders"] = {"units": False, "traced": False,
+                                             "traced_error": "torch.export: data-dependent control flow"}
+    path = tmp_path / "p.json"
+    write_json_atomic(path, profile)
+    result = CliRunner().invoke(app, ["plan", str(path), "--stages", "2", "--global-batch", "4"])
+    assert result.exit_code == 2
+    assert "no stage builder of pipeplan run can run hf:gpt2" in result.output
+    assert "data-dependent control flow" in result.output

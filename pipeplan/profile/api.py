@@ -363,6 +363,11 @@ def profile_model(
                         checks[-1]["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(torch_device))
                 del inputs, target, seen, timers, whole
         assert order is not None and graph is not None
+        from pipeplan.run.stages import check_builders
+
+        example, _ = make_microbatch(bundle, sizes[0], seq_len, seed=seed, device=torch_device, dtype=torch_dtype)
+        builders = check_builders(model, net, order, graph, example)
+        del example
         device_model, device_extra = _device_info(torch_device)
         kinds = bundle.kinds or {}
         layers = []
@@ -423,6 +428,7 @@ def profile_model(
             } if split_fallbacks else None,
             "remeasured_unit_sizes": remeasured,
             "unused_units": list(graph.unused),
+            "stage_builders": builders,
             "load_average_before": load_before,
             "load_average_after": _load_average(),
             "whole_model_check": checks,

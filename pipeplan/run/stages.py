@@ -44,6 +44,8 @@ __all__ = [
     "stage_builder",
     "traced_split",
     "tied_parameter_names",
+    "check_builders",
+    "runnable_problem",
 ]
 
 
@@ -230,6 +232,62 @@ def traced_split(model: Any, example_inputs: Any, stage_first_units: Sequence[st
             f"is not a module the forward calls once at the top of its code"
         )
     return pipe, _Routing(pipe.split_gm)
+
+
+def check_builders(model_name: str, net: Any, order: Sequence[str], graph: Any, example_inputs: Any) -> dict[str, Any]:
+    """Which stage builders can run this model at any split between its units (profile time).
+
+    ``units`` needs a torch.fx graph with every unit's arguments known; ``traced`` needs
+    torch's tracer to split the model before every unit but the first (every boundary a plan
+    may choose). Recorded in the profile's ``measurement.stage_builders``; ``plan`` refuses a
+    profile where neither works (:func:`runnable_problem`).
+    """
+    from pipeplan.profile.hf import is_hf_model
+    from pipeplan.profile.measure import exception_line
+
+    units_ok = (":" not in model_name) or (graph.method == "torch.fx"
+                                             and all(graph.args.get(u) is not None for u in order))
+    record: dict[str, Any] = {"units": bool(units_ok and not is_hf_model(model_name))}
+    if record["units"]:
+        record["run_uses"] = "units"
+        return record
+    try:
+        traced_split(net, example_inputs, list(order[1:]))
+        record["traced"] = True
+        record["run_uses"] = "traced"
+    except BadInputError as exc:
+        record["traced"] = False
+        record["traced_error"] = str(exc)
+    except Exception as exc:  # noqa: BLE001 - anything torch raises while tracing
+        record["traced"] = False
+        record["traced_error"] = exception_line(exc)
+    for p in net.parameters():
+        p.grad = None
+    return record
+
+
+def runnable_problem(profile: Any) -> Optional[str]:
+    """Why no stage builder of ``pipeplan run`` can run this profile's model, or None.
+
+    Only measured profiles that recorded ``measurement.stage_builders`` can say (no torch is
+    needed here).
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace
+    >>> p = SimpleNamespace(model="m:f", measurement={"stage_builders": {"units": False, "traced": False,
+    ...     "traced_error": "torch.export failed"}})
+    >>> runnable_problem(p)[:60]
+    "no stage builder of pipeplan run can run m:f: torch.fx's grap"
+    """
+    builders = (getattr(profile, "measurement", None) or {}).get("stage_builders")
+    if not builders or builders.get("units") or builders.get("traced"):
+        return None
+    return (f"no stage builder of pipeplan run can run {profile.model}: torch.fx's graph leaves some "
+            f"unit's inputs unknown (fx: {(profile.measurement or {}).get('fx_error') or 'values computed outside units'}) "
+            f"and torch's tracer cannot split it before every unit "
+            f"({builders.get('traced_error', 'unknown error')}); choose coarser units (--units) "
+            f"or make the forward traceable by torch.export")
 
 
 def stage_builder(model: str, stage_layers: Sequence[Sequence[str]], *, seed: int = 0, device: Any = "cpu",

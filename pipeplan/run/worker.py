@@ -29,7 +29,8 @@ abbreviations of its own options, so a script option such as ``--run`` is taken 
 
 Test hook: the environment variable ``PIPEPLAN_RUN_FAULT=<rank>:<kind>`` makes that rank fail on
 purpose at its first step: ``raise`` (an exception), ``exit`` (``os._exit(3)``, a crash without
-a Python traceback), or ``hang`` (sleeps until the others time out).
+a Python traceback), or ``hang`` (sleeps until the others time out); ``all:untie`` skips the
+tied-weight gradient sync on every rank (``--verify`` must then fail).
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ def _fault(rank: int) -> Optional[str]:
     if not spec or ":" not in spec:
         return None
     who, kind = spec.split(":", 1)
-    return kind if who.strip() == str(rank) else None
+    return kind if who.strip() in (str(rank), "all") else None
 
 
 def _verify_stages(modules: list, stages: list, param_names: list, reference: tuple, step_losses: list,
@@ -505,7 +506,7 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
             # The schedule's loss call wants a target per micro-batch; a model with its own loss
             # (or none) ignores it.
             target = torch.zeros(batch_size, device=device)
-        if fault is not None and step == 0:
+        if fault not in (None, "untie") and step == 0:
             if fault == "raise":
                 raise RuntimeError(f"fault injected on rank {rank} (PIPEPLAN_RUN_FAULT)")
             if fault == "exit":
@@ -525,7 +526,8 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
             schedule.step(*args, **keywords, **kwargs)
         else:
             schedule.step(**kwargs)
-        tied.sync()
+        if fault != "untie":
+            tied.sync()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         pipeline_done = time.perf_counter()

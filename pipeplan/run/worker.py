@@ -152,14 +152,22 @@ def _wall_timed(timer: _Timer, kind: str, func: Any) -> Any:
 
 
 def _capture_inputs(module: Any) -> dict[str, Any]:
-    """Keep a copy of the first real (not meta) inputs the stage's module is called with."""
+    """Keep a copy of the inputs of the stage module's second call (a real micro-batch).
+
+    Not the first: a stage that infers its shapes (``PipelineStage`` without example inputs)
+    first runs its module on ``torch.empty`` tensors made from metadata, whose values are
+    garbage (NaN, denormals, out-of-range ids) and would make the stage's timing alone
+    meaningless. The second call is always a real micro-batch (at the latest, the next step's).
+    """
     import torch
 
     box: dict[str, Any] = {}
+    calls = [0]
 
     def hook(_module: Any, args: tuple, kwargs: dict) -> None:
-        if "args" in box or any(torch.is_tensor(a) and a.is_meta for a in (*args, *kwargs.values())):
+        if calls[0] >= 2 or any(torch.is_tensor(a) and a.is_meta for a in (*args, *kwargs.values())):
             return
+        calls[0] += 1
         copy = (lambda a: a.detach().clone() if torch.is_tensor(a) else a)
         box["args"] = tuple(copy(a) for a in args)
         box["kwargs"] = {k: copy(a) for k, a in kwargs.items()}

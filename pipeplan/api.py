@@ -112,7 +112,7 @@ def compare_splits(profile_path: str | Path, settings: PlanSettings) -> list[Com
 
 
 def validate_file(path: str | Path) -> str:
-    """``pipeplan validate``: check a profile or plan; returns a one-line summary.
+    """``pipeplan validate``: check a profile, plan or run report; returns a one-line summary.
 
     Raises
     ------
@@ -120,11 +120,20 @@ def validate_file(path: str | Path) -> str:
         With one line per problem.
     """
     data = load_json(path)
+    if isinstance(data, dict) and (str(data.get("schema", "")).startswith("pipeplan-run-report")
+                                   or ("ranks" in data and "measured" in data)):
+        from pipeplan.formats.io import load_report
+
+        report = load_report(path)
+        return (f"{path}: valid run report: {report.schedule}, {len(report.ranks)} ranks, "
+                f"{report.num_microbatches} x {report.microbatch_size}")
     if isinstance(data, dict) and "stages" in data and "predicted" in data:
         plan = load_plan(path)
         return (f"{path}: valid plan of {plan.profile.model}: {len(plan.stages)} stages, "
                 f"{plan.schedule}, {plan.num_microbatches} x {plan.microbatch_size}")
     profile = load_profile(path)
     edges = "chain" if profile.edges is None else f"{len(profile.edges)} edges"
+    degrees = profile.tensor_parallel_degrees
     return (f"{path}: valid profile of {profile.model}: {len(profile.layers)} layers, {edges}, "
-            f"micro-batch sizes {profile.microbatch_sizes}")
+            f"micro-batch sizes {profile.microbatch_sizes}"
+            + (f", tensor-parallel degrees {degrees}" if degrees != [1] else ""))

@@ -9,14 +9,66 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Optional
 
 import typer
+from typer.core import TyperGroup
 
 from pipeplan.errors import BadInputError, PipeplanError
 
+_state = {"debug": False}
+
+
+def _take_debug(args: list[str]) -> list[str]:
+    """Remove ``--debug`` wherever it stands (before a ``--``) and remember it."""
+    if "--" in args:
+        cut = args.index("--")
+        head, tail = args[:cut], args[cut:]
+    else:
+        head, tail = args, []
+    if "--debug" in head:
+        _state["debug"] = True
+        head = [a for a in head if a != "--debug"]
+    return head + tail
+
+
+class _Group(TyperGroup):
+    """The root command: ``--debug`` anywhere, and usage errors as one line like every other error."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        _state["debug"] = False
+        args = _take_debug(list(sys.argv[1:] if args is None else args))
+        try:
+            result = super().main(args=args, prog_name=prog_name or "pipeplan", complete_var=complete_var,
+                                  standalone_mode=False, **extra)
+        except typer.Abort:
+            typer.echo("interrupted; no output written", err=True)
+            code = 130
+        except Exception as exc:
+            # typer's own (vendored click) usage errors: duck-typed, their classes are private.
+            if not (hasattr(exc, "format_message") and isinstance(getattr(exc, "exit_code", None), int)):
+                raise
+            ctx = getattr(exc, "ctx", None)
+            if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
+                typer.echo(ctx.get_help())
+                code = 0
+            else:
+                command = ctx.command_path if ctx is not None else "pipeplan"
+                message = " ".join(exc.format_message().split())
+                hint = f" (see {command} --help)" if ctx is not None else ""
+                typer.echo(f"error: {command}: {message}{hint}", err=True)
+                code = exc.exit_code
+        else:
+            code = result if isinstance(result, int) else 0
+        if not standalone_mode:
+            return code
+        sys.exit(code)
+
+
 app = typer.Typer(
+    cls=_Group,
     name="pipeplan",
     help="Exact, memory-aware pipeline-parallel planning: profile -> plan -> run / export / check.",
     no_args_is_help=True,
@@ -26,13 +78,18 @@ app = typer.Typer(
 import_app = typer.Typer(help="Import another tool's profile into pipeplan's format.", no_args_is_help=True)
 app.add_typer(import_app, name="import")
 
-_state = {"debug": False}
-
-
 def _console(stderr: bool = False):
     from rich.console import Console
 
     return Console(stderr=stderr, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+
+
+def _one_line(text: str) -> str:
+    """A message on one line: the first line, and how many more there were."""
+    lines = [line for line in text.splitlines() if line.strip()] or [""]
+    if len(lines) == 1:
+        return lines[0]
+    return f"{lines[0]} (and {len(lines) - 1} more line{'s' if len(lines) > 2 else ''}; --debug shows all)"
 
 
 def _handled(func):
@@ -46,11 +103,15 @@ def _handled(func):
             raise
         except PipeplanError as exc:
             if _state["debug"]:
-                raise
+                traceback.print_exc()
             kind = "infeasible" if exc.exit_code == 3 else "error"
-            for line in str(exc).splitlines() or [""]:
-                typer.echo(f"{kind}: {line}", err=True)
+            typer.echo(f"{kind}: {_one_line(str(exc))}", err=True)
             raise typer.Exit(exc.exit_code)
+        except RecursionError:
+            if _state["debug"]:
+                raise
+            typer.echo("error: input nested too deep to read", err=True)
+            raise typer.Exit(2)
         except KeyboardInterrupt:
             typer.echo("interrupted; no output written", err=True)
             raise typer.Exit(130)
@@ -65,16 +126,17 @@ def _handled(func):
         except Exception as exc:
             if _state["debug"]:
                 raise
-            typer.echo(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", err=True)
+            typer.echo(f"internal error: {type(exc).__name__}: {_one_line(str(exc))} (rerun with --debug for the "
+                       f"traceback)", err=True)
             raise typer.Exit(1)
 
     return wrapper
 
 
 @app.callback()
-def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors.")):
+def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors (accepted anywhere).")):
     """Exact, memory-aware pipeline-parallel planning."""
-    _state["debug"] = debug
+    _state["debug"] = _state["debug"] or debug
 
 
 def _settings(**kwargs):
@@ -85,8 +147,14 @@ def _settings(**kwargs):
     try:
         return PlanSettings(**kwargs)
     except ValidationError as exc:
-        lines = [f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}" for e in exc.errors()]
-        raise BadInputError("\n".join(lines)) from None
+        errors = exc.errors()
+        first = errors[0]
+        option = "--" + "-".join(str(p) for p in first["loc"]).replace("_", "-")
+        option = {"--memory-cap-bytes": "--memory-cap", "--bandwidth-bytes-per-s": "--bandwidth"}.get(option, option)
+        message = f"{option}: {first['msg'].removeprefix('Value error, ')}"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        raise BadInputError(message) from None
 
 
 def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer, bandwidth, schedule,
@@ -104,7 +172,7 @@ def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer,
         stages=stages,
         global_batch=global_batch,
         microbatch_size=microbatch_size,
-        memory_cap_bytes=parse_bytes(memory_cap) if memory_cap else None,
+        memory_cap_bytes=parse_bytes(memory_cap) if memory_cap is not None else None,
         optimizer=optimizer,
         bandwidth_bytes_per_s=None if bandwidth_value == float("inf") else bandwidth_value,
         schedule=schedule,
@@ -132,12 +200,15 @@ _ACTION_OVERHEAD = typer.Option(
          "measures it. Default: the profile's (from `pipeplan calibrate`), else 0.")
 
 
-def _default_global_batch(profile_path, global_batch):
-    if global_batch is not None:
-        return global_batch
+def _default_global_batch(profile_path, global_batch, microbatch_size=None):
     from pipeplan.formats.io import load_profile
+    from pipeplan.formats.limits import check_microbatch_count
 
-    return 8 * max(load_profile(profile_path).microbatch_sizes)
+    sizes = load_profile(profile_path).microbatch_sizes
+    if global_batch is None:
+        return 8 * max(sizes)
+    check_microbatch_count(global_batch, sizes, microbatch_size)
+    return global_batch
 
 
 @import_app.command("pipedream")
@@ -150,7 +221,9 @@ def import_pipedream_cmd(
 ):
     """Import a PipeDream profile (graph.txt), keeping its layer DAG."""
     from pipeplan.api import import_profile
+    from pipeplan.formats.io import refuse_overwriting_input
 
+    refuse_overwriting_input(output, path)
     profile = import_profile("pipedream", path, batch_size, output, model=model)
     edges = len(profile.edges or ())
     typer.echo(f"wrote {output}: {profile.model}, {len(profile.layers)} layers, {edges} edges, micro-batch size {batch_size}")
@@ -159,10 +232,10 @@ def import_pipedream_cmd(
 @app.command()
 @_handled
 def profile(
-    model: str = typer.Argument(..., metavar="MODEL", help="Built-in (gpt2-tiny, gpt2, llama-tiny, bert-tiny, convnet-tiny, ...), module:callable, or hf:MODEL_TYPE (transformers, no weights: hf:gpt2, hf:llama, hf:bert, hf:vit, ...).", show_default=False),
+    model: str = typer.Argument(..., metavar="MODEL", help="Built-in (gpt2-tiny, gpt2, llama-tiny, bert-tiny, convnet-tiny, ...), module:callable, or hf:MODEL_TYPE (transformers, no weights: hf:gpt2, hf:llama, hf:bert, hf:vit, ...); with --analytic: a HF config.json or a shipped config (llama3-8b, ...).", show_default=False),
     microbatch_sizes: str = typer.Option("1,2,4", "--microbatch-sizes", help="Micro-batch sizes to measure, e.g. 1,2,4,8."),
-    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per sample (language models)."),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (language models); default 128, with --analytic the model's pre-training context."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default fp32; bf16 with --analytic)."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda or cpu (default: cuda when available)."),
     repeats: int = typer.Option(5, "--repeats", help="Timed runs per unit and size (medians)."),
     warmup: int = typer.Option(2, "--warmup", help="Untimed runs first."),
@@ -176,8 +249,28 @@ def profile(
     config: Optional[Path] = typer.Option(None, "--config", help="hf: models: a transformers config.json to build from (the size options override it)."),
     split_backward: bool = typer.Option(True, "--split-backward/--no-split-backward", help="Time the backward's input and weight parts apart (zero-bubble schedules); off: whole backward only."),
     output: Path = typer.Option(..., "-o", "--output", help="Profile JSON to write (atomically).", show_default=False),
+    analytic: bool = typer.Option(False, "--analytic", help="Estimate from a model config and a GPU spec instead of measuring (docs/analytic.md)."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="With --analytic: a known GPU (pipeplan gpus), e.g. h100-sxm."),
+    gpu_spec: Optional[Path] = typer.Option(None, "--gpu-spec", help="With --analytic: a GPU spec TOML file instead of --gpu."),
+    tensor_parallel: str = typer.Option("1", "--tensor-parallel", help="With --analytic: tensor-parallel degrees, e.g. 1,2,4,8 (1 always included)."),
+    sequence_parallel: bool = typer.Option(True, "--sequence-parallel/--no-sequence-parallel", help="With --analytic: Megatron sequence parallelism above degree 1."),
+    flash_attention: bool = typer.Option(True, "--flash-attention/--no-flash-attention", help="With --analytic: flash attention (no s^2 activations)."),
 ):
-    """Measure a torch model per unit (time, activation and output bytes) into a profile."""
+    """Measure a torch model per unit (time, activation and output bytes) into a profile, or estimate one (--analytic)."""
+    if analytic:
+        from pipeplan.analytic import analytic_profile_to_file
+        from pipeplan.analytic.tables import analytic_summary_table
+
+        estimated = analytic_profile_to_file(
+            model, output, gpu=gpu, gpu_spec=gpu_spec, microbatch_sizes=microbatch_sizes,
+            tensor_parallel=tensor_parallel, seq_len=seq_len, dtype=dtype or "bf16",
+            sequence_parallel=sequence_parallel, flash_attention=flash_attention,
+        )
+        _console().print(analytic_summary_table(estimated))
+        typer.echo(f"wrote {output}")
+        return
+    if gpu or gpu_spec or tensor_parallel != "1":
+        raise BadInputError("--gpu, --gpu-spec and --tensor-parallel: only with --analytic")
     from pipeplan.profile import profile_to_file, summary_table
 
     options = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}
@@ -186,12 +279,22 @@ def profile(
 
         options["config"] = read_config(model, str(config))
     result = profile_to_file(
-        model, str(output), microbatch_sizes=microbatch_sizes, seq_len=seq_len, dtype=dtype, device=device,
+        model, str(output), microbatch_sizes=microbatch_sizes, seq_len=128 if seq_len is None else seq_len,
+        dtype=dtype or "fp32", device=device,
         repeats=repeats, warmup=warmup, threads=threads, units=units or None, seed=seed,
         options=options, split_backward=split_backward, progress=True,
     )
     _console().print(summary_table(result))
     typer.echo(f"wrote {output}")
+
+
+@app.command()
+@_handled
+def gpus():
+    """The GPU specifications `profile --analytic --gpu NAME` knows (dense peaks, with sources)."""
+    from pipeplan.analytic.tables import gpu_table
+
+    _console().print(gpu_table())
 
 
 @app.command()
@@ -215,9 +318,11 @@ def plan(
 ):
     """Find the fastest pipeline plan that fits the memory cap."""
     from pipeplan.api import plan_profile
+    from pipeplan.formats.io import refuse_overwriting_input
     from pipeplan.show import plan_tables
 
-    settings = _plan_settings(stages, _default_global_batch(profile, global_batch), microbatch_size, memory_cap,
+    refuse_overwriting_input(output, profile)
+    settings = _plan_settings(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size, memory_cap,
                               optimizer, bandwidth, schedule, virtual_stages, recompute, solver, action_overhead_ms)
     result = plan_profile(profile, settings, output, record_time=record_time)
     if not quiet:
@@ -235,9 +340,10 @@ def show(
     width: int = typer.Option(100, "--width", help="Timeline width in characters."),
 ):
     """Show a plan: stages, layers, times, memory, bubble."""
-    from pipeplan.formats.io import load_plan
+    from pipeplan.formats.io import load_plan, refuse_overwriting_input
     from pipeplan.show import plan_tables, simulation_from_plan
 
+    refuse_overwriting_input(timeline_out, plan_file)
     loaded = load_plan(plan_file)
     console = _console()
     console.print(plan_tables(loaded))
@@ -270,16 +376,17 @@ def compare(
     from pipeplan.api import compare_splits
     from pipeplan.show import comparison_table
 
-    settings = _plan_settings(stages, _default_global_batch(profile, global_batch), microbatch_size, memory_cap,
+    settings = _plan_settings(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size, memory_cap,
                               optimizer, bandwidth, schedule, None, "none", solver, action_overhead_ms)
     rows = compare_splits(profile, settings)
-    _console().print(comparison_table(rows, f"{profile}: {stages} stages, global batch {settings.global_batch}"))
+    _console().print(comparison_table(rows, f"{profile}: {stages} stages, global batch {settings.global_batch}",
+                                      memory_cap_bytes=settings.memory_cap_bytes))
 
 
 @app.command()
 @_handled
-def validate(path: Path = typer.Argument(..., metavar="FILE", help="Profile or plan JSON.", show_default=False)):
-    """Check a profile or plan file and explain any problem."""
+def validate(path: Path = typer.Argument(..., metavar="FILE", help="Profile, plan or run report JSON.", show_default=False)):
+    """Check a profile, plan or run report file and explain any problem."""
     from pipeplan.api import validate_file
 
     typer.echo(validate_file(path))
@@ -288,10 +395,10 @@ def validate(path: Path = typer.Argument(..., metavar="FILE", help="Profile or p
 @app.command()
 @_handled
 def schema(
-    kind: str = typer.Argument(..., metavar="KIND", help="profile or plan.", show_default=False),
+    kind: str = typer.Argument(..., metavar="KIND", help="profile, plan or report (a run report).", show_default=False),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write to a file instead of stdout."),
 ):
-    """Print the JSON Schema of the profile or plan format."""
+    """Print the JSON Schema of the profile, plan or run report format."""
     from pipeplan.formats.schema import json_schema_text
 
     text = json_schema_text(kind)
@@ -315,7 +422,9 @@ def export(
 ):
     """Restate a plan for a launcher: torchtitan TOML, Megatron-LM flags, DeepSpeed parts, torch split points."""
     from pipeplan.export import run_export
+    from pipeplan.formats.io import refuse_overwriting_input
 
+    refuse_overwriting_input(output, plan_file, profile)
     text, written = run_export(plan_file, format, output=output, profile_path=profile, with_schedule_csv=schedule_csv)
     if not written:
         typer.echo(text, nl=False)
@@ -393,15 +502,18 @@ def run(
     verify_tolerance: Optional[float] = typer.Option(None, "--verify-tolerance", help="Largest relative difference --verify accepts (default 1e-4 in fp32, 2e-2 in bf16/fp16)."),
 ):
     """Run a plan with torch.distributed.pipelining under torchrun; report measured vs predicted."""
+    from pipeplan.formats.io import refuse_overwriting_input
     from pipeplan.run import report_table, run_plan_file
     from pipeplan.run.verify import check_verdict, verdict_lines
 
+    refuse_overwriting_input(report, plan_file, profile)
     result = run_plan_file(
         plan_file, report_path=report, profile_path=profile, model=model, steps=steps, threads=threads,
         seq_len=seq_len, model_options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab},
         seed=seed, lr=lr, device=device, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
         rdzv_id=rdzv_id, nproc_per_node=nproc_per_node, timeout_s=timeout, job_timeout_s=job_timeout,
-        alone_repeats=alone_repeats, echo=not quiet, verify=verify, verify_tolerance=verify_tolerance,
+        alone_repeats=alone_repeats, echo=not quiet, raw_output=_state["debug"], verify=verify,
+        verify_tolerance=verify_tolerance,
     )
     _console().print(report_table(result))
     for note in result.get("notes", []):
@@ -416,14 +528,33 @@ def run(
 @app.command()
 @_handled
 def calibrate(
-    plan_file: Path = typer.Argument(..., metavar="PLAN", help="The plan that was run.", show_default=False),
-    report_file: Path = typer.Argument(..., metavar="REPORT", help="Its run report (pipeplan run --report).", show_default=False),
+    plan_file: Path = typer.Argument(..., metavar="PLAN", help="The plan that was run (with --measured: an analytic profile).", show_default=False),
+    report_file: Optional[Path] = typer.Argument(None, metavar="REPORT", help="Its run report (pipeplan run --report).", show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Calibrated profile JSON to write.", show_default=False),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile to scale (default: the one the report names)."),
+    measured: Optional[Path] = typer.Option(None, "--measured", help="Fit the analytic profile PLAN's efficiency model to this measured profile of the same model and GPU (no REPORT)."),
 ):
     """Scale a profile's per-layer times by what a run measured, so the next plan uses real numbers."""
+    from pipeplan.formats.io import refuse_overwriting_input
+
+    if measured is not None:
+        from pipeplan.analytic.calibrate import calibrate_analytic_files
+
+        if report_file is not None or profile is not None:
+            raise BadInputError("--measured: give an analytic profile and no REPORT or --profile")
+        refuse_overwriting_input(output, plan_file, measured)
+        _, fit = calibrate_analytic_files(plan_file, measured, output)
+        eff = fit["efficiency"]
+        typer.echo(f"efficiency fitted to {fit['entries']} unit times: gemm {eff['gemm']}, attention {eff['attention']}, "
+                   f"memory {eff['memory']}, kernel latency {eff['kernel_latency_us']} us; rms log error "
+                   f"{fit['rms_log_error_before']:.3f} -> {fit['rms_log_error_after']:.3f}")
+        typer.echo(f"wrote {output}")
+        return
+    if report_file is None:
+        raise BadInputError("REPORT: missing (the run report of PLAN), or give --measured to fit an analytic profile")
     from pipeplan.run.calibrate import calibrate_files, calibration_table
 
+    refuse_overwriting_input(output, plan_file, report_file, profile)
     calibrated, factors = calibrate_files(plan_file, report_file, output, profile_path=profile)
     _console().print(calibration_table(factors))
     overhead_ms = (calibrated.measurement or {}).get("action_overhead_ms")

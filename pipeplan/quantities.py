@@ -14,6 +14,8 @@ _UNITS = {
     "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+#: The formats' largest byte count (pipeplan.formats.limits.MAX_BYTES).
+_MAX_BYTES = 2**53
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -36,6 +38,8 @@ def parse_bytes(text: str, option: str = "--memory-cap") -> int:
     value = float(match.group(1)) * _UNITS[unit]
     if value <= 0:
         raise BadInputError(f"{option}: {text!r} must be positive")
+    if not math.isfinite(value) or value > _MAX_BYTES:
+        raise BadInputError(f"{option}: {text!r} is more than 2**53 bytes (8 PiB), the largest size pipeplan takes")
     return int(value)
 
 
@@ -55,7 +59,9 @@ def parse_bandwidth(text: str, option: str = "--bandwidth") -> float:
     body = text[:-2] if text.lower().endswith("/s") else text
     try:
         return float(parse_bytes(body, option))
-    except BadInputError:
+    except BadInputError as exc:
+        if "2**53" in str(exc):
+            raise BadInputError(f"{option}: {text!r} is more than 2**53 bytes/s; write inf to ignore transfers") from None
         raise BadInputError(
             f"{option}: {text!r} is not a bandwidth; write e.g. 25GB/s (bytes per second) or inf"
         ) from None

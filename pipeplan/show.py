@@ -8,14 +8,28 @@ from rich.table import Table
 from pipeplan.formats.plan import Plan
 from pipeplan.quantities import format_bytes
 
-__all__ = ["plan_tables", "comparison_table", "simulation_from_plan"]
+__all__ = ["plan_tables", "comparison_table", "simulation_from_plan", "stage_count_words"]
+
+
+def stage_count_words(plan: Plan) -> str:
+    """Ranks and stages in words: a schedule with v stages per rank has v x ranks stages.
+
+    >>> from types import SimpleNamespace as N
+    >>> stage_count_words(N(stages=[0] * 16, virtual_stages=2, settings=N(stages=8)))
+    '8 ranks x 2 stages each (16 stages)'
+    >>> stage_count_words(N(stages=[0] * 4, virtual_stages=1, settings=N(stages=4)))
+    '4 stages on 4 ranks'
+    """
+    ranks = plan.settings.stages
+    if plan.virtual_stages > 1:
+        return f"{ranks} rank{'s' if ranks != 1 else ''} x {plan.virtual_stages} stages each ({len(plan.stages)} stages)"
+    return f"{len(plan.stages)} stage{'s' if len(plan.stages) != 1 else ''} on {ranks} rank{'s' if ranks != 1 else ''}"
 
 
 def plan_tables(plan: Plan) -> Group:
     """Summary and per-stage tables of a plan."""
     p = plan.predicted
-    summary = Table(title=f"{plan.profile.model}: {len(plan.stages)} stages, {plan.schedule}"
-                    + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else ""), show_header=False)
+    summary = Table(title=f"{plan.profile.model}: {stage_count_words(plan)}, {plan.schedule}", show_header=False)
     summary.add_column("what")
     summary.add_column("value", justify="right")
     cap = plan.settings.memory_cap_bytes
@@ -26,9 +40,9 @@ def plan_tables(plan: Plan) -> Group:
         ("iteration", f"{p.iteration_ms:.3f} ms"),
         ("  compute (bottleneck rank)", f"{p.compute_ms:.3f} ms"),
         *overhead,
-        ("  bubble", f"{p.bubble_ms:.3f} ms"),
+        ("  bubble (idle time of the bottleneck rank)", f"{p.bubble_ms:.3f} ms"),
         ("  exposed transfers", f"{p.transfer_ms:.3f} ms"),
-        ("bubble fraction", f"{p.bubble_fraction:.1%}"),
+        ("bubble fraction (idle share of all ranks' time)", f"{p.bubble_fraction:.1%}"),
         ("throughput", f"{p.samples_per_second:.2f} samples/s"),
         ("bottleneck stage", str(p.bottleneck_stage)),
         ("memory cap", format_bytes(cap) if cap else "none"),
@@ -61,8 +75,8 @@ def plan_tables(plan: Plan) -> Group:
     return Group(*parts)
 
 
-def comparison_table(rows, title: str) -> Table:
-    """The optimal plan beside the hand-made splits."""
+def comparison_table(rows, title: str, memory_cap_bytes: int | None = None) -> Table:
+    """The optimal plan beside the hand-made splits; "fits cap" is "no cap" when none was given."""
     table = Table(title=title)
     for column in ("split", "how", "layers per stage", "bottleneck ms", "iteration ms",
                    "samples/s", "vs optimal", "peak memory", "fits cap"):
@@ -75,7 +89,7 @@ def comparison_table(rows, title: str) -> Table:
         rel = "-" if best is None else f"{r.samples_per_second / best:.1%}"
         table.add_row(r.name, r.description, layers, f"{r.bottleneck_ms:.3f}", f"{r.iteration_ms:.3f}",
                       f"{r.samples_per_second:.2f}", rel, format_bytes(r.peak_memory_bytes),
-                      "yes" if r.fits else "NO")
+                      "no cap" if memory_cap_bytes is None else ("yes" if r.fits else "NO"))
     return table
 
 

@@ -294,6 +294,11 @@ def test_cli_calibrate_and_run_errors(tmp_path):
     profile = _profile()
     plan = balanced_plan(profile, schedule="1f1b", ranks=2, microbatch_size=2, num_microbatches=4)
     write_json_atomic(tmp_path / "profile.json", profile)
+    from pipeplan.formats.io import file_sha256
+
+    # calibrate checks that the profile is the one the plan was made from.
+    plan = plan.model_copy(update={"profile": plan.profile.model_copy(
+        update={"sha256": file_sha256(tmp_path / "profile.json")})})
     write_json_atomic(tmp_path / "plan.json", plan)
     report = build_report(plan, _results(plan, forward_scale=2.0), profile_path=str(tmp_path / "profile.json"))
     write_text_atomic(tmp_path / "report.json", json.dumps(report))

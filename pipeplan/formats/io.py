@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from pipeplan.errors import BadInputError
+from pipeplan.formats.limits import MAX_NESTING
 
 __all__ = [
     "dump_model",
@@ -20,6 +21,9 @@ __all__ = [
     "load_json",
     "load_plan",
     "load_profile",
+    "load_report",
+    "refuse_overwriting_input",
+    "write_bytes_atomic",
     "write_json_atomic",
     "write_text_atomic",
 ]
@@ -38,15 +42,32 @@ def _location(loc: tuple[Any, ...]) -> str:
 
 
 def format_validation_error(path: str | Path, error: ValidationError) -> str:
-    """One line per field: ``file: field: problem``."""
-    lines = []
-    for item in error.errors():
-        loc = _location(tuple(item["loc"]))
-        message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "missing":
-            message = "missing field"
-        lines.append(f"{path}: {loc}: {message}")
-    return "\n".join(lines)
+    """One line: ``file: field: problem``, the first problem, and how many others there are."""
+    items = error.errors()
+    if not items:
+        return f"{path}: {error}"
+    item = items[0]
+    loc = _location(tuple(item["loc"]))
+    message = item["msg"].removeprefix("Value error, ")
+    if item["type"] == "missing":
+        message = "missing field"
+    line = f"{path}: {message}" if not item["loc"] else f"{path}: {loc}: {message}"
+    if len(items) > 1:
+        line += f" (and {len(items) - 1} more problem{'s' if len(items) > 2 else ''})"
+    return line
+
+
+def _nesting(data: Any) -> int:
+    """The depth of nested lists and objects, without recursion."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (list, dict)):
+            deepest = max(deepest, depth)
+            if depth > MAX_NESTING:
+                break
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
 
 
 def load_json(path: str | Path) -> Any:
@@ -61,20 +82,46 @@ def load_json(path: str | Path) -> Any:
     except (OSError, UnicodeDecodeError) as exc:
         raise BadInputError(f"{path}: cannot read: {exc}") from None
     try:
-        return json.loads(text)
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BadInputError(
             f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
         ) from None
+    except RecursionError:
+        raise BadInputError(f"{path}: JSON nested too deep (more than {MAX_NESTING} levels)") from None
+    if _nesting(data) > MAX_NESTING:
+        raise BadInputError(f"{path}: JSON nested too deep (more than {MAX_NESTING} levels)")
+    return data
 
 
-def _load(path: str | Path, model: type[M], what: str) -> M:
+def _kind(data: dict) -> str | None:
+    """What a JSON object looks like: ``plan``, ``profile``, ``report`` or None."""
+    if "stages" in data and "predicted" in data:
+        return "plan"
+    if "layers" in data and "stages" not in data:
+        return "profile"
+    if str(data.get("schema", "")).startswith("pipeplan-run-report") or ("ranks" in data and "measured" in data):
+        return "report"
+    return None
+
+
+_ARTICLE = {"plan": "a plan", "profile": "a profile", "report": "a run report"}
+
+
+def _load(path: str | Path, model: type[M], what: str, versions: tuple[int, ...] = (1,)) -> M:
     data = load_json(path)
     if not isinstance(data, dict):
         raise BadInputError(f"{path}: expected a JSON object ({what}), found {type(data).__name__}")
-    if "schema_version" in data and data["schema_version"] != 1:
+    kind = _kind(data)
+    if kind is not None and _ARTICLE[kind] != what:
+        raise BadInputError(f"{path}: this is {_ARTICLE[kind]}, not {what}")
+    version = data.get("schema_version")
+    if isinstance(version, str):
+        raise BadInputError(f"{path}: schema_version: {version!r} is a string; write the number without quotes")
+    if "schema_version" in data and data["schema_version"] not in versions:
+        readable = " and ".join(str(v) for v in versions)
         raise BadInputError(
-            f"{path}: schema_version: {data['schema_version']!r} is not supported; this pipeplan reads 1"
+            f"{path}: schema_version: {data['schema_version']!r} is not supported; this pipeplan reads {readable}"
         )
     try:
         return model.model_validate(data)
@@ -90,9 +137,9 @@ def load_profile(path: str | Path):
     BadInputError
         If the file is missing, not JSON, or breaks a rule of the format.
     """
-    from pipeplan.formats.profile import Profile
+    from pipeplan.formats.profile import SCHEMA_VERSIONS, Profile
 
-    return _load(path, Profile, "a profile")
+    return _load(path, Profile, "a profile", SCHEMA_VERSIONS)
 
 
 def load_plan(path: str | Path):
@@ -102,33 +149,89 @@ def load_plan(path: str | Path):
     return _load(path, Plan, "a plan")
 
 
+def load_report(path: str | Path):
+    """Read and check a run report (``pipeplan run --report``)."""
+    from pipeplan.formats.report import RunReport
+
+    return _load(path, RunReport, "a run report")
+
+
 def dump_model(model: BaseModel) -> str:
     """Stable JSON text: same model, same bytes."""
     data = model.model_dump(mode="json", exclude_none=True)
     return json.dumps(data, indent=2, sort_keys=False, allow_nan=False) + "\n"
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write through a temporary file in the same folder and rename it into place."""
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Write through a temporary file in the same folder and rename it into place.
+
+    The file gets the mode a plain ``open()`` would give it (0666 less the umask); a reader sees
+    the old file or the whole new one, never a part.
+
+    Raises
+    ------
+    BadInputError
+        If the path is a folder, or its folder cannot be made or written (exit 2, one line).
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    if path.is_dir():
+        raise BadInputError(f"{path}: is a directory; give a file name to write")
+    tmp = None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        # mkstemp creates 0600; give the file the mode a plain open() would (0666 less the umask).
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        # mkstemp creates 0600.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+    except BaseException as exc:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if isinstance(exc, OSError):
+            reason = exc.strerror or type(exc).__name__
+            raise BadInputError(f"{path}: cannot write: {reason}") from None
         raise
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write UTF-8 text atomically (:func:`write_bytes_atomic`)."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def refuse_overwriting_input(output: str | Path | None, *inputs: str | Path | None) -> None:
+    """Raise BadInputError if ``output`` is one of the input files (``-o`` equal to the input).
+
+    >>> refuse_overwriting_input("plan.json", "profile.json")
+    >>> refuse_overwriting_input("./p.json", "p.json")
+    Traceback (most recent call last):
+    ...
+    pipeplan.errors.BadInputError: -o p.json: is the input file p.json; write the output to another file
+    """
+    if output is None:
+        return
+    out = Path(output)
+    for source in inputs:
+        if source is None:
+            continue
+        src = Path(source)
+        try:
+            same = out.resolve() == src.resolve() or (out.exists() and src.exists() and os.path.samefile(out, src))
+        except OSError:
+            same = False
+        if same:
+            raise BadInputError(f"-o {out}: is the input file {src}; write the output to another file")
 
 
 def write_json_atomic(path: str | Path, model: BaseModel) -> None:

@@ -10,14 +10,16 @@ __all__ = ["json_schema_text"]
 
 
 def json_schema_text(kind: str) -> str:
-    """The JSON Schema of ``profile`` or ``plan`` as stable, indented text."""
+    """The JSON Schema of ``profile``, ``plan`` or ``report`` (a run report) as stable, indented text."""
     from pipeplan.formats.plan import Plan
     from pipeplan.formats.profile import Profile
+    from pipeplan.formats.report import RunReport
 
-    models = {"profile": Profile, "plan": Plan}
+    models = {"profile": Profile, "plan": Plan, "report": RunReport}
     if kind not in models:
-        raise BadInputError(f"schema: {kind!r} is not one of profile, plan")
-    schema = models[kind].model_json_schema()
+        raise BadInputError(f"schema: {kind!r} is not one of profile, plan, report")
+    schema = models[kind].model_json_schema(by_alias=True)
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["$id"] = f"https://pipeplan.dev/schemas/{kind}-v1.json"
+    version = {"profile": 2, "plan": 1, "report": 1}[kind]
+    schema["$id"] = f"https://pipeplan.dev/schemas/{kind}-v{version}.json"
     return json.dumps(schema, indent=2) + "\n"

@@ -209,7 +209,9 @@ def write_timeline_image(sim: Simulation, path: str | Path) -> None:
             fig.savefig(buffer, format=fmt, metadata=metadata, dpi=120)
         finally:
             plt.close(fig)
-    _write_bytes_atomic(path, buffer.getvalue())
+    from pipeplan.formats.io import write_bytes_atomic
+
+    write_bytes_atomic(path, buffer.getvalue())
 
 
 def _local_stage_index(sim: Simulation) -> list[int]:

@@ -44,8 +44,9 @@ def calibrate_profile(plan: Any, report: dict[str, Any], profile: Any,
     ----------
     plan : Plan
         The plan that was run.
-    report : dict
-        Its run report (:func:`pipeplan.run.report.build_report`).
+    report : RunReport or dict
+        Its run report (:func:`pipeplan.run.report.build_report`); a dict is checked against
+        :class:`pipeplan.formats.report.RunReport`.
     profile : Profile
         The profile the plan was made from.
     source : dict, optional
@@ -59,8 +60,8 @@ def calibrate_profile(plan: Any, report: dict[str, Any], profile: Any,
     Raises
     ------
     BadInputError
-        A report of another plan (schedule, micro-batches, ranks), a plan layer the profile
-        lacks, or a rank with no measured time.
+        A report that breaks the format, a report of another plan (schedule, micro-batches,
+        ranks), a plan layer the profile lacks, or a rank with no measured time.
 
     Examples
     --------
@@ -78,11 +79,12 @@ def calibrate_profile(plan: Any, report: dict[str, Any], profile: Any,
     >>> [(c.forward_ms, c.backward_ms) for layer in new.layers for c in layer.costs]
     [(1.5, 2.0), (1.0, 2.0)]
     """
+    report = _as_report(report)
     for key, value in (("schedule", plan.schedule), ("num_microbatches", plan.num_microbatches),
                        ("microbatch_size", plan.microbatch_size)):
-        if report.get(key) != value:
+        if getattr(report, key) != value:
             raise BadInputError(
-                f"report: {key} is {report.get(key)!r} but the plan's is {value!r}; give the report of a run "
+                f"report: {key} is {getattr(report, key)!r} but the plan's is {value!r}; give the report of a run "
                 f"of this plan"
             )
     size = plan.microbatch_size
@@ -92,7 +94,7 @@ def calibrate_profile(plan: Any, report: dict[str, Any], profile: Any,
             f"give the profile the plan was made from"
         )
     by_name = {layer.name: layer for layer in profile.layers}
-    rows = {row["rank"]: row for row in report.get("ranks", [])}
+    rows = {row.rank: row for row in report.ranks}
     m = plan.num_microbatches
     stage_ranks = {s.index: s.rank for s in plan.stages}
     factors = []
@@ -110,8 +112,8 @@ def calibrate_profile(plan: Any, report: dict[str, Any], profile: Any,
         row = rows[rank]
         predicted_forward = m * sum(by_name[n].cost_at(size).forward_ms for n in layers)
         predicted_backward = m * sum(by_name[n].cost_at(size).backward_ms for n in layers)
-        measured_forward = float(row["forward_ms"]) + float(row.get("loss_ms") or 0.0)
-        measured_backward = float(row["backward_ms"]) + float(row.get("weight_ms") or 0.0)
+        measured_forward = row.forward_ms + (row.loss_ms or 0.0)
+        measured_backward = row.backward_ms + (row.weight_ms or 0.0)
         if measured_forward <= 0 or measured_backward <= 0:
             raise BadInputError(f"report: rank {rank} has no measured compute time; rerun with more --steps")
         forward = measured_forward / predicted_forward if predicted_forward > 0 else 1.0
@@ -124,7 +126,7 @@ def calibrate_profile(plan: Any, report: dict[str, Any], profile: Any,
                         "predicted_forward_ms": round(predicted_forward, 4),
                         "measured_backward_ms": round(measured_backward, 4),
                         "predicted_backward_ms": round(predicted_backward, 4),
-                        "cpu_share": row.get("cpu_share")})
+                        "cpu_share": row.cpu_share})
     data = profile.model_dump()
     new_layers = []
     for layer in profile.layers:
@@ -138,7 +140,7 @@ def calibrate_profile(plan: Any, report: dict[str, Any], profile: Any,
         "microbatch_size": size,
         "factors": factors,
     }
-    overhead_ms = (report.get("measured") or {}).get("action_overhead_ms")
+    overhead_ms = report.measured.action_overhead_ms
     if overhead_ms is not None:
         # The planner counts it before every action of a plan made from this profile.
         measurement["action_overhead_ms"] = round(float(overhead_ms), 4)
@@ -148,25 +150,45 @@ def calibrate_profile(plan: Any, report: dict[str, Any], profile: Any,
     return type(profile).model_validate(data), factors
 
 
+def _as_report(report: Any) -> Any:
+    from pydantic import ValidationError
+
+    from pipeplan.formats.io import format_validation_error
+    from pipeplan.formats.report import RunReport
+
+    if isinstance(report, RunReport):
+        return report
+    if not isinstance(report, dict):
+        raise BadInputError(f"report: expected a run report object, found {type(report).__name__}")
+    try:
+        return RunReport.model_validate(report)
+    except ValidationError as exc:
+        raise BadInputError(format_validation_error("report", exc)) from None
+
+
 def calibrate_files(plan_path: str | Path, report_path: str | Path, output: str | Path,
                     profile_path: Optional[str | Path] = None) -> tuple[Any, list[dict[str, Any]]]:
     """``pipeplan calibrate``: read the plan, the run report and the profile; write the new profile.
 
     ``profile_path`` defaults to the profile the report names (``pipeplan run --profile``).
     """
-    from pipeplan.formats.io import load_json, load_plan, load_profile, write_json_atomic
+    from pipeplan.formats.io import file_sha256, load_plan, load_profile, load_report, write_json_atomic
 
     plan = load_plan(plan_path)
-    report = load_json(report_path)
-    if not isinstance(report, dict) or "ranks" not in report:
-        raise BadInputError(f"{report_path}: not a run report (written by pipeplan run --report)")
+    report = load_report(report_path)
     if profile_path is None:
-        profile_path = report.get("profile_path")
+        profile_path = report.profile_path
         if profile_path is None:
             raise BadInputError(
                 f"{report_path} names no profile (the run had no --profile); give --profile PROFILE.json"
             )
     profile = load_profile(profile_path)
+    sha = file_sha256(profile_path)
+    if sha != plan.profile.sha256:
+        raise BadInputError(
+            f"{profile_path}: sha256 {sha[:12]}... is not the plan's profile.sha256 {plan.profile.sha256[:12]}...; "
+            f"give the profile {plan_path} was made from (--profile)"
+        )
     calibrated, factors = calibrate_profile(
         plan, report, profile,
         source={"plan": str(plan_path), "report": str(report_path), "profile": str(profile_path)},

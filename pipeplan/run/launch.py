@@ -14,8 +14,14 @@ Failure handling
   summary.
 - A rank that hangs: the others wait at most ``timeout_s`` in any collective or point-to-point
   transfer (``init_process_group(timeout=...)``), then fail, and torchrun ends the job.
-- The whole job gets at most ``job_timeout_s``; on that limit, Ctrl-C, or any exit, the launcher
-  terminates the process group torchrun leads (SIGTERM, then SIGKILL), so no rank outlives it.
+- A rank stopped (SIGSTOP) or stuck keeps its sockets open, so its peers time out rather than
+  see the connection close: it is reported as "stopped answering (hung or stuck)", even though
+  torchrun then SIGKILLs it.
+- The whole job gets at most ``job_timeout_s``; on that limit, Ctrl-C, SIGTERM or SIGHUP to the
+  launcher, or any exit, the launcher terminates the process group torchrun leads (SIGTERM,
+  then SIGKILL) and removes the run's temporary folder, so no rank outlives it.
+- Echoed output leaves out torchrun's own traceback and failure summary (its "Root Cause" can
+  name the wrong rank); the error names the rank. ``pipeplan --debug run`` shows everything.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from pipeplan.errors import BadInputError, PipeplanError
 
 __all__ = [
     "RunFailedError",
+    "RunStoppedError",
     "run_plan",
     "run_plans",
     "run_plan_file",
@@ -178,14 +185,106 @@ def torchrun_command(config_path: str | Path, nproc_per_node: int, *, nnodes: in
     return cmd
 
 
-def _pump(stream: Any, tail: deque, echo: bool) -> None:
+class _TorchrunFilter:
+    """Drops torchrun's own traceback and failure summary from the echoed output.
+
+    The ranks' output passes through; torchrun's ``ChildFailedError`` traceback (30-40 lines,
+    whose "Root Cause" may name the wrong rank) and its elastic-agent log lines do not: the
+    launcher's one-line message says which rank failed and why. ``--debug`` shows everything.
+
+    >>> f = _TorchrunFilter()
+    >>> lines = ["rank 0 says hi", "Traceback (most recent call last):",
+    ...          '  File "/x/torch/distributed/run.py", line 9, in main',
+    ...          "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+    ...          "=" * 20, "pipeplan.run.worker FAILED", "-" * 20, "Root Cause", "=" * 20, "bye"]
+    >>> [out for line in lines for out in f.feed(line)]
+    ['rank 0 says hi', 'bye']
+    """
+
+    def __init__(self) -> None:
+        self._held: list[str] = []
+        self._rules_left = 0
+
+    def feed(self, line: str) -> list[str]:
+        if self._rules_left:
+            if line.startswith("====="):
+                self._rules_left -= 1
+            return []
+        if self._held:
+            self._held.append(line)
+            if "ChildFailedError" in line:
+                self._held = []
+                self._rules_left = 2
+                return []
+            if line.startswith((" ", "\t")) or line.startswith("Traceback"):
+                return []
+            held, self._held = self._held, []
+            if any("torch/distributed/" in h for h in held):
+                return []
+            return held
+        if line.startswith("Traceback (most recent call last):"):
+            self._held = [line]
+            return []
+        if re.match(r"^[WIE]\d{4} .*(torch/distributed/elastic|torch\.distributed\.elastic)", line):
+            return []
+        return [line]
+
+    def flush(self) -> list[str]:
+        held, self._held = self._held, []
+        return [] if any("torch/distributed/" in h for h in held) else held
+
+
+def _pump(stream: Any, tail: deque, echo: bool, raw_output: bool = False) -> None:
+    keep = None if raw_output else _TorchrunFilter()
     for raw in iter(stream.readline, b""):
-        line = raw.decode("utf-8", errors="replace")
-        tail.append(line.rstrip("\n"))
+        line = raw.decode("utf-8", errors="replace").rstrip("\n")
+        tail.append(line)
         if echo:
-            sys.stderr.write(line)
+            for out in ([line] if keep is None else keep.feed(line)):
+                sys.stderr.write(out + "\n")
             sys.stderr.flush()
+    if echo and keep is not None:
+        for out in keep.flush():
+            sys.stderr.write(out + "\n")
+        sys.stderr.flush()
     stream.close()
+
+
+class RunStoppedError(PipeplanError):
+    """The launcher got SIGTERM or SIGHUP: the job was ended like on Ctrl-C (exit 128 + signal)."""
+
+    def __init__(self, signum: int) -> None:
+        self.exit_code = 128 + signum
+        super().__init__(f"run: stopped by {signal.Signals(signum).name}; torchrun and every rank were ended, "
+                         f"no report written")
+
+
+class _StopOnSignals:
+    """While the job runs, SIGTERM and SIGHUP raise :class:`RunStoppedError` in the launcher.
+
+    The exception unwinds through the ``finally`` that ends torchrun's process group and removes
+    the run's temporary folder, as Ctrl-C does. Outside the main thread signals cannot be caught
+    and nothing changes.
+    """
+
+    SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+    def __enter__(self) -> "_StopOnSignals":
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._raise)
+        return self
+
+    def _raise(self, signum: int, frame: Any) -> None:
+        # Once: a second signal while the group is being ended must not cut that short.
+        if not getattr(self, "_stopping", False):
+            self._stopping = True
+            raise RunStoppedError(signum)
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 def _terminate_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
@@ -221,6 +320,13 @@ _SECONDARY = ("connection closed by peer", "timed out", "timeout", "connection r
 def _is_secondary(error: dict[str, Any]) -> bool:
     text = f"{error.get('type', '')} {error.get('message', '')}".lower()
     return any(marker in text for marker in _SECONDARY)
+
+
+def _timed_out(error: dict[str, Any]) -> bool:
+    """A peer gave up waiting (timeout), as opposed to seeing the connection close."""
+    text = f"{error.get('type', '')} {error.get('message', '')}".lower()
+    closed = any(marker in text for marker in ("closed", "reset", "broken pipe"))
+    return ("timed out" in text or "timeout" in text) and not closed
 
 
 def _root_cause(tail: Sequence[str]) -> Optional[tuple[int, Optional[int]]]:
@@ -292,7 +398,12 @@ def _failure_message(out_dir: Path, tail: Sequence[str], returncode: Optional[in
         # A silent rank that exited on its own (not torchrun's SIGTERM to the survivors) died:
         # the peer's "connection closed" is the consequence, whichever torchrun saw first.
         codes = _exit_codes(tail)
-        died = [r for r in silent if codes.get(r, 0) > 0 or codes.get(r, 0) in (-signal.SIGKILL, -signal.SIGSEGV, -signal.SIGABRT)]
+        # A rank killed outright (out of memory) closes its sockets: its peers see "connection
+        # closed". A stopped rank (SIGSTOP, a hang) keeps them open: its peers time out, and
+        # torchrun's SIGKILL to the unresponsive process is the consequence, not the cause.
+        peers_timed_out = all(_timed_out(e) for e in errors)
+        died = [r for r in silent if codes.get(r, 0) > 0 or codes.get(r, 0) in (-signal.SIGSEGV, -signal.SIGABRT)
+                or (codes.get(r, 0) == -signal.SIGKILL and not peers_timed_out)]
         if died:
             message = (f"rank {died[0]} died without an error report ({_exit_text(codes[died[0]])}); "
                        f"see its output above; rank {first['rank']} then failed: {describe(first)}")
@@ -346,7 +457,8 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
              rdzv_id: str = "pipeplan", nproc_per_node: Optional[int] = None,
              timeout_s: float = DEFAULT_TIMEOUT_S, job_timeout_s: Optional[float] = 3600.0,
              work_dir: Optional[str | Path] = None, dump_grads: bool = False, alone_repeats: int = 2,
-             echo: bool = True, env: Optional[dict[str, str]] = None, verify: bool = False,
+             echo: bool = True, env: Optional[dict[str, str]] = None,
+             raw_output: bool = False, verify: bool = False,
              verify_tolerance: Optional[float] = None) -> list[dict[str, Any]]:
     """Run each plan in turn in one torchrun job; return one run report per plan.
 
@@ -391,7 +503,10 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
         Timed passes each time the ranks re-time their stages alone (about every fifth step; see
         :mod:`pipeplan.run.report`, ``alone_ratio``); 0 skips it.
     echo : bool
-        Copy torchrun's output to stderr as it comes.
+        Copy the ranks' output to stderr as it comes (torchrun's own traceback and failure
+        summary left out: the raised error names the failing rank).
+    raw_output : bool
+        Echo torchrun's output unfiltered (``pipeplan --debug run``).
     env : dict, optional
         Extra environment variables for the ranks.
     verify : bool
@@ -412,6 +527,9 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
     RunFailedError
         A rank failed, hung past ``timeout_s``, or the job passed ``job_timeout_s``; the message
         names the rank and the cause.
+    RunStoppedError
+        The launcher got SIGTERM or SIGHUP; torchrun's process group was ended and the temporary
+        folder removed first.
     """
     from pipeplan.run.report import build_report
 
@@ -444,70 +562,72 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
     if spec["seq_len"] is None:
         spec["seq_len"] = 128
 
-    cleanup = None
-    if work_dir is None:
-        cleanup = tempfile.TemporaryDirectory(prefix="pipeplan-run-")
-        out_dir = Path(cleanup.name)
-    else:
-        out_dir = Path(work_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for stale in list(out_dir.glob("error-rank*.json")) + list(out_dir.glob("ranks.json")):
-            stale.unlink()
-    try:
-        config = worker_config(plans, model=spec["model"], out_dir=out_dir, steps=steps,
-                               model_options=spec["model_options"], unit_patterns=spec["unit_patterns"],
-                               seq_len=spec["seq_len"], dtype=spec["dtype"], threads=threads, seed=seed,
-                               lr=lr, device=device, timeout_s=timeout_s, dump_grads=dump_grads,
-                               alone_repeats=alone_repeats, verify=verify)
-        config_path = out_dir / "config.json"
-        config_path.write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
-        cmd = torchrun_command(config_path, nproc_per_node, nnodes=nnodes, node_rank=node_rank,
-                               rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
-        child_env = dict(os.environ)
-        if threads is not None:
-            child_env["OMP_NUM_THREADS"] = str(threads)
-        child_env.setdefault("PYTHONUNBUFFERED", "1")
-        child_env.update(env or {})
-        load_before = _load_average()
-        started = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env,
-                                start_new_session=True)
-        tail: deque = deque(maxlen=200)
-        pump = threading.Thread(target=_pump, args=(proc.stdout, tail, echo), daemon=True)
-        pump.start()
-        timed_out = None
+    with _StopOnSignals():
+        cleanup = None
+        if work_dir is None:
+            cleanup = tempfile.TemporaryDirectory(prefix="pipeplan-run-")
+            out_dir = Path(cleanup.name)
+        else:
+            out_dir = Path(work_dir)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            for stale in list(out_dir.glob("error-rank*.json")) + list(out_dir.glob("ranks.json")):
+                stale.unlink()
         try:
-            proc.wait(timeout=job_timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = job_timeout_s
-        finally:
-            # Whatever happened (normal end, limit, Ctrl-C), no rank outlives the launcher.
-            _terminate_group(proc)
-            pump.join(timeout=5.0)
-        elapsed_s = time.monotonic() - started
-        result_path = out_dir / "ranks.json"
-        if timed_out is not None or proc.returncode != 0 or not result_path.exists():
-            raise RunFailedError(
-                "run: " + _failure_message(out_dir, list(tail), proc.returncode, timed_out, num_ranks)
-            )
-        gathered = json.loads(result_path.read_text(encoding="utf-8"))  # [rank][plan]
-        reports = [build_report(
-            plan, [per_rank[index] for per_rank in gathered], profile=profile, profile_path=profile_path,
-            run={"model": spec["model"], "model_options": spec["model_options"], "seq_len": spec["seq_len"],
-                 "dtype": spec["dtype"], "steps": steps, "threads": threads, "seed": seed, "lr": lr,
-                 "nnodes": nnodes, "nproc_per_node": nproc_per_node, "timeout_s": timeout_s,
-                 "wall_s": round(elapsed_s, 2), "load_average_before": load_before,
-                 "load_average_after": _load_average(), "cpu_count": os.cpu_count()},
-        ) for index, plan in enumerate(plans)]
-        if verify:
-            from pipeplan.run.verify import attach_verdict
+            config = worker_config(plans, model=spec["model"], out_dir=out_dir, steps=steps,
+                                   model_options=spec["model_options"], unit_patterns=spec["unit_patterns"],
+                                   seq_len=spec["seq_len"], dtype=spec["dtype"], threads=threads, seed=seed,
+                                   lr=lr, device=device, timeout_s=timeout_s, dump_grads=dump_grads,
+                                   alone_repeats=alone_repeats, verify=verify)
+            config_path = out_dir / "config.json"
+            config_path.write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+            cmd = torchrun_command(config_path, nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                                   rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+            child_env = dict(os.environ)
+            if threads is not None:
+                child_env["OMP_NUM_THREADS"] = str(threads)
+            child_env.setdefault("PYTHONUNBUFFERED", "1")
+            child_env.update(env or {})
+            load_before = _load_average()
+            started = time.monotonic()
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env,
+                                    start_new_session=True)
+            tail: deque = deque(maxlen=200)
+            pump = threading.Thread(target=_pump, args=(proc.stdout, tail, echo, raw_output), daemon=True)
+            pump.start()
+            timed_out = None
+            try:
+                proc.wait(timeout=job_timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = job_timeout_s
+            finally:
+                # Whatever happened (normal end, limit, Ctrl-C), no rank outlives the launcher.
+                _terminate_group(proc)
+                pump.join(timeout=5.0)
+            elapsed_s = time.monotonic() - started
+            result_path = out_dir / "ranks.json"
+            if timed_out is not None or proc.returncode != 0 or not result_path.exists():
+                raise RunFailedError(
+                    "run: " + _failure_message(out_dir, list(tail), proc.returncode, timed_out, num_ranks)
+                )
+            gathered = json.loads(result_path.read_text(encoding="utf-8"))  # [rank][plan]
+            reports = [build_report(
+                plan, [per_rank[index] for per_rank in gathered], profile=profile, profile_path=profile_path,
+                run={"model": spec["model"], "model_options": spec["model_options"], "seq_len": spec["seq_len"],
+                     "dtype": spec["dtype"], "steps": steps, "threads": threads, "seed": seed, "lr": lr,
+                     "nnodes": nnodes, "nproc_per_node": nproc_per_node, "timeout_s": timeout_s,
+                     "wall_s": round(elapsed_s, 2), "load_average_before": load_before,
+                     "load_average_after": _load_average(), "cpu_count": os.cpu_count()},
+            ) for index, plan in enumerate(plans)]
+            if verify:
+                from pipeplan.run.verify import attach_verdict
 
-            for index, report in enumerate(reports):
-                attach_verdict(report, [per_rank[index] for per_rank in gathered], spec["dtype"], verify_tolerance)
-        return reports
-    finally:
-        if cleanup is not None:
-            cleanup.cleanup()
+                for index, report in enumerate(reports):
+                    attach_verdict(report, [per_rank[index] for per_rank in gathered], spec["dtype"],
+                                   verify_tolerance)
+            return reports
+        finally:
+            if cleanup is not None:
+                cleanup.cleanup()
 
 
 def _load_average() -> Optional[list[float]]:

@@ -637,7 +637,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             from pipeplan.formats.io import write_text_atomic
 
             write_text_atomic(error_file(out_dir, rank), json.dumps(record, indent=1) + "\n")
-        except OSError:
+        except Exception:  # noqa: BLE001 - the record is best-effort (the writer raises BadInputError)
             pass
         print(f"pipeplan run: rank {rank} failed: {type(exc).__name__}: {first}", file=sys.stderr, flush=True)
         # Skip interpreter teardown: a process group with pending peers can block in its destructor.

@@ -29,13 +29,15 @@ def plan_profile(profile_path: str | Path, settings: PlanSettings, output: str |
     """``pipeplan plan``: plan a profile file and write the plan atomically."""
     from pipeplan.plan.planner import make_plan
 
-    profile = load_profile(profile_path)
-    from pipeplan.run.stages import runnable_problem
+    from pipeplan.run.defaults import check_plannable
 
-    problem = runnable_problem(profile)
-    if problem is not None:
-        raise BadInputError(f"{profile_path}: {problem}")
+    profile = load_profile(profile_path)
+    # Until the planner takes run's defaults itself: refuse what no stage builder can run, and
+    # the measured default per-action overhead for where the profile was measured.
+    settings, note = check_plannable(profile, settings, str(profile_path))
     plan = make_plan(profile, settings, profile_sha256=file_sha256(profile_path), record_time=record_time)
+    if note is not None:
+        plan.notes.append(note)
     if output is not None:
         write_json_atomic(output, plan)
     return plan

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from pipeplan.errors import BadInputError
-from pipeplan.profile.units import tied_parameter_names
 
 __all__ = [
     "RankStages",
@@ -43,9 +42,7 @@ __all__ = [
     "build_rank_stages",
     "stage_builder",
     "traced_split",
-    "tied_parameter_names",
     "check_builders",
-    "runnable_problem",
 ]
 
 
@@ -240,7 +237,7 @@ def check_builders(model_name: str, net: Any, order: Sequence[str], graph: Any, 
     ``units`` needs a torch.fx graph with every unit's arguments known; ``traced`` needs
     torch's tracer to split the model before every unit but the first (every boundary a plan
     may choose). Recorded in the profile's ``measurement.stage_builders``; ``plan`` refuses a
-    profile where neither works (:func:`runnable_problem`).
+    profile where neither works (:func:`pipeplan.run.defaults.runnable_problem`).
     """
     from pipeplan.profile.hf import is_hf_model
     from pipeplan.profile.measure import exception_line
@@ -264,30 +261,6 @@ def check_builders(model_name: str, net: Any, order: Sequence[str], graph: Any, 
     for p in net.parameters():
         p.grad = None
     return record
-
-
-def runnable_problem(profile: Any) -> Optional[str]:
-    """Why no stage builder of ``pipeplan run`` can run this profile's model, or None.
-
-    Only measured profiles that recorded ``measurement.stage_builders`` can say (no torch is
-    needed here).
-
-    Examples
-    --------
-    >>> from types import SimpleNamespace
-    >>> p = SimpleNamespace(model="m:f", measurement={"stage_builders": {"units": False, "traced": False,
-    ...     "traced_error": "torch.export failed"}})
-    >>> runnable_problem(p)[:60]
-    "no stage builder of pipeplan run can run m:f: torch.fx's grap"
-    """
-    builders = (getattr(profile, "measurement", None) or {}).get("stage_builders")
-    if not builders or builders.get("units") or builders.get("traced"):
-        return None
-    return (f"no stage builder of pipeplan run can run {profile.model}: torch.fx's graph leaves some "
-            f"unit's inputs unknown (fx: {(profile.measurement or {}).get('fx_error') or 'values computed outside units'}) "
-            f"and torch's tracer cannot split it before every unit "
-            f"({builders.get('traced_error', 'unknown error')}); choose coarser units (--units) "
-            f"or make the forward traceable by torch.export")
 
 
 def stage_builder(model: str, stage_layers: Sequence[Sequence[str]], *, seed: int = 0, device: Any = "cpu",
@@ -371,6 +344,8 @@ def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_i
             from pipeplan.profile.loading import call_model
 
             eager = call_model(net, example_inputs)
+    from pipeplan.profile.units import tied_parameter_names
+
     tied = tied_parameter_names(net)
     alias = {name: canonical for canonical, group in tied.items() for name in group}
     pipe, routing = traced_split(net, example_inputs, [layers[0] for layers in stage_layers[1:]])

@@ -71,7 +71,9 @@ def _plans(model: str, ranks: int, schedules: list[str]):
     pytest.param("hf:bert", 4, ["1f1b", "interleaved", "zbv"], marks=pytest.mark.slow),
     pytest.param("hf:vit", 4, ["1f1b", "interleaved", "zb"], marks=pytest.mark.slow),
 ])
-def test_a_pipelined_step_equals_one_process(tmp_path, model, ranks, schedules):
+def test_a_pipelined_step_equals_one_process(request, tmp_path, model, ranks, schedules):
+    if "slow" in request.node.keywords and "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the full model x ranks x schedule matrix (~10 min on 2 cores): pytest -m slow tests/test_run_hf.py")
     plans = _plans(model, ranks, schedules)
     assert [p.schedule for p in plans] == schedules
     reports = run_plans(plans, profile=_profile(model), steps=2, work_dir=tmp_path, echo=False,
@@ -81,7 +83,8 @@ def test_a_pipelined_step_equals_one_process(tmp_path, model, ranks, schedules):
         assert verdict["passed"], (report["schedule"], verdict["failures"])
         assert verdict["stage_builder"] == "traced"
         assert [row["stage"] for row in verdict["stages"]] == list(range(len(plan.stages)))
-        assert all(row["parameters_compared"] > 0 or row["stage"] > 0 for row in verdict["stages"])
+        assert all(not row["missing_gradients"] for row in verdict["stages"])
+        assert sum(row["parameters_compared"] for row in verdict["stages"]) > 0
         assert verdict["max_rel_diff"] < 1e-4
         assert len(report["loss"]) == 2
 

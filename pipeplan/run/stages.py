@@ -15,7 +15,8 @@ Two stage builders, chosen per model (:func:`stage_builder`):
     stage that first needs it. Used for ``hf:`` models and for user models the ``units``
     builder cannot run. Every rank builds and traces the whole model, then keeps its stages.
 
-Each traced stage is wrapped in :class:`TracedStage`, which routes the values that cross
+Each traced stage is wrapped (``_traced_stage_class``: a module class made once torch is
+imported), which routes the values that cross
 stage boundaries: a stage takes every value made before it and used by it or later, and
 returns every value made by it or before and used later (a model input such as ``labels``
 travels from the first stage to the one that uses it). The wrapped modules go into ordinary
@@ -37,7 +38,6 @@ from pipeplan.errors import BadInputError
 
 __all__ = [
     "RankStages",
-    "TracedStage",
     "TiedGrads",
     "build_rank_stages",
     "stage_builder",
@@ -136,10 +136,6 @@ def _as_leaf_if_constant(value: Any) -> Any:
             and torch.is_grad_enabled():
         return value.detach().requires_grad_(True)
     return value
-
-
-class TracedStage:
-    """Placeholder so that the docs name the class; the real one is made by :func:`_traced_stage_class`."""
 
 
 def _traced_stage_class() -> type:
@@ -404,7 +400,6 @@ def _example_values(pipe: Any, routing: _Routing, cls: type, example_inputs: Any
         out.append((inputs, tuple(example(v) for v in values)))
     for p in pipe.split_gm.parameters():
         p.grad = None
-    del torch
     return out
 
 

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 from pipeplan.errors import PipeplanError
 
-__all__ = ["microbatches", "reference_step", "compare_stage", "summarize", "default_tolerance",
+__all__ = ["microbatches", "reference_step", "compare_stage", "compare_rank", "summarize", "default_tolerance",
            "attach_verdict", "check_verdict", "verdict_lines", "VerifyFailedError"]
 
 
@@ -131,6 +131,24 @@ def compare_stage(stage_index: int, module: Any, names: dict[str, str], ref_grad
         record["reference_loss"] = ref_loss
         record["loss_rel_diff"] = abs(loss - ref_loss) / abs(ref_loss) if ref_loss else abs(loss)
     return record
+
+
+def compare_rank(modules: Sequence[Any], stages: Sequence[Any], param_names: Sequence[dict[str, str]],
+                 reference: tuple[float, dict[str, Any]], step_losses: Sequence[Any],
+                 num_stages: int) -> list[dict[str, Any]]:
+    """:func:`compare_stage` for each of a rank's stages; the last stage also compares the loss
+    (the mean of the step's micro-batch losses)."""
+    import torch
+
+    ref_loss, ref_grads = reference
+    rows = []
+    for module, stage, names in zip(modules, stages, param_names):
+        loss = None
+        if stage.index == num_stages - 1 and step_losses:
+            loss = float(torch.stack([x.detach().float() for x in step_losses]).mean())
+        rows.append(compare_stage(stage.index, module, names, ref_grads, loss=loss,
+                                  ref_loss=ref_loss if loss is not None else None))
+    return rows
 
 
 def summarize(per_rank: Sequence[Optional[list[dict[str, Any]]]], tolerance: float) -> Optional[dict[str, Any]]:

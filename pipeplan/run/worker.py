@@ -236,24 +236,6 @@ def _fault(rank: int) -> Optional[str]:
     return kind if who.strip() in (str(rank), "all") else None
 
 
-def _verify_stages(modules: list, stages: list, param_names: list, reference: tuple, step_losses: list,
-                   num_stages: int) -> list[dict[str, Any]]:
-    """Compare this rank's stages with the single-process step (see :mod:`pipeplan.run.verify`)."""
-    import torch
-
-    from pipeplan.run.verify import compare_stage
-
-    ref_loss, ref_grads = reference
-    rows = []
-    for module, stage, names in zip(modules, stages, param_names):
-        loss = None
-        if stage.index == num_stages - 1 and step_losses:
-            loss = float(torch.stack([x.detach().float() for x in step_losses]).mean())
-        rows.append(compare_stage(stage.index, module, names, ref_grads, loss=loss,
-                                  ref_loss=ref_loss if loss is not None else None))
-    return rows
-
-
 def run_rank(config: dict[str, Any]) -> list[dict[str, Any]]:
     """Run this process's pipeline rank of each plan in turn; return its measurements.
 
@@ -540,8 +522,9 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
             torch.cuda.synchronize(device)
         pipeline_done = time.perf_counter()
         if step == 0 and reference is not None:
-            verified = _verify_stages(modules, stages_here, built.param_names, reference, step_losses,
-                                      num_stages)
+            from pipeplan.run.verify import compare_rank
+
+            verified = compare_rank(modules, stages_here, built.param_names, reference, step_losses, num_stages)
         if step == 0 and config.get("dump_grads"):
             grads = {mapping.get(name, name): p.grad.detach().cpu().clone()
                      for module, mapping in zip(modules, built.param_names)

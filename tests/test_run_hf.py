@@ -54,9 +54,10 @@ def _plans(model: str, ranks: int, schedules: list[str]):
 @pytest.mark.parametrize("model, ranks, schedules", [
     # Fast: one case per model family, 2 ranks (each job costs ~25 s on the loaded 2-core
     # machine, most of it 2 processes importing transformers and tracing the model per plan).
-    ("hf:gpt2", 2, ["1f1b", "zbv"]),                     # tied embedding / LM head
+    # (1f1b on GPT-2 runs in the --verify failure test below.)
+    ("hf:gpt2", 2, ["zbv"]),                             # tied embedding / LM head
     ("hf:llama", 2, ["zb"]),                             # rotary tables cross every boundary
-    ("hf:bert", 2, ["interleaved"]),                     # tied; split backward falls back on 'cls'
+    pytest.param("hf:bert", 2, ["interleaved"], marks=pytest.mark.slow),  # tied; B/W fallback on 'cls'
     # The rest of the matrix: every model at 2 and 4 ranks under 1f1b, interleaved and a
     # zero-bubble schedule.
     pytest.param("hf:vit", 2, ["1f1b", "zbv"], marks=pytest.mark.slow),  # [:, 0] before the classifier

@@ -233,7 +233,7 @@ def check_builders(model_name: str, net: Any, order: Sequence[str], graph: Any, 
     ``units`` needs a torch.fx graph with every unit's arguments known; ``traced`` needs
     torch's tracer to split the model before every unit but the first (every boundary a plan
     may choose). Recorded in the profile's ``measurement.stage_builders``; ``plan`` refuses a
-    profile where neither works (:func:`pipeplan.run.defaults.runnable_problem`).
+    profile where neither works (:func:`pipeplan.plan.runnable.runnable_problem`).
     """
     from pipeplan.profile.hf import is_hf_model
     from pipeplan.profile.measure import exception_line

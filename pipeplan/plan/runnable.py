@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["ACTION_OVERHEAD_MS", "default_action_overhead_ms", "with_run_defaults", "runnable_problem",
-           "check_plannable"]
+__all__ = ["ACTION_OVERHEAD_MS", "default_action_overhead_ms", "default_overhead_note", "runnable_problem",
+           "refuse_unrunnable"]
 
 #: (device type, backend) -> (ms per action, how it was measured).
 ACTION_OVERHEAD_MS: dict[tuple[str, str], tuple[float, str]] = {
@@ -60,21 +60,18 @@ def default_action_overhead_ms(profile: Any) -> Optional[tuple[float, str]]:
     return ACTION_OVERHEAD_MS.get((device, _BACKEND.get(device, "")))
 
 
-def with_run_defaults(profile: Any, settings: Any) -> tuple[Any, Optional[str]]:
-    """``settings`` with the default per-action overhead filled in where nothing else gives one,
-    and a note for the plan saying so (None when nothing was filled in)."""
-    if settings.action_overhead_ms is not None:
-        return settings, None
-    if (getattr(profile, "measurement", None) or {}).get("action_overhead_ms"):
-        return settings, None  # a calibrated figure: the planner takes it
+def default_overhead_note(profile: Any, settings: Any) -> Optional[str]:
+    """The plan's note when the default per-action overhead applies to ``settings`` (as given by
+    the user, before the profile's defaults), else None."""
+    if settings.action_overhead_ms is not None or (getattr(profile, "measurement", None) or {}).get("action_overhead_ms"):
+        return None
     default = default_action_overhead_ms(profile)
     if default is None:
-        return settings, None
+        return None
     ms, source = default
-    note = (f"the schedule's own time per action is the default for {profile.measurement['device_type']}/"
-            f"{_BACKEND[profile.measurement['device_type']]}, {ms:g} ms ({source}); "
-            f"--action-overhead-ms overrides it, pipeplan calibrate measures it on your machine")
-    return settings.model_copy(update={"action_overhead_ms": ms}), note
+    device = profile.measurement["device_type"]
+    return (f"the schedule's own time per action is the default for {device}/{_BACKEND[device]}, {ms:g} ms "
+            f"({source}); --action-overhead-ms overrides it, pipeplan calibrate measures it on your machine")
 
 
 def runnable_problem(profile: Any) -> Optional[str]:
@@ -101,18 +98,16 @@ def runnable_problem(profile: Any) -> Optional[str]:
             f"or make the forward traceable by torch.export")
 
 
-def check_plannable(profile: Any, settings: Any, where: str) -> tuple[Any, Optional[str]]:
-    """What ``pipeplan plan`` applies before planning: refuse a profile no stage builder can run,
-    and fill in the default per-action overhead. Returns ``(settings, note or None)``.
+def refuse_unrunnable(profile: Any) -> None:
+    """Raise when no stage builder of ``pipeplan run`` can run the profile's model.
 
     Raises
     ------
     BadInputError
-        When :func:`runnable_problem` finds a reason.
+        With :func:`runnable_problem`'s reason.
     """
     from pipeplan.errors import BadInputError
 
     problem = runnable_problem(profile)
     if problem is not None:
-        raise BadInputError(f"{where}: {problem}")
-    return with_run_defaults(profile, settings)
+        raise BadInputError(f"profile {profile.model}: {problem}")

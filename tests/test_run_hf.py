@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 from pipeplan.errors import BadInputError  # noqa: E402
 from pipeplan.formats.plan import PlanSettings  # noqa: E402
-from pipeplan.plan.planner import make_plan  # noqa: E402
+from pipeplan.plan import make_plan  # noqa: E402
 from pipeplan.profile import profile_model  # noqa: E402
 from pipeplan.run import run_plans  # noqa: E402
 

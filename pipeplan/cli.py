@@ -261,7 +261,7 @@ def import_pipedream_cmd(
 @app.command()
 @_handled
 def profile(
-    model: str = typer.Argument(..., metavar="MODEL", help="Built-in (gpt2-tiny, gpt2, llama-tiny, bert-tiny, convnet-tiny, ...) or module:callable; with --analytic: a HF config.json or a shipped config (llama3-8b, ...).", show_default=False),
+    model: str = typer.Argument(..., metavar="MODEL", help="Built-in (gpt2-tiny, gpt2, llama-tiny, bert-tiny, convnet-tiny, ...), module:callable, or hf:MODEL_TYPE (transformers, no weights: hf:gpt2, hf:llama, hf:bert, hf:vit, ...); with --analytic: a HF config.json or a shipped config (llama3-8b, ...).", show_default=False),
     microbatch_sizes: str = typer.Option("1,2,4", "--microbatch-sizes", help="Micro-batch sizes to measure, e.g. 1,2,4,8."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (language models); default 128, with --analytic the model's pre-training context."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default fp32; bf16 with --analytic)."),
@@ -275,6 +275,8 @@ def profile(
     vocab: Optional[int] = typer.Option(None, "--vocab", help="Vocabulary size of a built-in LM."),
     units: Optional[list[str]] = typer.Option(None, "--units", help="Units by dotted name or glob, e.g. 'encoder.layer.*' (repeatable)."),
     seed: int = typer.Option(0, "--seed", help="Weight and batch seed."),
+    config: Optional[Path] = typer.Option(None, "--config", help="hf: models: a transformers config.json to build from (the size options override it)."),
+    split_backward: bool = typer.Option(True, "--split-backward/--no-split-backward", help="Time the backward's input and weight parts apart (zero-bubble schedules); off: whole backward only."),
     output: Path = typer.Option(..., "-o", "--output", help="Profile JSON to write (atomically).", show_default=False),
     analytic: bool = typer.Option(False, "--analytic", help="Estimate from a model config and a GPU spec instead of measuring (docs/analytic.md)."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="With --analytic: a known GPU (pipeplan gpus), e.g. h100-sxm."),
@@ -300,11 +302,16 @@ def profile(
         raise BadInputError("--gpu, --gpu-spec and --tensor-parallel: only with --analytic")
     from pipeplan.profile import profile_to_file, summary_table
 
+    options = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}
+    if config is not None:
+        from pipeplan.profile.hf import read_config
+
+        options["config"] = read_config(model, str(config))
     result = profile_to_file(
         model, str(output), microbatch_sizes=microbatch_sizes, seq_len=128 if seq_len is None else seq_len,
         dtype=dtype or "fp32", device=device,
         repeats=repeats, warmup=warmup, threads=threads, units=units or None, seed=seed,
-        options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}, progress=True,
+        options=options, split_backward=split_backward, progress=True,
     )
     _console().print(summary_table(result))
     typer.echo(f"wrote {output}")
@@ -578,10 +585,13 @@ def run(
     job_timeout: float = typer.Option(3600.0, "--job-timeout", help="Wall-clock limit of the whole job, seconds."),
     alone_repeats: int = typer.Option(2, "--alone-repeats", min=0, help="Timed passes each time the stages are re-timed alone (about every fifth step: the machine's drift since profiling); 0 skips it."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the ranks' output."),
+    verify: bool = typer.Option(False, "--verify", help="Compare the first step's loss and gradients with one process on the same batch; exit 1 above --verify-tolerance."),
+    verify_tolerance: Optional[float] = typer.Option(None, "--verify-tolerance", help="Largest relative difference --verify accepts (default 1e-4 in fp32, 2e-2 in bf16/fp16)."),
 ):
     """Run a plan with torch.distributed.pipelining under torchrun; report measured vs predicted."""
     from pipeplan.formats.io import refuse_overwriting_input
     from pipeplan.run import report_table, run_plan_file
+    from pipeplan.run.verify import check_verdict, verdict_lines
 
     refuse_overwriting_input(report, plan_file, profile)
     result = run_plan_file(
@@ -589,13 +599,17 @@ def run(
         seq_len=seq_len, model_options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab},
         seed=seed, lr=lr, device=device, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
         rdzv_id=rdzv_id, nproc_per_node=nproc_per_node, timeout_s=timeout, job_timeout_s=job_timeout,
-        alone_repeats=alone_repeats, echo=not quiet, raw_output=_state["debug"],
+        alone_repeats=alone_repeats, echo=not quiet, raw_output=_state["debug"], verify=verify,
+        verify_tolerance=verify_tolerance,
     )
     _console().print(report_table(result))
     for note in result.get("notes", []):
         typer.echo(f"note: {note}")
+    for line in verdict_lines(result["verify"]) if result.get("verify") else []:
+        typer.echo(line)
     if report:
         typer.echo(f"wrote {report}")
+    check_verdict(result)
 
 
 @app.command()

@@ -49,28 +49,48 @@ def _every_schedule(layers: int, ranks: int, microbatch_size: int, num_microbatc
 
 
 def _reference(layers: int, microbatch_size: int, num_microbatches: int):
-    """Loss and gradients of one single-process step on the batch the ranks use at step 0."""
+    """Loss and gradients of one single-process step on the batch the ranks use at step 0.
+
+    With one torch thread, as each rank has: the matmuls' reductions then run in the ranks'
+    order, and the result does not depend on the thread count that earlier tests of the same
+    pytest process left behind (1 and 2 threads differ by up to 1e-4 relative per element).
+    """
     from pipeplan.profile import build_model, load_bundle, loss_fn, make_microbatch
 
     options = {**TINY, "layers": layers}
-    model = build_model("gpt2-tiny", seed=0, **options)
-    bundle = load_bundle("gpt2-tiny", materialise=[], **options)
-    (tokens,), target = make_microbatch(bundle, microbatch_size * num_microbatches, SEQ_LEN, seed=1)
-    pairs = zip(tokens.tensor_split(num_microbatches), target.tensor_split(num_microbatches))
-    loss = sum(loss_fn(model(x), y) for x, y in pairs) / num_microbatches
-    loss.backward()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_model("gpt2-tiny", seed=0, **options)
+        bundle = load_bundle("gpt2-tiny", materialise=[], **options)
+        (tokens,), target = make_microbatch(bundle, microbatch_size * num_microbatches, SEQ_LEN, seed=1)
+        pairs = zip(tokens.tensor_split(num_microbatches), target.tensor_split(num_microbatches))
+        loss = sum(loss_fn(model(x), y) for x, y in pairs) / num_microbatches
+        loss.backward()
+    finally:
+        torch.set_num_threads(threads)
     return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
 
 
 def _check_exact(work: Path, index: int, report: dict, ranks: int, loss: float, grads: dict) -> None:
+    """Loss to 1e-5 relative; each parameter's gradient to 1e-5 of its largest entry.
+
+    Relative to the parameter's largest entry rather than entry by entry: a pipeline sums the
+    micro-batches' gradients in another order than one process, and an entry where they
+    nearly cancel has a large relative error that means nothing (measured: 2e-7 of the
+    largest entry under every schedule).
+    """
     assert report["loss"][0] == pytest.approx(loss, rel=1e-5), report["schedule"]
     seen = {}
     for rank in range(ranks):
         seen.update(torch.load(work / f"grads-plan{index}-rank{rank}.pt"))
     assert sorted(seen) == sorted(grads), report["schedule"]
     for name, grad in grads.items():
-        torch.testing.assert_close(seen[name], grad, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m: f"{report['schedule']} {name}: {m}")
+        scale = float(grad.abs().max())
+        assert float((seen[name] - grad).abs().max()) <= 1e-5 * scale + 1e-12, (report["schedule"], name)
+    # The run's own check (--verify) agrees.
+    assert report["verify"]["passed"], (report["schedule"], report["verify"]["failures"])
+    assert report["verify"]["max_rel_diff"] < 1e-5
 
 
 def _no_process_mentions(text: str) -> list[str]:
@@ -95,8 +115,10 @@ def _no_process_mentions(text: str) -> list[str]:
 def test_every_schedule_equals_a_single_process_step(tmp_path, ranks, layers, microbatch_size,
                                                      num_microbatches):
     plans = _every_schedule(layers, ranks, microbatch_size, num_microbatches)
+    # A generous peer timeout: on the shared 2-core machine under load a rank can wait long for
+    # a starved peer; a real hang is tested below with its own short timeout.
     reports = run_plans(plans, model="gpt2-tiny", model_options={**TINY, "layers": layers}, seq_len=SEQ_LEN,
-                        steps=2, work_dir=tmp_path, dump_grads=True, echo=False, timeout_s=60)
+                        steps=2, work_dir=tmp_path, dump_grads=True, echo=False, timeout_s=300, verify=True)
     loss, grads = _reference(layers, microbatch_size, num_microbatches)
     assert [r["schedule"] for r in reports] == list(SCHEDULES)
     for index, report in enumerate(reports):

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeplan.formats.limits import Bytes, Ms, Name, PositiveCount, Text
 
-__all__ = ["Device", "LayerCost", "Layer", "Profile", "NonNegativeMs", "LAYER_KINDS", "DTYPES",
+__all__ = ["Device", "LayerCost", "Layer", "Profile", "TiedWeight", "NonNegativeMs", "LAYER_KINDS", "DTYPES",
            "SCHEMA_VERSIONS", "V2_COST_FIELDS", "TP_COLLECTIVES"]
 
 
@@ -221,6 +221,17 @@ class Layer(_Strict):
         raise KeyError(tensor_parallel)
 
 
+class TiedWeight(_Strict):
+    """One parameter shared by several layers (tied weights, e.g. the embedding and the LM head)."""
+
+    name: Name = Field(description="The parameter's name in the model (its first name).")
+    layers: list[Name] = Field(min_length=2, description="The layers that use it; the first counts its bytes.")
+    param_bytes: NonNegativeBytes = Field(
+        description="Its bytes, counted once in the first layer's param_bytes; a stage that holds "
+        "another of these layers but not the first keeps a copy of this size."
+    )
+
+
 class Profile(_Strict):
     """A whole model's profile; layers in a topological order."""
 
@@ -241,6 +252,10 @@ class Profile(_Strict):
     measurement: Optional[dict[str, Any]] = Field(
         default=None,
         description="How it was measured: torch version, repeats, whole-model check, load.",
+    )
+    tied_weights: Optional[list[TiedWeight]] = Field(
+        default=None,
+        description="Parameters shared by several layers; absent means none.",
     )
 
     @model_validator(mode="after")
@@ -300,6 +315,10 @@ class Profile(_Strict):
                     f"edges[{index}]: [{src!r}, {dst!r}] goes backwards in the layer list "
                     f"({kind}); list layers in a topological order"
                 )
+        for index, tie in enumerate(self.tied_weights or ()):
+            for layer in tie.layers:
+                if layer not in seen:
+                    raise ValueError(f"tied_weights[{index}].layers: unknown layer {layer!r}")
         for size in sizes:
             costs = [layer.cost_at(size) for layer in self.layers]
             if not any(c.forward_ms > 0 or c.backward_ms > 0 for c in costs):

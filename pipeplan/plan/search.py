@@ -331,7 +331,9 @@ def with_profile_defaults(profile, settings: PlanSettings) -> PlanSettings:
     - ``global_batch``: :data:`pipeplan.formats.plan.DEFAULT_GLOBAL_BATCH_PER_MICROBATCH` x
       the largest profiled micro-batch size;
     - ``action_overhead_ms``: the schedule's own time per action that a calibrated profile
-      carries from its run (``measurement.action_overhead_ms``, written by ``pipeplan calibrate``).
+      carries from its run (``measurement.action_overhead_ms``, written by ``pipeplan calibrate``),
+      else the measured default for the device and backend the profile was measured on
+      (:mod:`pipeplan.plan.runnable`: 1.0 ms on cpu/gloo).
 
     A plan records the settings after this, so re-planning from a plan file is reproducible.
     """
@@ -343,6 +345,13 @@ def with_profile_defaults(profile, settings: PlanSettings) -> PlanSettings:
     measured_ms = (profile.measurement or {}).get("action_overhead_ms")
     if settings.action_overhead_ms is None and measured_ms:
         update["action_overhead_ms"] = max(0.0, float(measured_ms))
+    elif settings.action_overhead_ms is None:
+        # The measured default for where the profile was measured (pipeplan.plan.runnable).
+        from pipeplan.plan.runnable import default_action_overhead_ms
+
+        default = default_action_overhead_ms(profile)
+        if default is not None:
+            update["action_overhead_ms"] = default[0]
     return settings.model_copy(update=update) if update else settings
 
 
@@ -391,6 +400,10 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
             f"--stages: {settings.stages} stages but the profile has only {n} "
             f"layers; use at most {n}"
         )
+    from pipeplan.plan.runnable import default_overhead_note, refuse_unrunnable
+
+    refuse_unrunnable(profile)
+    overhead_note = default_overhead_note(profile, settings)
     settings = with_profile_defaults(profile, settings)
     space = schedule_space(settings, n)
     sizes = candidate_microbatch_sizes(profile, settings)
@@ -462,6 +475,8 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
                 notes.append("the exact split goes over the cap on some rank when simulated; "
                              "kept the best split along the layer orders")
     notes.extend(explain_choice(best, simulation, candidates, settings, space, graph, profile))
+    if overhead_note is not None:
+        notes.append(overhead_note)
     alternatives = runners_up(best, simulation, candidates)
     seconds = time.perf_counter() - started if record_time else 0.0
     return plan_from_partition(

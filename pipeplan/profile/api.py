@@ -9,7 +9,7 @@ from contextlib import nullcontext
 from typing import Any, Optional, Sequence
 
 from pipeplan.errors import BadInputError
-from pipeplan.formats.profile import Device, Layer, LayerCost, Profile
+from pipeplan.formats.profile import Device, Layer, LayerCost, Profile, TiedWeight
 
 __all__ = ["profile_model", "profile_to_file", "parse_microbatch_sizes", "summary_table"]
 
@@ -91,11 +91,12 @@ def _fail_forward(exc: Exception, microbatch_size: int, seq_len: Optional[int], 
             f"{f' and sequence length {seq_len}' if seq_len else ''}; drop that size from "
             f"--microbatch-sizes or lower --seq-len"
         )
+    from pipeplan.profile.measure import exception_line
+
     return BadInputError(
         f"{what} failed at micro-batch size {microbatch_size}"
-        f"{f', sequence length {seq_len}' if seq_len else ''}: {type(exc).__name__}: "
-        f"{str(exc).splitlines()[0] if str(exc) else ''}; check that the inputs fit the model "
-        f"(--seq-len, the batch factory or input spec)"
+        f"{f', sequence length {seq_len}' if seq_len else ''}: {exception_line(exc)}; check that the "
+        f"inputs fit the model (--seq-len, the batch factory or input spec; --debug shows the cause)"
     )
 
 
@@ -228,7 +229,9 @@ def profile_model(
             raise
         except Exception as exc:  # noqa: BLE001 - fx fails on many models; use the autograd graph
             graph = None
-            fx_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            from pipeplan.profile.measure import exception_line
+
+            fx_error = exception_line(exc)
         else:
             fx_error = None
         uses_seq_len = bundle.config.get("family") in ("gpt2", "llama", "bert")
@@ -236,6 +239,7 @@ def profile_model(
         costs: dict[str, list[LayerCost]] = {}
         checks: list[dict[str, Any]] = []
         remeasured = 0
+        split_fallbacks: dict[str, str] = {}
         order: Optional[list[str]] = None
 
         bar = _progress(progress)
@@ -250,7 +254,7 @@ def profile_model(
                 except BadInputError:
                     raise
                 except Exception as exc:  # noqa: BLE001
-                    raise _fail_forward(exc, size, seq, "the model's forward") from None
+                    raise _fail_forward(exc, size, seq, "the model's forward") from exc
                 if graph is None:
                     graph = seen.graph
                 if order is None:
@@ -271,6 +275,12 @@ def profile_model(
                     loss_whole = (lambda out, t=target: bundle.loss_fn(out, t))
                     if graph.output == ("unit", last):
                         loss_last = loss_whole
+                elif bundle.loss_in_output:
+                    # The model's own loss (HF, from labels) is computed outside every unit: the
+                    # whole-model check includes it, the last unit gets a random gradient.
+                    from pipeplan.profile.loading import output_loss
+
+                    loss_whole = output_loss
                 # One forward+backward of every unit, then of the whole model, per round: a
                 # burst of load elsewhere then lands on a round, which the medians drop, instead
                 # of on a few units.
@@ -315,12 +325,14 @@ def profile_model(
                     raise
                 except Exception as exc:  # noqa: BLE001
                     what = "the whole model" if current == "the whole model" else f"unit {current!r}"
-                    raise _fail_forward(exc, size, seq, what) from None
+                    raise _fail_forward(exc, size, seq, what) from exc
                 for name in noisy:
                     timers[name].remeasured = True
                 remeasured += len(noisy)
                 for name in order:
                     m = timers[name].result()
+                    if m.split_fallback is not None:
+                        split_fallbacks.setdefault(name, m.split_fallback)
                     backward = _r(m.backward_ms)
                     costs.setdefault(name, []).append(LayerCost(
                         microbatch_size=size,
@@ -351,12 +363,20 @@ def profile_model(
                         checks[-1]["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(torch_device))
                 del inputs, target, seen, timers, whole
         assert order is not None and graph is not None
+        from pipeplan.run.stages import check_builders
+
+        example, _ = make_microbatch(bundle, sizes[0], seq_len, seed=seed, device=torch_device, dtype=torch_dtype)
+        builders = check_builders(model, net, order, graph, example)
+        del example
         device_model, device_extra = _device_info(torch_device)
         kinds = bundle.kinds or {}
         layers = []
+        counted: set[int] = set()  # tied weights: their bytes go to the first unit that uses them
         for name in order:
             module = net.get_submodule(name)
-            param_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in module.parameters()}.values())
+            own = {id(p): p for p in module.parameters() if id(p) not in counted}
+            counted.update(own)
+            param_bytes = sum(p.numel() * p.element_size() for p in own.values())
             params = sum(p.numel() for p in module.parameters())
             description = f"{type(module).__name__}, {params:,} parameters"
             if name == order[-1] and bundle.loss_fn is not None and graph.output == ("unit", name):
@@ -368,6 +388,7 @@ def profile_model(
                 kind=kinds.get(name),
                 description=description,
             ))
+        tied = _tied_weights(net, order)
         edges = [e for e in graph.edges if e[0] in order and e[1] in order]
         chain = list(zip(order, order[1:]))
         measurement: dict[str, Any] = {
@@ -399,9 +420,15 @@ def profile_model(
             "backward_split": ("backward_input_ms, then backward_weight_ms: torch's stage_backward_input "
                                "and stage_backward_weight, timed apart as the zero-bubble schedules run "
                                "them; their sum exceeds backward_ms by what splitting costs")
-            if split_backward else None,
+            if split_backward else "off (--no-split-backward): whole backward only",
+            "backward_split_fallback": {
+                "units": split_fallbacks,
+                "method": "torch's split backward failed on these units; backward_input_ms and "
+                          "backward_weight_ms are each half the measured whole backward (estimated)",
+            } if split_fallbacks else None,
             "remeasured_unit_sizes": remeasured,
             "unused_units": list(graph.unused),
+            "stage_builders": builders,
             "load_average_before": load_before,
             "load_average_after": _load_average(),
             "whole_model_check": checks,
@@ -418,6 +445,7 @@ def profile_model(
             layers=layers,
             edges=None if sorted(edges) == sorted(chain) else edges,
             measurement=measurement,
+            tied_weights=tied or None,
         )
     except KeyboardInterrupt:
         raise
@@ -431,6 +459,20 @@ def profile_model(
         raise
     finally:
         torch.set_num_threads(old_threads)
+
+
+def _tied_weights(net: Any, order: Sequence[str]) -> list[TiedWeight]:
+    """Each parameter that several units use (tied weights), with those units in order."""
+    from pipeplan.profile.units import tied_parameter_names
+
+    ties = []
+    for canonical, names in tied_parameter_names(net).items():
+        holders = [u for u in order if any(n == u or n.startswith(u + ".") for n in names)]
+        if len(holders) > 1:
+            param = net.get_parameter(canonical)
+            ties.append(TiedWeight(name=canonical, layers=holders,
+                                   param_bytes=int(param.numel() * param.element_size())))
+    return ties
 
 
 def _factory_uses_seq_len(bundle: Any) -> bool:
@@ -504,6 +546,14 @@ def summary_table(profile: Profile) -> Any:
         notes.append(
             f"sum of units is off the whole model by over 15% at micro-batch {off}: "
             f"a busy machine? re-profile when it is quiet"
+        )
+    fallback = (measurement.get("backward_split_fallback") or {}).get("units") or {}
+    if fallback:
+        names = list(fallback)
+        notes.append(
+            f"torch's split backward failed on {len(names)} unit(s) ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}: {next(iter(fallback.values()))}); their B/W split "
+            f"is estimated as half the whole backward each (measurement.backward_split_fallback)"
         )
     table.caption = "; ".join(notes)
     return table

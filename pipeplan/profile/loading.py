@@ -16,10 +16,62 @@ from pipeplan.profile.registry import (
     load_user_callable,
 )
 
-__all__ = ["load_bundle", "make_microbatch", "Batch"]
+__all__ = ["load_bundle", "make_microbatch", "Batch", "call_model", "split_inputs", "output_loss",
+           "default_loss", "first_tensor"]
 
-#: ``(inputs, target)``: a tuple of positional inputs, and the loss target or None.
-Batch = tuple[tuple[Any, ...], Any]
+#: ``(inputs, target)``: a tuple of positional inputs or a dict of keyword inputs, and the loss
+#: target or None.
+Batch = tuple[Any, Any]
+
+
+def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` of a batch's inputs (a tuple, or a dict of keyword inputs)."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    return tuple(inputs), {}
+
+
+def call_model(model: Any, inputs: Any) -> Any:
+    """``model(*inputs)`` or ``model(**inputs)`` for a dict of keyword inputs."""
+    args, kwargs = split_inputs(inputs)
+    return model(*args, **kwargs)
+
+
+def first_tensor(output: Any) -> Any:
+    """The first floating tensor of a model output (a tensor, tuple, dict or ``ModelOutput``)."""
+    from torch.utils._pytree import tree_flatten
+
+    for leaf in tree_flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf
+    raise BadInputError(f"the model's output ({type(output).__name__}) holds no floating tensor to train on")
+
+
+def default_loss(output: Any, target: Any = None) -> Any:
+    """The loss of a model without one: the mean square of its (first floating) output.
+
+    Any scalar would drive backward; this one is cheap, never constant, and needs no target.
+    """
+    return first_tensor(output).float().pow(2).mean()
+
+
+def output_loss(output: Any) -> Any:
+    """The loss a model computed itself: ``output.loss`` (a ``ModelOutput``), or the first element.
+
+    Raises
+    ------
+    BadInputError
+        If the output carries no loss (a HuggingFace model called without ``labels``).
+    """
+    loss = getattr(output, "loss", None) if not isinstance(output, (tuple, list)) else output[0]
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise BadInputError(
+            f"the model returned no loss ({type(output).__name__}); give its batch 'labels' "
+            f"or a loss_fn"
+        )
+    return loss
 
 
 def load_bundle(model: str, *, seed: int = 0, device: Any = "cpu", dtype: Any = "fp32",
@@ -48,6 +100,10 @@ def load_bundle(model: str, *, seed: int = 0, device: Any = "cpu", dtype: Any = 
     from pipeplan.profile.models import _torch_dtype, builtin_bundle
 
     torch_dtype = _torch_dtype(dtype)
+    from pipeplan.profile.hf import hf_bundle, is_hf_model
+
+    if is_hf_model(model):
+        return hf_bundle(model, seed=seed, device=device, dtype=torch_dtype, **options)
     if not is_user_model(model):
         return builtin_bundle(model, seed=seed, device=device, dtype=torch_dtype,
                               units=list(materialise) if materialise is not None else None, **options)
@@ -126,7 +182,7 @@ def make_microbatch(bundle: ModelBundle, microbatch_size: int, seq_len: Optional
     if bundle.make_batch is not None:
         func = bundle.make_batch
         try:
-            if bundle.config.get("family") is not None:  # built-in: takes the seed too
+            if bundle.config.get("family") is not None or _accepts_seed(func):  # takes the seed too
                 raw = func(microbatch_size, seq_len, seed=seed)
             elif _accepts_seq_len(func):
                 raw = func(microbatch_size, seq_len)
@@ -168,10 +224,17 @@ def make_microbatch(bundle: ModelBundle, microbatch_size: int, seq_len: Optional
         inputs, target = raw, None
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
-    if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
+    if isinstance(inputs, dict):
+        bad = [k for k, t in inputs.items() if not isinstance(t, torch.Tensor)]
+        if bad or not inputs:
+            raise BadInputError(
+                "the micro-batch factory's dict of keyword inputs must map names to tensors; "
+                f"{bad[0] if bad else 'it'} is {type(inputs.get(bad[0])).__name__ if bad else 'empty'}"
+            )
+    elif not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
         raise BadInputError(
-            "the micro-batch factory must return a tensor or a tuple of tensors as inputs; "
-            f"got {type(inputs).__name__}"
+            "the micro-batch factory must return a tensor, a tuple of tensors or a dict of keyword "
+            f"inputs; got {type(inputs).__name__}"
         )
 
     def place(t: Any) -> Any:
@@ -183,4 +246,13 @@ def make_microbatch(bundle: ModelBundle, microbatch_size: int, seq_len: Optional
     # The target keeps its dtype (the loss decides); only its device follows the model.
     if isinstance(target, torch.Tensor):
         target = target.to(device)
+    if isinstance(inputs, dict):
+        return {k: place(t) for k, t in inputs.items()}, target
     return tuple(place(t) for t in inputs), target
+
+
+def _accepts_seed(func: Any) -> bool:
+    try:
+        return "seed" in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False

@@ -22,6 +22,7 @@ from pipeplan.errors import BadInputError
 from pipeplan.profile.units import Source, UnitGraph
 
 __all__ = [
+    "exception_line",
     "UnitMeasurement",
     "Capture",
     "capture",
@@ -134,6 +135,39 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
     return (time.perf_counter() - begin) * 1e3, result
 
 
+def exception_line(exc: BaseException) -> str:
+    """``Type: first line`` of an exception, never empty.
+
+    torch often starts a message with a newline (``stage_backward_input`` does), and the real
+    cause sits in ``__cause__``: the first non-blank line of the exception, else of its causes,
+    else the type alone.
+
+    Examples
+    --------
+    >>> try:
+    ...     try:
+    ...         raise ValueError("Can't detach views in-place.")
+    ...     except ValueError as inner:
+    ...         raise RuntimeError("") from inner
+    ... except RuntimeError as exc:
+    ...     exception_line(exc)
+    "RuntimeError: ValueError: Can't detach views in-place."
+    """
+    def first(e: BaseException) -> str:
+        return next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+
+    text = first(exc)
+    cause = exc.__cause__ or exc.__context__
+    cause_text = ""
+    while cause is not None and not cause_text:
+        cause_text = f"{type(cause).__name__}: {first(cause)}" if first(cause) else ""
+        cause = cause.__cause__ or cause.__context__
+    if not text:
+        text, cause_text = cause_text, ""
+    head = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return f"{head} (cause: {cause_text})" if cause_text else head
+
+
 @dataclass
 class UnitMeasurement:
     """One unit at one micro-batch size."""
@@ -158,6 +192,8 @@ class UnitMeasurement:
     """Coefficient of variation of the backward samples."""
     remeasured: bool = False
     """True if a high spread made it take a second round of repeats."""
+    split_fallback: Optional[str] = None
+    """Why torch's split backward could not time this unit (B and W are then estimated)."""
     forward_samples: list[float] = field(default_factory=list, repr=False)
     backward_samples: list[float] = field(default_factory=list, repr=False)
 
@@ -180,7 +216,7 @@ def _detach(value: Any) -> Any:
     return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
 
 
-def capture(model: nn.Module, units: list[str], inputs: tuple[Any, ...]) -> Capture:
+def capture(model: nn.Module, units: list[str], inputs: Any) -> Capture:
     """Run the model once and record each unit's inputs, call order and wiring.
 
     The wiring comes from the autograd graph: walking back from a unit's inputs to the
@@ -199,7 +235,8 @@ def capture(model: nn.Module, units: list[str], inputs: tuple[Any, ...]) -> Capt
     owner_of_tensor: dict[int, str] = {}
     args_src: dict[str, Optional[list[Source]]] = {}
     edges: list[tuple[str, str]] = []
-    input_ids = {id(t): i for i, t in enumerate(inputs)}
+    # Keyword inputs (a dict batch) are sources named by their keyword.
+    input_ids = {id(t): i for i, t in (inputs.items() if isinstance(inputs, dict) else enumerate(inputs))}
     keep_alive: list[Any] = []
 
     def producers(value: Any) -> set[str]:
@@ -261,7 +298,7 @@ def capture(model: nn.Module, units: list[str], inputs: tuple[Any, ...]) -> Capt
             module = model.get_submodule(name)
             handles.append(module.register_forward_pre_hook(pre_hook(name), with_kwargs=True))
             handles.append(module.register_forward_hook(post_hook(name)))
-        output = model(*inputs)
+        output = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
     finally:
         for h in handles:
             h.remove()
@@ -364,6 +401,7 @@ class UnitTimer:
         self.input_backward_samples: list[float] = []
         self.weight_backward_samples: list[float] = []
         self.remeasured = False
+        self.split_fallback: Optional[str] = None
 
     def _forward(self, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         raw = self.module(*args, **kwargs)
@@ -385,8 +423,18 @@ class UnitTimer:
             a, kw, ins = _fresh(self.call)
             t_f2, (_, o) = _timed(lambda: self._forward(a, kw), self.device)
             o_list = _grad_outputs(o)
-            t_bi, t_bw = _split_backward(o_list, self.grads, ins, self.params, self.device)
-            del o, o_list
+            try:
+                t_bi, t_bw = _split_backward(o_list, self.grads, ins, self.params, self.device)
+            except (RuntimeError, ValueError, TypeError) as exc:
+                # torch's split backward refuses some units (a view detached in place, a graph
+                # walked twice): fall back to the whole backward, with an estimated split.
+                self.split = False
+                self.split_fallback = exception_line(exc)
+                for p in self.params:
+                    p.grad = None
+                return
+            finally:
+                del o, o_list
             if record:
                 self.forward_samples.append(t_f2)
                 self.input_backward_samples.append(t_bi)
@@ -409,6 +457,9 @@ class UnitTimer:
         if self.split and self.input_backward_samples:
             backward_input_ms = statistics.median(self.input_backward_samples)
             backward_weight_ms = statistics.median(self.weight_backward_samples)
+        elif self.split_fallback is not None:
+            # Input and weight gradients of a matmul cost the same; splitting's own cost unknown.
+            backward_input_ms = backward_weight_ms = backward_ms / 2
         elif not self.split_backward or self.split:
             backward_input_ms = backward_weight_ms = None
         elif not self.has_inputs:
@@ -427,6 +478,7 @@ class UnitTimer:
             forward_spread=spread(fwd),
             backward_spread=spread(bwd),
             remeasured=self.remeasured,
+            split_fallback=self.split_fallback,
             forward_samples=list(fwd),
             backward_samples=list(bwd),
         )
@@ -483,16 +535,19 @@ def measure_unit(
 class WholeModelTimer:
     """Repeated full forward (+ loss) and backward of the model on one micro-batch."""
 
-    def __init__(self, model: nn.Module, inputs: tuple[Any, ...], *, device: torch.device,
+    def __init__(self, model: nn.Module, inputs: Any, *, device: torch.device,
                  loss: Optional[Callable[[Any], torch.Tensor]] = None) -> None:
-        self.model, self.inputs, self.device, self.loss = model, inputs, device, loss
+        self.model, self.device, self.loss = model, device, loss
+        # A dict batch is keyword inputs.
+        self.inputs, self.kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs), {})
         self.grads: Optional[list[torch.Tensor]] = None
         self.samples: dict[str, list[float]] = {"forward_ms": [], "backward_ms": [], "step_ms": []}
 
     def sample(self, record: bool = True) -> None:
         """One timed step."""
-        model, inputs, loss = self.model, self.inputs, self.loss
-        t_f, out = _timed(lambda: loss(model(*inputs)) if loss is not None else model(*inputs), self.device)
+        model, inputs, kwargs, loss = self.model, self.inputs, self.kwargs, self.loss
+        t_f, out = _timed(lambda: loss(model(*inputs, **kwargs)) if loss is not None else model(*inputs, **kwargs),
+                          self.device)
         outs = _grad_outputs(out)
         if self.grads is None and loss is None:
             generator = torch.Generator(device=outs[0].device if outs else "cpu").manual_seed(0)

@@ -177,7 +177,9 @@ class ModelBundle:
     """The ``torch.nn.Module``."""
     make_batch: Optional[Callable[..., Any]] = None
     """``make_batch(microbatch_size)`` or ``make_batch(microbatch_size, seq_len)`` returns the
-    model's inputs (a tensor or a tuple of tensors) or ``(inputs, target)`` when ``loss_fn`` is set."""
+    model's inputs (a tensor, a tuple of tensors, or a dict of keyword inputs such as
+    ``input_ids``, ``attention_mask``, ``labels``) or ``(inputs, target)`` when ``loss_fn`` is set.
+    A factory with a ``seed`` parameter gets the batch seed."""
     input_spec: Optional[Sequence[InputSpec]] = None
     """Instead of ``make_batch``: one :class:`InputSpec` per positional input (random values)."""
     loss_fn: Optional[Callable[[Any, Any], Any]] = None
@@ -190,6 +192,9 @@ class ModelBundle:
     """How the model was built (recorded in the profile's ``measurement``)."""
     sequence_length: Optional[int] = None
     """Tokens per sample for LMs, recorded in the profile."""
+    loss_in_output: bool = False
+    """The model computes its own loss from its inputs (HuggingFace with ``labels``): the loss is
+    the output's ``loss`` (or its first element), and ``loss_fn`` is not used."""
 
     def __post_init__(self) -> None:
         if self.make_batch is None and self.input_spec is None:

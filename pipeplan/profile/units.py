@@ -30,6 +30,7 @@ __all__ = [
     "build_stage",
     "build_stage_from_profile",
     "model_spec",
+    "tied_parameter_names",
 ]
 
 #: A value in the unit graph: ``("input", i)`` is the model's i-th positional input,
@@ -408,3 +409,25 @@ def build_stage_from_profile(profile: Any, units: Sequence[str], *, seed: int = 
     model, options, patterns = model_spec(profile)
     return build_stage(model, units, seed=seed, device=device, dtype=dtype or profile.dtype,
                        unit_patterns=patterns, **options)
+
+
+def tied_parameter_names(model: Any) -> dict[str, list[str]]:
+    """Names of each parameter the model holds under more than one name (tied weights).
+
+    Returns
+    -------
+    dict
+        The canonical name (``named_parameters()``'s) -> every name of that tensor.
+
+    Examples
+    --------
+    >>> import torch
+    >>> m = torch.nn.Module(); m.a = torch.nn.Linear(2, 2, bias=False); m.b = torch.nn.Linear(2, 2, bias=False)
+    >>> m.b.weight = m.a.weight
+    >>> tied_parameter_names(m)
+    {'a.weight': ['a.weight', 'b.weight']}
+    """
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {group[0]: group for group in names.values() if len(group) > 1}

@@ -128,7 +128,7 @@ def worker_config(plans: Sequence[Any], *, model: str, out_dir: str | Path, step
                   unit_patterns: Optional[Sequence[str]] = None, seq_len: Optional[int] = None,
                   dtype: str = "fp32", threads: Optional[int] = 1, seed: int = 0, lr: float = 1e-3,
                   device: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                  dump_grads: bool = False, alone_repeats: int = 2) -> dict[str, Any]:
+                  dump_grads: bool = False, alone_repeats: int = 2, verify: bool = False) -> dict[str, Any]:
     """The JSON config every rank reads (see :func:`pipeplan.run.worker.run_rank`)."""
     return {
         "plans": [plan.model_dump(mode="json") for plan in plans],
@@ -146,6 +146,7 @@ def worker_config(plans: Sequence[Any], *, model: str, out_dir: str | Path, step
         "out_dir": str(out_dir),
         "dump_grads": dump_grads,
         "alone_repeats": alone_repeats,
+        "verify": verify,
     }
 
 
@@ -457,7 +458,8 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
              timeout_s: float = DEFAULT_TIMEOUT_S, job_timeout_s: Optional[float] = 3600.0,
              work_dir: Optional[str | Path] = None, dump_grads: bool = False, alone_repeats: int = 2,
              echo: bool = True, env: Optional[dict[str, str]] = None,
-             raw_output: bool = False) -> list[dict[str, Any]]:
+             raw_output: bool = False, verify: bool = False,
+             verify_tolerance: Optional[float] = None) -> list[dict[str, Any]]:
     """Run each plan in turn in one torchrun job; return one run report per plan.
 
     Parameters
@@ -507,6 +509,11 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
         Echo torchrun's output unfiltered (``pipeplan --debug run``).
     env : dict, optional
         Extra environment variables for the ranks.
+    verify : bool
+        Compare the first step with one process on the same batch (:mod:`pipeplan.run.verify`);
+        the report's ``verify`` holds the per-stage figures and the verdict.
+    verify_tolerance : float, optional
+        Largest relative difference ``verify`` accepts; default by dtype (1e-4 in fp32).
 
     Returns
     -------
@@ -570,7 +577,7 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
                                    model_options=spec["model_options"], unit_patterns=spec["unit_patterns"],
                                    seq_len=spec["seq_len"], dtype=spec["dtype"], threads=threads, seed=seed,
                                    lr=lr, device=device, timeout_s=timeout_s, dump_grads=dump_grads,
-                                   alone_repeats=alone_repeats)
+                                   alone_repeats=alone_repeats, verify=verify)
             config_path = out_dir / "config.json"
             config_path.write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
             cmd = torchrun_command(config_path, nproc_per_node, nnodes=nnodes, node_rank=node_rank,
@@ -603,7 +610,7 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
                     "run: " + _failure_message(out_dir, list(tail), proc.returncode, timed_out, num_ranks)
                 )
             gathered = json.loads(result_path.read_text(encoding="utf-8"))  # [rank][plan]
-            return [build_report(
+            reports = [build_report(
                 plan, [per_rank[index] for per_rank in gathered], profile=profile, profile_path=profile_path,
                 run={"model": spec["model"], "model_options": spec["model_options"], "seq_len": spec["seq_len"],
                      "dtype": spec["dtype"], "steps": steps, "threads": threads, "seed": seed, "lr": lr,
@@ -611,6 +618,13 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
                      "wall_s": round(elapsed_s, 2), "load_average_before": load_before,
                      "load_average_after": _load_average(), "cpu_count": os.cpu_count()},
             ) for index, plan in enumerate(plans)]
+            if verify:
+                from pipeplan.run.verify import attach_verdict
+
+                for index, report in enumerate(reports):
+                    attach_verdict(report, [per_rank[index] for per_rank in gathered], spec["dtype"],
+                                   verify_tolerance)
+            return reports
         finally:
             if cleanup is not None:
                 cleanup.cleanup()

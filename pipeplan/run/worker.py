@@ -29,7 +29,8 @@ abbreviations of its own options, so a script option such as ``--run`` is taken 
 
 Test hook: the environment variable ``PIPEPLAN_RUN_FAULT=<rank>:<kind>`` makes that rank fail on
 purpose at its first step: ``raise`` (an exception), ``exit`` (``os._exit(3)``, a crash without
-a Python traceback), or ``hang`` (sleeps until the others time out).
+a Python traceback), or ``hang`` (sleeps until the others time out); ``all:untie`` skips the
+tied-weight gradient sync on every rank (``--verify`` must then fail).
 """
 
 from __future__ import annotations
@@ -151,14 +152,22 @@ def _wall_timed(timer: _Timer, kind: str, func: Any) -> Any:
 
 
 def _capture_inputs(module: Any) -> dict[str, Any]:
-    """Keep a copy of the first real (not meta) inputs the stage's module is called with."""
+    """Keep a copy of the inputs of the stage module's second call (a real micro-batch).
+
+    Not the first: a stage that infers its shapes (``PipelineStage`` without example inputs)
+    first runs its module on ``torch.empty`` tensors made from metadata, whose values are
+    garbage (NaN, denormals, out-of-range ids) and would make the stage's timing alone
+    meaningless. The second call is always a real micro-batch (at the latest, the next step's).
+    """
     import torch
 
     box: dict[str, Any] = {}
+    calls = [0]
 
     def hook(_module: Any, args: tuple, kwargs: dict) -> None:
-        if "args" in box or any(torch.is_tensor(a) and a.is_meta for a in (*args, *kwargs.values())):
+        if calls[0] >= 2 or any(torch.is_tensor(a) and a.is_meta for a in (*args, *kwargs.values())):
             return
+        calls[0] += 1
         copy = (lambda a: a.detach().clone() if torch.is_tensor(a) else a)
         box["args"] = tuple(copy(a) for a in args)
         box["kwargs"] = {k: copy(a) for k, a in kwargs.items()}
@@ -224,12 +233,7 @@ def _fault(rank: int) -> Optional[str]:
     if not spec or ":" not in spec:
         return None
     who, kind = spec.split(":", 1)
-    return kind if who.strip() == str(rank) else None
-
-
-def _default_loss(output: Any, target: Any) -> Any:
-    # A model without a loss still needs a scalar to drive backward: mean of squares.
-    return output.float().pow(2).mean()
+    return kind if who.strip() in (str(rank), "all") else None
 
 
 def run_rank(config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -353,7 +357,9 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
     from torch.distributed.pipelining import schedules as torch_schedules
 
     from pipeplan.plan.schedules import TORCH_SCHEDULE_CLASS
-    from pipeplan.profile import build_stage, load_bundle, make_microbatch
+    from pipeplan.profile import load_bundle, make_microbatch
+    from pipeplan.profile.loading import split_inputs
+    from pipeplan.run.stages import TiedGrads, build_rank_stages, stage_builder
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     num_ranks = 1 + max(stage.rank for stage in plan.stages)
@@ -375,14 +381,49 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
     options = dict(config.get("model_options") or {})
     seed = int(config.get("seed", 0))
     dtype = config.get("dtype") or "fp32"
-    modules = []
-    for stage in stages_here:
-        modules.append(build_stage(model, stage.layers, seed=seed, device=device, dtype=dtype,
-                                   unit_patterns=config.get("unit_patterns"), **options))
-    pipeline_stages = [
-        PipelineStage(module, stage.index, num_stages, device)
-        for module, stage in zip(modules, stages_here)
-    ]
+    m = plan.num_microbatches
+    batch_size = plan.microbatch_size * m
+    seq_len = config.get("seq_len")
+    # Batches: only the ranks holding the first stage (inputs) or the last (targets) need them,
+    # but every rank loads the factory (built-ins: without weights; the traced builder traces
+    # the whole model on one micro-batch on every rank).
+    bundle = load_bundle(model, seed=seed, device=device, dtype=dtype,
+                         **({"materialise": []} if ":" not in model else {}), **options)
+
+    def batch_of(step: int) -> tuple[Any, Any]:
+        if bundle.config.get("family") is None:
+            torch.manual_seed(seed + 1 + step)
+        return make_microbatch(bundle, batch_size, seq_len, seed=seed + 1 + step, device=device, dtype=dtype)
+
+    example = None
+    whole = bundle if ":" in model else None  # user and hf: models: the whole model, built
+    builder = stage_builder(model, [s.layers for s in plan.stages], seed=seed, device=device, dtype=dtype,
+                            unit_patterns=config.get("unit_patterns"), bundle=whole, **options)
+    first_inputs, first_target_batch = batch_of(0)
+    reference = None
+    if config.get("verify"):
+        from pipeplan.run.verify import reference_step
+
+        # Before the stages are built from the same model: the reference leaves the weights as
+        # they were and clears its gradients.
+        ref_bundle = whole or load_bundle(model, seed=seed, device=device, dtype=dtype, **options)
+        reference = reference_step(ref_bundle, first_inputs, first_target_batch, m)
+        del ref_bundle
+    if builder == "traced":
+        from pipeplan.run.verify import microbatches
+
+        example = microbatches(first_inputs, first_target_batch, m)[0][0]
+    built = build_rank_stages(model, [s.layers for s in plan.stages], [s.index for s in stages_here],
+                              example_inputs=example, seed=seed, device=device, dtype=dtype,
+                              unit_patterns=config.get("unit_patterns"), builder=builder,
+                              bundle=whole if builder == "traced" else None, **options)
+    modules = built.modules
+    tied = TiedGrads(built.tied, {s.index: s.rank for s in plan.stages}, modules, built.param_names, rank)
+    pipeline_stages = []
+    for i, (module, stage) in enumerate(zip(modules, stages_here)):
+        static = built.static_args[i] if built.static_args else None
+        extra = {} if static is None else {"input_args": static[0], "output_args": static[1]}
+        pipeline_stages.append(PipelineStage(module, stage.index, num_stages, device, **extra))
     captured = [_capture_inputs(module) for module in modules]
     timer = _Timer(device)
     _time_transfers(torch_schedules, timer)
@@ -391,13 +432,7 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         ps.backward_one_chunk = timer.wrap("backward", ps.backward_one_chunk)
         ps.backward_weight_one_chunk = timer.wrap("weight", ps.backward_weight_one_chunk)
 
-    # Batches: only the ranks holding the first stage (inputs) or the last (targets) need them,
-    # but every rank loads the factory (built-ins: without weights).
-    bundle_options = dict(options)
-    bundle = load_bundle(model, seed=seed, device=device, dtype=dtype,
-                         materialise=[], **bundle_options) if ":" not in model else \
-        load_bundle(model, seed=seed, device=device, dtype=dtype, **bundle_options)
-    loss = bundle.loss_fn or _default_loss
+    loss = built.loss
     loss_ms = [0.0]
     first_target: dict[str, Any] = {}
 
@@ -411,7 +446,6 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
 
     class_name = TORCH_SCHEDULE_CLASS[plan.schedule]
     schedule_class = getattr(torch_schedules, class_name)
-    m = plan.num_microbatches
     if plan.schedule in ("gpipe", "1f1b"):
         if len(pipeline_stages) != 1:
             raise RuntimeError(
@@ -434,10 +468,9 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
 
     has_first = any(s.index == 0 for s in stages_here)
     has_last = any(s.index == num_stages - 1 for s in stages_here)
-    batch_size = plan.microbatch_size * m
-    seq_len = config.get("seq_len")
 
     step_ms, pipeline_ms, compute, losses = [], [], [], []
+    verified: Optional[list[dict[str, Any]]] = None
     alone: list[dict[str, Any]] = []
     alone_repeats = int(config.get("alone_repeats", 2))
 
@@ -455,14 +488,15 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
     steps = int(config["steps"])
     alone_steps = {steps - 1, *range(min(1, steps - 1), steps, max(1, steps // 5))}
     for step in range(steps):
-        inputs: tuple = ()
+        inputs: Any = ()
         target = None
         if has_first or has_last:
-            if bundle.config.get("family") is None:
-                torch.manual_seed(seed + 1 + step)
-            inputs, target = make_microbatch(bundle, batch_size, seq_len, seed=seed + 1 + step,
-                                             device=device, dtype=dtype)
-        if fault is not None and step == 0:
+            inputs, target = (first_inputs, first_target_batch) if step == 0 else batch_of(step)
+        if target is None:
+            # The schedule's loss call wants a target per micro-batch; a model with its own loss
+            # (or none) ignores it.
+            target = torch.zeros(batch_size, device=device)
+        if fault not in (None, "untie") and step == 0:
             if fault == "raise":
                 raise RuntimeError(f"fault injected on rank {rank} (PIPEPLAN_RUN_FAULT)")
             if fault == "exit":
@@ -478,14 +512,22 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         if has_last:
             kwargs = {"target": target, "losses": step_losses}
         if has_first:
-            schedule.step(*inputs, **kwargs)
+            args, keywords = split_inputs(inputs)
+            schedule.step(*args, **keywords, **kwargs)
         else:
             schedule.step(**kwargs)
+        if fault != "untie":
+            tied.sync()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         pipeline_done = time.perf_counter()
+        if step == 0 and reference is not None:
+            from pipeplan.run.verify import compare_rank
+
+            verified = compare_rank(modules, stages_here, built.param_names, reference, step_losses, num_stages)
         if step == 0 and config.get("dump_grads"):
-            grads = {name: p.grad.detach().cpu().clone() for module in modules
+            grads = {mapping.get(name, name): p.grad.detach().cpu().clone()
+                     for module, mapping in zip(modules, built.param_names)
                      for name, p in module.named_parameters() if p.grad is not None}
             torch.save(grads, Path(config["out_dir"]) / f"grads-plan{plan_index}-rank{rank}.pt")
         if optimizer is not None:
@@ -534,6 +576,9 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         "baseline_rss_bytes": baseline_rss_bytes,
         "param_count": sum(p.numel() for p in params),
         "alone": alone,
+        "stage_builder": built.builder,
+        "tied_weights": built.tied,
+        "verify": verified,
     }
 
 

@@ -1,0 +1,247 @@
+"""The ``hf:`` model source: a HuggingFace ``transformers`` model built from a config, no weights.
+
+``hf:gpt2``, ``hf:llama``, ``hf:qwen2``, ``hf:bert``, ``hf:vit`` (any ``model_type`` that
+``transformers.AutoConfig.for_model`` knows) or ``hf:path/to/config.json``. The size options
+(``layers``, ``hidden``, ``heads``, ``vocab``) override the config's fields; ``config`` (a path to
+a ``config.json`` or a dict) replaces the family's defaults. The model class follows the config's
+``architectures`` when it names one, else the family's usual training head: masked LM for
+encoders (BERT, RoBERTa), image classification for ViT, causal LM for the rest.
+
+What the source fixes, so that a pipeline computes exactly what one process does:
+
+- ``use_cache=False`` (a ``DynamicCache`` output does not trace) and every dropout probability 0
+  (a pipelined step and a single process draw different dropout masks); ``keep_dropout=True``
+  keeps the config's;
+- the units are the items of the model's longest ``ModuleList`` (its repeated blocks), the rest of
+  the model coarser units around them (:func:`pipeplan.profile.units.select_units`);
+- batches are dicts of keyword inputs with ``labels``, so that the model computes its own loss
+  (``ModelOutput.loss``): random tokens for language models (``labels`` = the tokens; the model
+  shifts them itself), random images and class ids for image classifiers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from pipeplan.errors import BadInputError
+from pipeplan.profile.registry import ModelBundle
+
+__all__ = ["is_hf_model", "hf_bundle", "hf_config", "read_config", "HF_PREFIX"]
+
+HF_PREFIX = "hf:"
+
+#: Size options and the config fields they set (transformers' ``attribute_map`` translates
+#: them for families that spell them otherwise, e.g. GPT-2's ``n_layer``).
+_OPTION_FIELDS = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+                  "vocab": "vocab_size", "ffn": "intermediate_size", "kv_heads": "num_key_value_heads",
+                  "max_positions": "max_position_embeddings", "image_size": "image_size",
+                  "classes": "num_labels"}
+
+#: model_type -> task, where the causal-LM default is wrong.
+_TASKS = {"bert": "masked-lm", "roberta": "masked-lm", "distilbert": "masked-lm", "albert": "masked-lm",
+          "electra": "masked-lm", "vit": "image-classification", "deit": "image-classification",
+          "t5": "seq2seq-lm", "bart": "seq2seq-lm", "mt5": "seq2seq-lm"}
+
+
+def is_hf_model(name: str) -> bool:
+    """True for ``hf:...`` model names.
+
+    Examples
+    --------
+    >>> is_hf_model("hf:gpt2"), is_hf_model("gpt2-tiny")
+    (True, False)
+    """
+    return isinstance(name, str) and name.startswith(HF_PREFIX)
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise BadInputError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+    except json.JSONDecodeError as exc:
+        raise BadInputError(f"--config {path}: not JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(data, dict):
+        raise BadInputError(f"--config {path}: a HuggingFace config.json is a JSON object")
+    return data
+
+
+def read_config(model: str, path: str) -> dict[str, Any]:
+    """``--config FILE`` for ``model``: the config as a dict (kept whole in the profile, so that
+    ``run`` rebuilds the same model without the file).
+
+    Raises
+    ------
+    BadInputError
+        ``model`` is not ``hf:``, or the file is unreadable.
+    """
+    if not is_hf_model(model):
+        raise BadInputError(f"--config: only hf: models take a transformers config; {model!r} is not one")
+    return _read_config_file(path)
+
+
+def hf_config(name: str, config: Any = None, keep_dropout: bool = False, **options: Any) -> Any:
+    """The ``transformers`` config of ``hf:NAME`` with the options applied.
+
+    Raises
+    ------
+    BadInputError
+        transformers missing, an unknown ``model_type``, an unreadable config file, an option
+        the family does not have.
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise BadInputError(
+            f"MODEL: {name} needs transformers; install it with pip install -e \".[hf]\""
+        ) from None
+    spec = name[len(HF_PREFIX):]
+    if isinstance(config, (str, Path)):
+        data = _read_config_file(str(config))
+    elif isinstance(config, dict):
+        data = dict(config)
+    elif config is None and spec.endswith(".json"):
+        data = _read_config_file(spec)
+    else:
+        data = {}
+    model_type = data.pop("model_type", None) or (spec if not spec.endswith(".json") else None)
+    if not model_type:
+        raise BadInputError(f"MODEL: {name}: the config names no model_type; add \"model_type\": \"gpt2\" or similar")
+    try:
+        cfg = transformers.AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError) as exc:
+        raise BadInputError(
+            f"MODEL: {name}: transformers does not know model_type {model_type!r} "
+            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        ) from None
+    for option, value in options.items():
+        if value is None:
+            continue
+        if option not in _OPTION_FIELDS:
+            raise BadInputError(
+                f"--{option.replace('_', '-')}: does not apply to {name}; it takes "
+                f"{', '.join('--' + k.replace('_', '-') for k in _OPTION_FIELDS)} (or --config)"
+            )
+        field = _OPTION_FIELDS[option]
+        if option == "hidden" and getattr(cfg, "model_type", "") == "gpt2":
+            field = "n_embd"
+        setattr(cfg, field, int(value))
+        if option == "hidden" and hasattr(cfg, "intermediate_size") and options.get("ffn") is None:
+            cfg.intermediate_size = 4 * int(value)
+        if option == "heads" and hasattr(cfg, "num_key_value_heads") and options.get("kv_heads") is None:
+            cfg.num_key_value_heads = int(value)
+    cfg.use_cache = False
+    if not keep_dropout:
+        for key, value in list(cfg.to_dict().items()):
+            if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and value > 0:
+                setattr(cfg, key, 0.0)
+    # Special tokens outside a small test vocabulary only make transformers warn.
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value >= getattr(cfg, "vocab_size", value + 1):
+            setattr(cfg, key, None)
+    return cfg
+
+
+def _task(cfg: Any) -> str:
+    architectures = getattr(cfg, "architectures", None) or []
+    if architectures:
+        return "architecture"
+    return _TASKS.get(cfg.model_type, "causal-lm")
+
+
+def _model_class(cfg: Any) -> Any:
+    import transformers
+
+    task = _task(cfg)
+    if task == "architecture":
+        cls = getattr(transformers, cfg.architectures[0], None)
+        if cls is None:
+            raise BadInputError(f"config architectures: transformers has no class {cfg.architectures[0]!r}")
+        return cls
+    auto = {"masked-lm": transformers.AutoModelForMaskedLM, "causal-lm": transformers.AutoModelForCausalLM,
+            "image-classification": transformers.AutoModelForImageClassification,
+            "seq2seq-lm": transformers.AutoModelForSeq2SeqLM}[task]
+    return auto
+
+
+def _repeated_blocks(model: Any) -> Optional[str]:
+    """The dotted name of the model's longest ``ModuleList`` (its blocks), or None."""
+    import torch
+
+    best, best_len = None, 1
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > best_len:
+            best, best_len = name, len(module)
+    return best
+
+
+def _batch_factory(cfg: Any, device: Any, dtype: Any):
+    import torch
+
+    task = _task(cfg)
+    image = task == "image-classification" or hasattr(cfg, "image_size") and hasattr(cfg, "num_channels")
+
+    def make_batch(microbatch_size: int, seq_len: Optional[int] = None, seed: int = 0) -> dict[str, Any]:
+        generator = torch.Generator().manual_seed(seed)
+        if image:
+            size = int(cfg.image_size)
+            pixels = torch.randn(microbatch_size, int(cfg.num_channels), size, size, generator=generator)
+            labels = torch.randint(0, int(cfg.num_labels), (microbatch_size,), generator=generator)
+            return {"pixel_values": pixels.to(device=device, dtype=dtype), "labels": labels.to(device)}
+        tokens = int(seq_len or 128)
+        limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        if limit and tokens > int(limit):
+            raise BadInputError(f"--seq-len {tokens} exceeds the model's {int(limit)} positions")
+        ids = torch.randint(0, int(cfg.vocab_size), (microbatch_size, tokens), generator=generator)
+        batch = {"input_ids": ids.to(device), "labels": ids.clone().to(device)}
+        if task == "seq2seq-lm":
+            batch["decoder_input_ids"] = ids.clone().to(device)
+        return batch
+
+    return make_batch
+
+
+def hf_bundle(name: str, *, seed: int = 0, device: Any = "cpu", dtype: Any = None, config: Any = None,
+              keep_dropout: bool = False, **options: Any) -> ModelBundle:
+    """``hf:NAME`` as a :class:`ModelBundle`: the model (random weights from ``seed``), a batch
+    factory of keyword inputs with ``labels``, and the repeated blocks as units.
+
+    Examples
+    --------
+    >>> b = hf_bundle("hf:gpt2", layers=2, hidden=32, heads=2, vocab=64)  # doctest: +SKIP
+    >>> b.units  # doctest: +SKIP
+    ['transformer.h.*']
+    """
+    import torch
+
+    cfg = hf_config(name, config=config, keep_dropout=keep_dropout, **options)
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+    torch.manual_seed(seed)
+    try:
+        model = _model_class(cfg).from_config(cfg)
+    except BadInputError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers' own checks on the config
+        raise BadInputError(
+            f"MODEL: {name}: transformers cannot build the model from this config: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
+    model.to(device=device)
+    if torch_dtype != torch.float32:
+        model.to(dtype=torch_dtype)
+    model.train()
+    blocks = _repeated_blocks(model)
+    kinds: dict[str, str] = {}
+    recorded = {k: v for k, v in options.items() if v is not None}
+    return ModelBundle(
+        model=model,
+        make_batch=_batch_factory(cfg, device, torch_dtype),
+        units=[f"{blocks}.*"] if blocks else None,
+        kinds=kinds,
+        config={"hf": name, "model_type": cfg.model_type, "hf_class": type(model).__name__,
+                "config": cfg.to_diff_dict(), **recorded},
+        loss_in_output=True,
+    )

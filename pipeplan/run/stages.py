@@ -1,0 +1,470 @@
+"""Building one rank's pipeline stages of a plan, for any model ``plan`` accepts.
+
+Two stage builders, chosen per model (:func:`stage_builder`):
+
+``units``
+    :class:`pipeplan.profile.units.UnitChain`: the stage's units, wired by the unit graph
+    (torch.fx). Used for the built-ins (whose units each take the previous unit's outputs) and
+    for user models that fx traces with every stage unit's arguments known. Builds only the
+    stage's units.
+``traced``
+    torch's tracer front end, :func:`torch.distributed.pipelining.pipeline` (``torch.export``
+    underneath), split at the plan's stage boundaries (``SplitPoint.BEGINNING`` at each stage's
+    first unit). Everything the forward computes outside units (position ids, rotary tables,
+    masks, slices such as ViT's ``[:, 0]``, the model's own loss from ``labels``) lands in the
+    stage that first needs it. Used for ``hf:`` models and for user models the ``units``
+    builder cannot run. Every rank builds and traces the whole model, then keeps its stages.
+
+Each traced stage is wrapped (``_traced_stage_class``: a module class made once torch is
+imported), which routes the values that cross
+stage boundaries: a stage takes every value made before it and used by it or later, and
+returns every value made by it or before and used later (a model input such as ``labels``
+travels from the first stage to the one that uses it). The wrapped modules go into ordinary
+``PipelineStage`` objects (shapes inferred at the first step), which every schedule class runs;
+the traced ``_PipelineStage`` fails under the V schedules on gloo (docs/running.md).
+
+Tied weights (GPT-2's and BERT's embedding and output matrix) are copied into every stage that
+uses them; :class:`TiedGrads` sums their gradients over those stages after each step, as
+Megatron does for its embedding group, so the copies stay equal and the step equals a single
+process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from pipeplan.errors import BadInputError
+
+__all__ = [
+    "RankStages",
+    "TiedGrads",
+    "build_rank_stages",
+    "stage_builder",
+    "traced_split",
+    "check_builders",
+]
+
+
+@dataclass
+class RankStages:
+    """What one rank runs: its stage modules and how the last stage's loss is made."""
+
+    modules: list[Any]
+    """One module per stage of this rank, in stage order."""
+    builder: str
+    """``units`` or ``traced``."""
+    loss: Callable[[Any, Any], Any]
+    """``loss(last_stage_output, target) -> scalar``."""
+    param_names: list[dict[str, str]] = field(default_factory=list)
+    """Per module: its parameter name -> the full model's (canonical) parameter name."""
+    tied: dict[str, list[int]] = field(default_factory=dict)
+    """Canonical name of each weight used by more than one stage -> those stages' indices."""
+    static_args: list[Optional[tuple[Any, Any]]] = field(default_factory=list)
+    """Per module, example ``(inputs, outputs)`` for ``PipelineStage(input_args=, output_args=)``,
+    or None to let the stage infer them. The traced builder gives them: torch's inference runs a
+    stage on tensors made from metadata, whose integer values (``labels``) are garbage."""
+
+
+class _Routing:
+    """Which values of the split graph enter and leave each stage."""
+
+    def __init__(self, split_gm: Any) -> None:
+        import torch.fx
+
+        nodes = list(split_gm.graph.nodes)
+        self.placeholders = [n.target for n in nodes if n.op == "placeholder"]
+        calls = [n for n in nodes if n.op == "call_module"]
+        self.submods = [n.target for n in calls]
+        stage_of: dict[str, int] = {n: -1 for n in self.placeholders}
+        self.call_args: list[list[str]] = []
+        self.results: list[list[tuple[str, Optional[int]]]] = []
+        for i, call in enumerate(calls):
+            if call.kwargs:
+                raise BadInputError(f"the traced stage {call.target} takes keyword arguments; cannot route them")
+            self.call_args.append([self._key(a) for a in call.args])
+            getitems = [u for u in call.users if u.op == "call_function" and u.args and u.args[0] is call]
+            if getitems and len(getitems) == len(call.users):
+                self.results.append([(u.name, int(u.args[1])) for u in getitems])
+            else:
+                self.results.append([(call.name, None)])
+            for key, _ in self.results[-1]:
+                stage_of[key] = i
+        output = next(n for n in nodes if n.op == "output")
+        flat = torch.fx.node.map_arg(output.args[0], lambda n: n)
+        self.outputs = [self._key(n) for n in _flatten(flat) if isinstance(n, torch.fx.Node)]
+        last = len(calls) - 1
+        users: dict[str, list[int]] = {}
+        for i, args in enumerate(self.call_args):
+            for key in args:
+                users.setdefault(key, []).append(i)
+        for key in self.outputs:
+            users.setdefault(key, []).append(last + 1)
+        self.inputs: list[list[str]] = []
+        self.live_out: list[list[str]] = []
+        order = {key: n for n, key in enumerate(stage_of)}
+        for i in range(len(calls)):
+            ins = [k for k, s in stage_of.items() if s < i and max(users.get(k, [-1])) >= i]
+            outs = [k for k, s in stage_of.items() if s <= i and max(users.get(k, [-1])) > i]
+            if i == last:
+                outs = list(self.outputs)
+            self.inputs.append(sorted(ins, key=order.get))
+            self.live_out.append(outs if i == last else sorted(outs, key=order.get))
+
+    @staticmethod
+    def _key(node: Any) -> str:
+        return node.name if hasattr(node, "name") else str(node)
+
+
+def _flatten(value: Any) -> list[Any]:
+    if isinstance(value, (tuple, list)):
+        return [x for v in value for x in _flatten(v)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _flatten(v)]
+    return [value]
+
+
+def _as_leaf_if_constant(value: Any) -> Any:
+    """A floating output that needs no gradient (a rotary table, a mask) as a leaf that does.
+
+    ``PipelineStage`` marks every floating tensor it receives as requiring a gradient and sends
+    that gradient back; the sender must then hold an output that takes one.
+    """
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and not value.requires_grad \
+            and torch.is_grad_enabled():
+        return value.detach().requires_grad_(True)
+    return value
+
+
+def _traced_stage_class() -> type:
+    import torch
+
+    class _TracedStage(torch.nn.Module):
+        """One submodule of the traced model, with the values that cross its boundaries routed.
+
+        ``forward(*values)`` takes the stage's live-in values (the first stage: the model's
+        inputs, positional or by keyword) and returns its live-out values (the last stage: the
+        model's flattened outputs, a tuple).
+        """
+
+        def __init__(self, submod: Any, routing: _Routing, index: int) -> None:
+            super().__init__()
+            self.submod = submod
+            self.index = index
+            self.first = index == 0
+            self.last = index == len(routing.submods) - 1
+            self.placeholders = list(routing.placeholders)
+            self.input_keys = list(routing.inputs[index])
+            self.call_args = list(routing.call_args[index])
+            self.results = list(routing.results[index])
+            self.output_keys = list(routing.live_out[index])
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            if self.first:
+                env = dict(zip(self.placeholders, args))
+                env.update(kwargs)
+                missing = [k for k in self.input_keys if k not in env]
+                if missing:
+                    raise RuntimeError(f"the first stage needs the model inputs {missing}; the batch lacks them")
+            else:
+                if len(args) != len(self.input_keys):
+                    raise RuntimeError(f"stage {self.index} expects {len(self.input_keys)} inputs, got {len(args)}")
+                env = dict(zip(self.input_keys, args))
+            out = self.submod(*(env[k] for k in self.call_args))
+            for key, item in self.results:
+                env[key] = out if item is None else out[item]
+            # torch's split backward detaches a stage's outputs in place, which a view refuses.
+            values = tuple(v.clone() if isinstance(v, torch.Tensor) and v._is_view() else v
+                           for v in (env[k] for k in self.output_keys))
+            if not self.last:
+                values = tuple(_as_leaf_if_constant(v) for v in values)
+            else:
+                # The schedule concatenates the last stage's outputs over micro-batches; a scalar
+                # (the model's own loss) cannot be concatenated, a 1-element vector can.
+                values = tuple(v.unsqueeze(0).clone() if isinstance(v, torch.Tensor) and v.dim() == 0 else v
+                               for v in values)
+            return values if self.last or len(values) != 1 else values[0]
+
+    return _TracedStage
+
+
+def traced_split(model: Any, example_inputs: Any, stage_first_units: Sequence[str]) -> tuple[Any, _Routing]:
+    """Trace ``model`` on one micro-batch and split it before each of ``stage_first_units``.
+
+    Returns
+    -------
+    (pipe, routing)
+        torch's ``Pipe`` and the values crossing each boundary.
+
+    Raises
+    ------
+    BadInputError
+        When torch cannot trace the model, or the split makes a different number of stages
+        (a split point that is not called at the top of the forward).
+    """
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from pipeplan.profile.loading import split_inputs
+
+    args, kwargs = split_inputs(example_inputs)
+    spec = {name: SplitPoint.BEGINNING for name in stage_first_units}
+    try:
+        pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None, split_spec=spec)
+    except Exception as exc:  # noqa: BLE001 - torch.export's failures on a user's model
+        raise BadInputError(
+            f"torch's tracer (torch.distributed.pipelining.pipeline) cannot split the model at "
+            f"{', '.join(stage_first_units)}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
+    if pipe.num_stages != len(stage_first_units) + 1:
+        raise BadInputError(
+            f"torch's tracer split the model into {pipe.num_stages} stages, the plan has "
+            f"{len(stage_first_units) + 1}: a stage's first unit ({', '.join(stage_first_units)}) "
+            f"is not a module the forward calls once at the top of its code"
+        )
+    return pipe, _Routing(pipe.split_gm)
+
+
+def check_builders(model_name: str, net: Any, order: Sequence[str], graph: Any, example_inputs: Any) -> dict[str, Any]:
+    """Which stage builders can run this model at any split between its units (profile time).
+
+    ``units`` needs a torch.fx graph with every unit's arguments known; ``traced`` needs
+    torch's tracer to split the model before every unit but the first (every boundary a plan
+    may choose). Recorded in the profile's ``measurement.stage_builders``; ``plan`` refuses a
+    profile where neither works (:func:`pipeplan.plan.runnable.runnable_problem`).
+    """
+    from pipeplan.profile.hf import is_hf_model
+    from pipeplan.profile.measure import exception_line
+
+    units_ok = (":" not in model_name) or (graph.method == "torch.fx"
+                                             and all(graph.args.get(u) is not None for u in order))
+    record: dict[str, Any] = {"units": bool(units_ok and not is_hf_model(model_name))}
+    if record["units"]:
+        record["run_uses"] = "units"
+        return record
+    try:
+        traced_split(net, example_inputs, list(order[1:]))
+        record["traced"] = True
+        record["run_uses"] = "traced"
+    except BadInputError as exc:
+        record["traced"] = False
+        record["traced_error"] = str(exc)
+    except Exception as exc:  # noqa: BLE001 - anything torch raises while tracing
+        record["traced"] = False
+        record["traced_error"] = exception_line(exc)
+    for p in net.parameters():
+        p.grad = None
+    return record
+
+
+def stage_builder(model: str, stage_layers: Sequence[Sequence[str]], *, seed: int = 0, device: Any = "cpu",
+                  dtype: str = "fp32", unit_patterns: Optional[Sequence[str]] = None, bundle: Any = None,
+                  **options: Any) -> str:
+    """``units`` or ``traced``: which builder runs this model split this way (see the module doc)."""
+    from pipeplan.profile.hf import is_hf_model
+
+    if is_hf_model(model):
+        return "traced"
+    if ":" not in model:
+        return "units"
+    from pipeplan.profile.loading import load_bundle
+    from pipeplan.profile.units import default_units, select_units, trace_units
+
+    bundle = bundle or load_bundle(model, seed=seed, device=device, dtype=dtype, **options)
+    patterns = unit_patterns or bundle.units
+    names = select_units(bundle.model, list(patterns)) if patterns else default_units(bundle.model)
+    try:
+        graph = trace_units(bundle.model, names)
+    except BadInputError:
+        raise
+    except Exception:  # noqa: BLE001 - fx fails on many real models
+        return "traced"
+    layers = [u for stage in stage_layers for u in stage]
+    if any(graph.args.get(u) is None for u in layers) or [u for u in graph.units if u in set(layers)] != layers:
+        return "traced"
+    return "units"
+
+
+def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_indices: Sequence[int], *,
+                      example_inputs: Any = None, seed: int = 0, device: Any = "cpu", dtype: str = "fp32",
+                      unit_patterns: Optional[Sequence[str]] = None, builder: Optional[str] = None,
+                      bundle: Any = None, **options: Any) -> RankStages:
+    """Build the stages ``stage_indices`` of a model split into ``stage_layers``.
+
+    Parameters
+    ----------
+    model : str
+        Built-in, ``module:callable`` or ``hf:...``.
+    stage_layers : list of list of str
+        Every stage's units, in stage order (the plan's ``stages[i].layers``).
+    stage_indices : list of int
+        The stages this rank holds.
+    example_inputs : tuple or dict, optional
+        One micro-batch (the traced builder traces on it); default: the model's own factory.
+    builder : {'units', 'traced'}, optional
+        Default: :func:`stage_builder`.
+    bundle : ModelBundle, optional
+        The whole model, already built with ``seed`` (the traced builder traces it; saves a
+        second build). Not used by the ``units`` builder.
+
+    Returns
+    -------
+    RankStages
+    """
+    import torch
+
+    from pipeplan.profile.loading import default_loss, load_bundle
+
+    builder = builder or stage_builder(model, stage_layers, seed=seed, device=device, dtype=dtype,
+                                       unit_patterns=unit_patterns, **options)
+    if builder == "units":
+        from pipeplan.profile import build_stage
+
+        modules = [build_stage(model, stage_layers[i], seed=seed, device=device, dtype=dtype,
+                               unit_patterns=unit_patterns, **options) for i in stage_indices]
+        bundle = load_bundle(model, seed=seed, device=device, dtype=dtype,
+                             **({"materialise": []} if ":" not in model else {}), **options)
+        loss = bundle.loss_fn or default_loss
+        names = [{n: n for n, _ in m.named_parameters()} for m in modules]
+        return RankStages(modules=modules, builder="units", loss=loss, param_names=names)
+
+    bundle = bundle or load_bundle(model, seed=seed, device=device, dtype=dtype, **options)
+    net = bundle.model
+    if example_inputs is None:
+        raise BadInputError("the traced stage builder needs one micro-batch to trace on")
+    eager = None
+    if bundle.loss_in_output:
+        with torch.no_grad():
+            from pipeplan.profile.loading import call_model
+
+            eager = call_model(net, example_inputs)
+    from pipeplan.profile.units import tied_parameter_names
+
+    tied = tied_parameter_names(net)
+    alias = {name: canonical for canonical, group in tied.items() for name in group}
+    pipe, routing = traced_split(net, example_inputs, [layers[0] for layers in stage_layers[1:]])
+    cls = _traced_stage_class()
+    modules, names, static = [], [], []
+    uses: dict[str, set[int]] = {}
+    examples = _example_values(pipe, routing, cls, example_inputs, len(stage_layers))
+    for index in range(len(stage_layers)):
+        submod = pipe.get_stage_module(index)
+        mapping = {n: alias.get(n, n) for n, _ in submod.named_parameters(remove_duplicate=False)}
+        used = _used_parameters(submod)
+        for n, canonical in mapping.items():
+            if canonical in tied and n in used:
+                uses.setdefault(canonical, set()).add(index)
+        if index in stage_indices:
+            module = cls(submod, routing, index).to(device)
+            modules.append(module)
+            names.append({f"submod.{n}": c for n, c in mapping.items()})
+            static.append(examples[index])
+    if bundle.loss_in_output:
+        position = _loss_position(eager)
+        loss = lambda output, target, _p=position: output[_p].sum()  # noqa: E731 - a new tensor, not a view
+    elif bundle.loss_fn is not None:
+        user_loss = bundle.loss_fn
+        loss = lambda output, target: user_loss(output[0] if len(output) == 1 else output, target)  # noqa: E731
+    else:
+        loss = default_loss
+    return RankStages(modules=modules, builder="traced", loss=loss, param_names=names,
+                      tied={c: sorted(s) for c, s in sorted(uses.items()) if len(s) > 1}, static_args=static)
+
+
+def _example_values(pipe: Any, routing: _Routing, cls: type, example_inputs: Any,
+                    num_stages: int) -> list[tuple[Any, Any]]:
+    """Each stage's inputs and outputs on the example micro-batch, as ``PipelineStage`` wants them
+    (detached; floating ones require a gradient, as received activations do)."""
+    import torch
+
+    from pipeplan.profile.loading import split_inputs
+
+    def example(value: Any) -> Any:
+        value = value.detach().clone()
+        return value.requires_grad_(True) if value.is_floating_point() else value
+
+    def as_tuple(value: Any) -> tuple:
+        return value if isinstance(value, tuple) else (value,)
+
+    args, kwargs = split_inputs(example_inputs)
+    out: list[tuple[Any, Any]] = []
+    values: Any = None
+    for index in range(num_stages):
+        stage = cls(pipe.get_stage_module(index), routing, index)
+        result = stage(*args, **kwargs) if index == 0 else stage(*values)
+        # The first stage's positional inputs (none for keyword batches) come from the schedule.
+        inputs = tuple(example(v) for v in (args if index == 0 else values))
+        values = as_tuple(result)
+        out.append((inputs, tuple(example(v) for v in values)))
+    for p in pipe.split_gm.parameters():
+        p.grad = None
+    return out
+
+
+def _used_parameters(submod: Any) -> set[str]:
+    """Parameter names a traced submodule's graph reads (torch copies unused tied ones in too)."""
+    used = set()
+    for node in submod.graph.nodes:
+        if node.op == "get_attr":
+            used.add(str(node.target))
+        elif node.op == "call_module":
+            prefix = f"{node.target}."
+            used.update(prefix + n for n, _ in submod.get_submodule(node.target).named_parameters())
+    return used
+
+
+def _loss_position(output: Any) -> int:
+    """Where the loss sits among a model output's flattened values (``ModelOutput``: ``loss`` first)."""
+    keys = list(output.keys()) if hasattr(output, "keys") else None
+    if keys and "loss" in keys:
+        return keys.index("loss")
+    if keys is None and isinstance(output, (tuple, list)) and output and getattr(output[0], "dim", lambda: 1)() == 0:
+        return 0
+    raise BadInputError(
+        f"the model returned no loss ({type(output).__name__}); give its batch 'labels' or a loss_fn"
+    )
+
+
+class TiedGrads:
+    """Sums the gradients of tied weights over the stages (and ranks) that hold a copy.
+
+    Every rank makes the same process groups in the same order (``new_group`` is collective),
+    one per tied weight, of the ranks whose stages use it.
+    """
+
+    def __init__(self, tied: dict[str, list[int]], stage_rank: dict[int, int], modules: Sequence[Any],
+                 param_names: Sequence[dict[str, str]], rank: int) -> None:
+        import torch.distributed as dist
+
+        self.groups: list[tuple[str, Any, list[Any]]] = []
+        for canonical, stages in sorted(tied.items()):
+            ranks = sorted({stage_rank[s] for s in stages})
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank not in ranks:
+                continue
+            params, seen = [], set()
+            for module, mapping in zip(modules, param_names):
+                for name, param in module.named_parameters(remove_duplicate=False):
+                    if mapping.get(name) == canonical and id(param) not in seen:
+                        seen.add(id(param))
+                        params.append(param)
+            self.groups.append((canonical, group, params))
+
+    def sync(self) -> None:
+        """After backward, before the optimizer: every copy gets the sum of all copies' gradients."""
+        import torch
+        import torch.distributed as dist
+
+        for _, group, params in self.groups:
+            if not params:
+                continue
+            total = torch.zeros_like(params[0])
+            for p in params:
+                if p.grad is not None:
+                    total += p.grad
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for p in params:
+                p.grad = total.clone()

@@ -158,7 +158,7 @@ def _settings(**kwargs):
 
 
 def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer, bandwidth, schedule,
-                   virtual_stages, recompute, solver, action_overhead_ms=None):
+                   virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None):
     from pipeplan.quantities import parse_bandwidth, parse_bytes
 
     if optimizer not in ("adam", "sgd", "none"):
@@ -180,6 +180,7 @@ def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer,
         recompute=recompute,
         solver=solver,
         action_overhead_ms=action_overhead_ms,
+        launcher=launcher,
     )
 
 
@@ -305,6 +306,7 @@ def plan(
     recompute: str = _RECOMPUTE,
     solver: str = _SOLVER,
     action_overhead_ms: Optional[float] = _ACTION_OVERHEAD,
+    launcher: Optional[str] = typer.Option(None, "--launcher", help="megatron, torchtitan or deepspeed: plan only schedules and micro-batch counts it runs."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Plan JSON to write."),
     record_time: bool = typer.Option(False, "--record-time", help="Record solver seconds in the plan (breaks byte-identical output)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors."),
@@ -316,7 +318,8 @@ def plan(
 
     refuse_overwriting_input(output, profile)
     settings = _plan_settings(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size, memory_cap,
-                              optimizer, bandwidth, schedule, virtual_stages, recompute, solver, action_overhead_ms)
+                              optimizer, bandwidth, schedule, virtual_stages, recompute, solver, action_overhead_ms,
+                              launcher)
     result = plan_profile(profile, settings, output, record_time=record_time)
     if not quiet:
         _console().print(plan_tables(result))

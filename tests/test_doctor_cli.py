@@ -130,3 +130,20 @@ def test_analytic_profiles_from_model_configs_feed_doctor(tmp_path):
     result = runner.invoke(app, ["doctor", "torchtitan", str(DATA / "torchtitan_issue775_microbatches_lt_pp.toml"),
                                  "--profile", str(profile), "--fix", "-o", str(out)])
     assert result.exit_code == 1 and "model.layers" not in out.read_text() and '"layers.0"' in out.read_text()
+
+
+def test_plan_for_a_launcher_on_the_command_line(tmp_path):
+    """`pipeplan plan --launcher megatron` never picks an interleaved count Megatron refuses."""
+    profile = write_profile(decoder_profile(16, 1024, 8, 1024, 32000, sizes=(1,)), tmp_path / "p.json")
+    out = tmp_path / "plan.json"
+    args = ["plan", str(profile), "--stages", "4", "--global-batch", "6", "--schedule", "interleaved", "-q"]
+    assert runner.invoke(app, [*args, "-o", str(out)]).exit_code == 0  # torch's class runs 6
+    refused = runner.invoke(app, [*args, "--launcher", "megatron"])
+    assert refused.exit_code == 2 and "its interleaved schedule refuses 6" in refused.output
+    ok = runner.invoke(app, ["plan", str(profile), "--stages", "4", "--global-batch", "8", "--launcher", "megatron",
+                             "-o", str(out), "-q"])
+    assert ok.exit_code == 0, ok.output
+    plan = json.loads(out.read_text())
+    assert plan["settings"]["launcher"] == "megatron" and plan["schedule"] in ("1f1b", "interleaved")
+    bad = runner.invoke(app, [*args, "--launcher", "fairscale"])
+    assert bad.exit_code == 2 and bad.output.startswith("error: --launcher")

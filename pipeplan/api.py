@@ -30,10 +30,10 @@ def plan_profile(profile_path: str | Path, settings: PlanSettings, output: str |
     ``PlanSettings`` has the CLI's defaults, so this makes the plan ``pipeplan plan`` makes
     from the same options, byte for byte.
     """
-    from pipeplan.plan import make_plan
+    from pipeplan.cluster.search import plan_any  # cluster (--gpus), given split, or pipeline
 
     profile = load_profile(profile_path)
-    plan = make_plan(profile, settings, profile_sha256=file_sha256(profile_path), record_time=record_time)
+    plan = plan_any(profile, settings, profile_sha256=file_sha256(profile_path), record_time=record_time)
     if output is not None:
         write_json_atomic(output, plan)
     return plan

@@ -158,15 +158,17 @@ def _settings(**kwargs):
 
 
 def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer, bandwidth, schedule,
-                   virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None):
+                   virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None, **cluster_options):
     from pipeplan.quantities import parse_bandwidth, parse_bytes
 
-    if optimizer not in ("adam", "sgd", "none"):
-        raise BadInputError(f"--optimizer: {optimizer!r} is not one of adam, sgd, none")
+    if optimizer not in ("adam", "adam-fp32-grads", "sgd", "none"):
+        raise BadInputError(f"--optimizer: {optimizer!r} is not one of adam, adam-fp32-grads, sgd, none")
     if solver not in ("auto", "dp", "ilp"):
         raise BadInputError(f"--solver: {solver!r} is not one of auto, dp, ilp")
     if recompute not in ("auto", "none", "selective", "all"):
         raise BadInputError(f"--recompute: {recompute!r} is not one of auto, none, selective, all")
+    if stages is None and cluster_options.get("num_gpus") is None:
+        raise BadInputError("--stages: give the pipeline stages, or --gpus to search data x tensor x pipeline")
     bandwidth_value = parse_bandwidth(bandwidth)
     return _settings(
         stages=stages,
@@ -181,7 +183,34 @@ def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer,
         solver=solver,
         action_overhead_ms=action_overhead_ms,
         launcher=launcher,
+        **_cluster_settings(**cluster_options),
     )
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise BadInputError(f"--layers-per-stage: {text!r} is not a list of whole numbers, e.g. 5,7,7,7") from None
+    return counts
+
+
+def _cluster_settings(num_gpus=None, cluster=None, data_parallel=None, tensor_parallel=None, zero=None,
+                      data_parallel_overlap=None):
+    """The cluster options of ``pipeplan plan`` (docs/cluster-model.md); empty without --gpus."""
+    if num_gpus is None:
+        given = [name for name, value in (("--cluster", cluster), ("--data-parallel", data_parallel),
+                                          ("--tensor-parallel", tensor_parallel), ("--zero", zero),
+                                          ("--data-parallel-overlap", data_parallel_overlap)) if value is not None]
+        if given:
+            raise BadInputError(f"{given[0]}: needs --gpus (the cluster's GPU count)")
+        return {}
+    from pipeplan.cluster import resolve_cluster
+
+    if cluster is None:
+        raise BadInputError("--gpus: give --cluster NAME or FILE too (pipeplan cluster lists the presets)")
+    return {"num_gpus": num_gpus, "cluster": resolve_cluster(cluster), "data_parallel": data_parallel,
+            "tensor_parallel": tensor_parallel, "zero_stage": zero, "data_parallel_overlap": data_parallel_overlap}
 
 
 _PROFILE_ARG = typer.Argument(..., help="Profile JSON file.", show_default=False)
@@ -189,7 +218,7 @@ _STAGES = typer.Option(..., "--stages", "-p", help="Pipeline stages (GPUs).", sh
 _GLOBAL_BATCH = typer.Option(None, "--global-batch", "-g", help="Samples per iteration (default: 8 x the largest profiled micro-batch).")
 _MICROBATCH = typer.Option(None, "--microbatch-size", "-b", help="Fix the micro-batch size instead of searching.")
 _MEMORY_CAP = typer.Option(None, "--memory-cap", help="Per-GPU memory cap, e.g. 80GiB or 16e9.")
-_OPTIMIZER = typer.Option("adam", "--optimizer", help="adam (16 B/param), sgd (12 B/param) or none.")
+_OPTIMIZER = typer.Option("adam", "--optimizer", help="adam (16 B/param), adam-fp32-grads (18, Megatron's), sgd (12) or none.")
 _BANDWIDTH = typer.Option("25GB/s", "--bandwidth", help="Point-to-point bandwidth, e.g. 25GB/s; inf ignores transfers.")
 _SCHEDULE = typer.Option("auto", "--schedule", help="auto, gpipe, 1f1b, interleaved, zb, zbv or dualpipev.")
 _VIRTUAL = typer.Option(None, "--virtual-stages", "-v", help="Stages per rank (interleaved/zero-bubble); default: search.")
@@ -295,7 +324,7 @@ def gpus():
 @_handled
 def plan(
     profile: Path = _PROFILE_ARG,
-    stages: int = _STAGES,
+    stages: Optional[int] = typer.Option(None, "--stages", "-p", help="Pipeline stages (ranks); with --gpus: fix p instead of searching."),
     global_batch: Optional[int] = _GLOBAL_BATCH,
     microbatch_size: Optional[int] = _MICROBATCH,
     memory_cap: Optional[str] = _MEMORY_CAP,
@@ -310,8 +339,15 @@ def plan(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Plan JSON to write."),
     record_time: bool = typer.Option(False, "--record-time", help="Record solver seconds in the plan (breaks byte-identical output)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Plan the whole cluster: search d x t x p = GPUS (needs --cluster)."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="A preset (pipeplan cluster) or a cluster TOML file; its links replace --bandwidth."),
+    data_parallel: Optional[int] = typer.Option(None, "--data-parallel", help="With --gpus: fix the data-parallel degree d."),
+    tensor_parallel: Optional[int] = typer.Option(None, "--tensor-parallel", help="With --gpus: fix the tensor-parallel degree t."),
+    zero: Optional[int] = typer.Option(None, "--zero", help="With --gpus: fix the ZeRO stage (0-3); default: search."),
+    data_parallel_overlap: Optional[float] = typer.Option(None, "--data-parallel-overlap", help="With --gpus: share of the gradient sync hidden behind compute (default 0)."),
+    layers_per_stage: Optional[str] = typer.Option(None, "--layers-per-stage", help="Fix the split: units per stage in profile order, e.g. 5,7,7,7 (virtual stages in order); needs a named --schedule."),
 ):
-    """Find the fastest pipeline plan that fits the memory cap."""
+    """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
     from pipeplan.api import plan_profile
     from pipeplan.formats.io import refuse_overwriting_input
     from pipeplan.show import plan_tables
@@ -319,12 +355,28 @@ def plan(
     refuse_overwriting_input(output, profile)
     settings = _plan_settings(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size, memory_cap,
                               optimizer, bandwidth, schedule, virtual_stages, recompute, solver, action_overhead_ms,
-                              launcher)
+                              launcher=launcher, num_gpus=gpus, cluster=cluster, data_parallel=data_parallel,
+                              tensor_parallel=tensor_parallel, zero=zero, data_parallel_overlap=data_parallel_overlap)
+    if layers_per_stage is not None:
+        settings = settings.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
     result = plan_profile(profile, settings, output, record_time=record_time)
     if not quiet:
         _console().print(plan_tables(result))
         if output:
             typer.echo(f"wrote {output}")
+
+
+@app.command()
+@_handled
+def cluster(
+    spec: Optional[str] = typer.Argument(None, metavar="[NAME|FILE]", help="A preset or a cluster TOML file to check and show."),
+):
+    """The cluster presets (or one spec): GPUs per node, memory, links; docs/cluster-model.md."""
+    from pipeplan.cluster import PRESETS, resolve_cluster
+    from pipeplan.cluster.tables import cluster_table
+
+    specs = list(PRESETS.values()) if spec is None else [resolve_cluster(spec)]
+    _console().print(cluster_table(specs, "cluster presets" if spec is None else str(spec)))
 
 
 @app.command()

@@ -28,6 +28,10 @@ def stage_count_words(plan: Plan) -> str:
 
 def plan_tables(plan: Plan) -> Group:
     """Summary and per-stage tables of a plan."""
+    if plan.parallelism is not None:
+        from pipeplan.cluster.tables import cluster_plan_tables
+
+        return cluster_plan_tables(plan)
     p = plan.predicted
     summary = Table(title=f"{plan.profile.model}: {stage_count_words(plan)}, {plan.schedule}", show_header=False)
     summary.add_column("what")

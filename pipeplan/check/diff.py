@@ -202,7 +202,7 @@ def diff_profiles(a, b, *, microbatch_size: int | None = None, settings: PlanSet
     result = ProfileDiff(model=(a.model, b.model), microbatch_size=size, changed=changed, unchanged=unchanged)
     if settings is not None:
         if planner is None:
-            from pipeplan.plan import make_plan as planner
+            from pipeplan.cluster.search import plan_any as planner
         plans = []
         for label, profile, sha in (("A", a, sha256[0]), ("B", b, sha256[1])):
             try:

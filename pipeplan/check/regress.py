@@ -244,7 +244,7 @@ def check_baseline(
     from pipeplan.formats.io import file_sha256, load_plan, load_profile
 
     if planner is None:
-        from pipeplan.plan import make_plan as planner
+        from pipeplan.cluster.search import plan_any as planner
     baseline_path, profile_path = Path(baseline_path), Path(profile_path)
     baseline = load_plan(baseline_path)
     profile = load_profile(profile_path)

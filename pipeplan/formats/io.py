@@ -144,9 +144,9 @@ def load_profile(path: str | Path):
 
 def load_plan(path: str | Path):
     """Read and check a plan file."""
-    from pipeplan.formats.plan import Plan
+    from pipeplan.formats.plan import PLAN_SCHEMA_VERSIONS, Plan
 
-    return _load(path, Plan, "a plan")
+    return _load(path, Plan, "a plan", PLAN_SCHEMA_VERSIONS)
 
 
 def load_report(path: str | Path):

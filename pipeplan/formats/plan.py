@@ -1,7 +1,13 @@
-"""The plan format (schema_version 1): a split of a profile into pipeline stages.
+"""The plan format (schema_version 2, reads 1): a split of a profile into pipeline stages.
 
 Written by ``pipeplan plan``; read by ``show``, ``run``, ``export`` and ``check``.
 See docs/formats.md.
+
+Version 2 adds the cluster plan (docs/cluster-model.md): ``parallelism`` (data, tensor and
+pipeline degrees, ZeRO stage, sequence parallelism), the cluster spec and the cluster options
+in ``settings``, the iteration's cluster parts in ``predicted`` and each stage's memory by part.
+A plan is written as version 2 only where one of them is set, so a pipeline-only plan keeps
+version 1 and its bytes; version 1 files read unchanged.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.formats.limits import (MAX_MICROBATCHES, Bytes, Count, FiniteFloat, Ms, Name, PlanBytes, PlanMs,
                                      PositiveCount, Text)
 # Schedule names, one per torch.distributed.pipelining class; the records (torch class,
@@ -18,6 +25,8 @@ from pipeplan.plan.schedules import SCHEDULES
 
 __all__ = [
     "SCHEDULES",
+    "PLAN_SCHEMA_VERSIONS",
+    "Parallelism",
     "SOLVER_METHODS",
     "DEFAULT_BANDWIDTH_BYTES_PER_S",
     "DEFAULT_GLOBAL_BATCH_PER_MICROBATCH",
@@ -60,8 +69,33 @@ DEFAULT_BANDWIDTH_BYTES_PER_S = 25e9
 DEFAULT_GLOBAL_BATCH_PER_MICROBATCH = 8
 
 
+#: Plan versions this pipeplan reads.
+PLAN_SCHEMA_VERSIONS = (1, 2)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class Parallelism(_Strict):
+    """How the plan lays its GPUs out (ranks in Megatron's order: docs/cluster-model.md)."""
+
+    num_gpus: PositiveCount = Field(description="data x tensor x pipeline.")
+    data: PositiveCount = Field(description="Data-parallel replicas d.")
+    tensor: PositiveCount = Field(description="Tensor-parallel degree t (inside a node).")
+    pipeline: PositiveCount = Field(description="Pipeline ranks p.")
+    virtual_stages: PositiveCount = Field(default=1, description="Stages per pipeline rank.")
+    zero_stage: int = Field(default=0, ge=0, le=3, description="ZeRO stage: 1 shards the optimizer state over d, "
+                                                               "2 also the gradients, 3 also the weights.")
+    sequence_parallel: bool = Field(default=False, description="Megatron's sequence parallelism (t > 1).")
+    gpus_per_node: PositiveCount = Field(description="From the cluster spec, for the layout.")
+
+    @model_validator(mode="after")
+    def _product(self) -> "Parallelism":
+        if self.data * self.tensor * self.pipeline != self.num_gpus:
+            raise ValueError(f"data x tensor x pipeline = {self.data} x {self.tensor} x {self.pipeline} is not "
+                             f"num_gpus {self.num_gpus}")
+        return self
 
 
 class PlanProfileRef(_Strict):
@@ -79,14 +113,19 @@ class PlanSettings(_Strict):
     that depend on the profile (``global_batch``, ``action_overhead_ms``) filled in.
     """
 
-    stages: PositiveCount = Field(description="Pipeline ranks (GPUs).")
+    stages: Optional[PositiveCount] = Field(
+        default=None,
+        description="Pipeline ranks p. Required, except in a cluster request (num_gpus set) where null "
+                    "means search; a cluster plan records the chosen p (and search_stages).")
     global_batch: Optional[PositiveCount] = Field(
         default=None,
         description="Samples per iteration; null (before planning) means 8 x the largest profiled "
                     "micro-batch size. Plans record the value used.")
     microbatch_size: Optional[PositiveCount] = Field(default=None, description="Fixed micro-batch size, or null to search.")
     memory_cap_bytes: Optional[Bytes] = Field(default=None, gt=0, description="Per-GPU memory cap, or null for none.")
-    optimizer: Literal["adam", "sgd", "none"] = "adam"
+    optimizer: Literal["adam", "adam-fp32-grads", "sgd", "none"] = Field(
+        default="adam", description="Training state per parameter: adam 16 bytes (ZeRO paper, DeepSpeed), "
+                                    "adam-fp32-grads 18 (Megatron), sgd 12, none 2 x dtype; docs/cluster-model.md.")
     bandwidth_bytes_per_s: Optional[FiniteFloat] = Field(
         default=DEFAULT_BANDWIDTH_BYTES_PER_S, gt=0,
         description="Point-to-point bandwidth; null means infinite (transfers ignored). A plan file "
@@ -110,6 +149,26 @@ class PlanSettings(_Strict):
         description="The launcher the plan is for, or null for torch: the planner only picks schedules "
                     "and micro-batch counts it runs (e.g. not the interleaved counts Megatron-LM refuses).",
     )
+    # --- schema_version 2: the cluster plan (all null for a pipeline-only plan) ---
+    num_gpus: Optional[PositiveCount] = Field(
+        default=None, description="--gpus: plan d x t x p = num_gpus over the cluster; null: d = t = 1.")
+    cluster: Optional[ClusterSpec] = Field(default=None, description="The cluster spec (preset or file), inlined.")
+    data_parallel: Optional[PositiveCount] = Field(default=None, description="Fixed d, or null to search.")
+    tensor_parallel: Optional[PositiveCount] = Field(default=None, description="Fixed t, or null to search.")
+    zero_stage: Optional[int] = Field(default=None, ge=0, le=3, description="Fixed ZeRO stage, or null to search.")
+    layers_per_stage: Optional[list[PositiveCount]] = Field(
+        default=None, description="Fixed split: units per stage in profile order (virtual stages in order).")
+    data_parallel_overlap: Optional[FiniteFloat] = Field(
+        default=None, ge=0, le=1,
+        description="Share of the data-parallel sync hidden behind compute; null: 0 (all exposed).")
+    search_stages: Optional[bool] = Field(
+        default=None, description="True in a cluster plan whose pipeline degree was searched (stages is the choice).")
+
+    @model_validator(mode="after")
+    def _stages_given(self) -> "PlanSettings":
+        if self.stages is None and self.num_gpus is None:
+            raise ValueError("stages: give the pipeline stages (--stages), or --gpus to search them")
+        return self
 
     @model_serializer(mode="wrap")
     def _keep_null_bandwidth(self, handler) -> dict[str, Any]:
@@ -160,6 +219,11 @@ class PlanStage(_Strict):
     selective_activation_bytes: Optional[PlanBytes] = Field(
         default=None, description="Selective stages: bytes kept for backward per micro-batch in flight.")
     peak_memory_bytes: PlanBytes = Field(description="Predicted peak memory of the stage.")
+    # --- schema_version 2 (cluster plans): the stage's share of its GPU's memory, by part ---
+    weight_bytes: Optional[PlanBytes] = Field(default=None, description="Weights held (ZeRO 3: the shard and the gathered units).")
+    gradient_bytes: Optional[PlanBytes] = Field(default=None, description="Gradients held (ZeRO 2-3: the shard).")
+    optimizer_bytes: Optional[PlanBytes] = Field(default=None, description="Optimizer state held (ZeRO 1-3: the shard).")
+    peak_activation_bytes: Optional[PlanBytes] = Field(default=None, description="Activations at the stage's peak.")
 
 
 class Predicted(_Strict):
@@ -175,6 +239,14 @@ class Predicted(_Strict):
     overhead_ms: Optional[PlanMs] = Field(
         default=None, description="The schedule's own time on the bottleneck rank (settings.action_overhead_ms "
                                   "per action); null when none was set.")
+    # --- schema_version 2 (cluster plans): with compute_ms, bubble_ms, overhead_ms and transfer_ms they
+    # add up to iteration_ms; compute_ms then leaves out the tensor-parallel collectives ---
+    tensor_parallel_ms: Optional[PlanMs] = Field(default=None, description="Tensor-parallel collectives.")
+    data_parallel_ms: Optional[PlanMs] = Field(default=None, description="What the data-parallel sync adds.")
+    optimizer_ms: Optional[PlanMs] = Field(default=None, description="The optimizer step.")
+    tokens_per_second_per_gpu: Optional[FiniteFloat] = Field(default=None, ge=0, description="Training throughput per GPU.")
+    model_flops_utilization: Optional[FiniteFloat] = Field(
+        default=None, ge=0, description="Model FLOPs per iteration (no recompute) over the GPUs' peak (MFU).")
 
 
 class RankSummary(_Strict):
@@ -219,7 +291,7 @@ class SolverInfo(_Strict):
 class Plan(_Strict):
     """A pipeline plan."""
 
-    schema_version: Literal[1]
+    schema_version: Literal[1, 2] = Field(description="2 where a version-2 field is set, else 1.")
     profile: PlanProfileRef
     settings: PlanSettings
     schedule: Literal[SCHEDULES]
@@ -232,6 +304,10 @@ class Plan(_Strict):
     alternatives: list[Alternative] = Field(default_factory=list)
     notes: list[Text] = Field(default_factory=list, description="Assumptions the planner made.")
     solver: SolverInfo
+    parallelism: Optional[Parallelism] = Field(
+        default=None, description="The cluster layout (schema_version 2); null: d = t = 1 on `stages` GPUs.")
+    reserve_bytes: Optional[PlanBytes] = Field(
+        default=None, description="Per GPU, the memory not planned (the cluster's reserve and fragmentation share).")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
@@ -249,6 +325,10 @@ class Plan(_Strict):
                                      f"each layer belongs to one stage")
                 owner[name] = stage.index
         ranks = self.settings.stages
+        if ranks is None:
+            raise ValueError("settings.stages: a plan records its pipeline ranks")
+        if self.parallelism is not None and self.parallelism.pipeline != ranks:
+            raise ValueError(f"parallelism.pipeline: {self.parallelism.pipeline} is not settings.stages {ranks}")
         if len(self.stages) != ranks * self.virtual_stages:
             raise ValueError(f"stages: {len(self.stages)} stages for settings.stages {ranks} ranks x "
                              f"virtual_stages {self.virtual_stages}; give {ranks * self.virtual_stages}")

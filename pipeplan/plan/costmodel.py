@@ -55,6 +55,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
+from pipeplan.cluster.memory import state_bytes_per_param_byte
 from pipeplan.plan.graph import LAYER_ARRAYS
 
 __all__ = [
@@ -83,6 +84,8 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 #: + 4 (fp32 master) + 4 + 4 (moments) = 16; in fp32 it is 4 + 4 + 4 + 4 = 16 too.
 #: SGD with momentum: 12 either way (16-bit: 2 + 2 + 4 master + 4 momentum).
 BYTES_PER_PARAMETER = {"adam": 16, "sgd": 12}
+# (Each --optimizer's parts, and ZeRO's sharding of them, are pipeplan.cluster.optimizers' and
+# pipeplan.cluster.memory's; this module reads them from there.)
 
 
 def static_bytes_per_param_byte(optimizer: str, dtype_bytes: int) -> float:
@@ -97,9 +100,7 @@ def static_bytes_per_param_byte(optimizer: str, dtype_bytes: int) -> float:
     >>> static_bytes_per_param_byte("none", 2)  # weights and gradients only
     2.0
     """
-    if optimizer == "none":
-        return 2.0
-    return BYTES_PER_PARAMETER[optimizer] / float(dtype_bytes)
+    return state_bytes_per_param_byte(optimizer, dtype_bytes)
 
 
 def recompute_mode(value: Any) -> str:
@@ -307,7 +308,9 @@ class CostModel:
             working = float(max(0.0, (graph.activation_bytes - graph.selective_activation_bytes).max()))
         return cls(
             bandwidth_bytes_per_s=math.inf if bandwidth is None else float(bandwidth),
-            static_bytes_per_param_byte=static_bytes_per_param_byte(settings.optimizer, dtype_bytes),
+            # The training state's conventions and ZeRO's sharding over d: docs/cluster-model.md.
+            static_bytes_per_param_byte=state_bytes_per_param_byte(
+                settings.optimizer, dtype_bytes, settings.zero_stage or 0, settings.data_parallel or 1),
             action_overhead_ms=float(settings.action_overhead_ms or 0.0),
             selective_working_bytes=working,
         )

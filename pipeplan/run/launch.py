@@ -632,6 +632,11 @@ def run_plan_file(plan_path: str | Path, *, report_path: Optional[str | Path] = 
     from pipeplan.formats.io import file_sha256, load_plan, load_profile, write_text_atomic
 
     plan = load_plan(plan_path)
+    par = plan.parallelism
+    if par is not None and (par.data > 1 or par.tensor > 1 or par.zero_stage):
+        raise BadInputError(
+            f"{plan_path}: parallelism: d={par.data} t={par.tensor} ZeRO {par.zero_stage}: pipeplan run of data- or "
+            f"tensor-parallel plans are not supported yet; plan with --data-parallel 1 --tensor-parallel 1 --zero 0")
     profile = None
     if profile_path is not None:
         profile = load_profile(profile_path)

@@ -1,0 +1,53 @@
+"""Time the cluster search (``pipeplan plan --gpus N --cluster dgx-h100``) on analytic profiles.
+
+Llama 3 70B on 64, 512 and 1,024 H100s and Llama 3 405B on 1,024, sequence 8192, bf16, global
+batch 1,024 sequences (128 on 64 GPUs), profiles at micro-batch sizes 1, 2, 4 and tensor-parallel
+degrees 1, 2, 4, 8. Prints the wall time of each search, the layout it chose and its predicted
+iteration. Results go to docs/benchmarks.md with this command:
+
+    python benchmarks/bench_cluster_search.py [--only 70b-64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+CASES = {
+    "70b-64": ("llama3-70b", 64, 128),
+    "70b-512": ("llama3-70b", 512, 1024),
+    "70b-1024": ("llama3-70b", 1024, 1024),
+    "405b-1024": ("llama3-405b", 1024, 1024),
+}
+
+
+def main(argv=None) -> int:
+    from pipeplan.analytic.api import analytic_profile
+    from pipeplan.analytic.gpus import get_gpu
+    from pipeplan.cluster.presets import PRESETS
+    from pipeplan.cluster.search import plan_cluster
+    from pipeplan.formats.plan import PlanSettings
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=sorted(CASES), action="append")
+    args = parser.parse_args(argv)
+    profiles = {}
+    for name in args.only or CASES:
+        model, gpus, batch = CASES[name]
+        if model not in profiles:
+            profiles[model] = analytic_profile(model, get_gpu("h100-sxm"), seq_len=8192, dtype="bf16",
+                                               microbatch_sizes=[1, 2, 4], tensor_parallel=[1, 2, 4, 8])
+        settings = PlanSettings(num_gpus=gpus, cluster=PRESETS["dgx-h100"], global_batch=batch, schedule="auto",
+                                recompute="auto")
+        started = time.perf_counter()
+        plan = plan_cluster(profiles[model], settings, profile_sha256="bench")
+        seconds = time.perf_counter() - started
+        par = plan.parallelism
+        print(f"{name}: {seconds:.1f} s; d={par.data} t={par.tensor} p={par.pipeline} v={par.virtual_stages} "
+              f"{plan.schedule} b={plan.microbatch_size} ZeRO {par.zero_stage}: {plan.predicted.iteration_ms / 1e3:.2f} s "
+              f"per iteration, MFU {plan.predicted.model_flops_utilization:.1%}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""A cluster iteration as named parts that add up, its throughput and MFU, and its lower bound.
+
+The pipeline's simulation (docs/schedules.md) gives the make-span ``M`` (first forward to last
+backward) split, on its critical rank, into compute, the schedule's own work, bubble and exposed
+transfers. After its last backward each pipeline rank runs its data-parallel sync; the optimizer
+step then waits for every rank's sync, because the step clips gradients by their global norm (an
+all-reduce over every model-parallel rank, Megatron's default ``--clip-grad 1.0``). So
+
+    iteration_ms = max over pipeline ranks r of (end_r + exposed_sync_r) + max over r of optimizer_r
+
+and the data-parallel part is what the sync adds beyond the make-span,
+``max_r (end_r + sync_r) - M >= 0`` (a rank that ends early hides some of its sync in the
+others' drain). The parts (:class:`IterationParts`) add up to the iteration exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = ["IterationParts", "iteration_parts", "tokens_per_s_per_gpu", "model_flops_utilization",
+           "pipeline_lower_bound_ms"]
+
+
+@dataclass(frozen=True)
+class IterationParts:
+    """One iteration of the whole cluster, in ms; the parts add up to :attr:`iteration_ms`."""
+
+    compute_ms: float
+    """The critical pipeline rank's forward and backward work (recompute included), without its
+    tensor-parallel collectives."""
+    tensor_parallel_ms: float
+    """Its tensor-parallel collectives (not overlapped)."""
+    pipeline_transfer_ms: float
+    """Exposed pipeline transfers (the simulation's)."""
+    bubble_ms: float
+    """The critical rank's idle time in the make-span, and the schedule's own work."""
+    data_parallel_ms: float
+    """What the data-parallel sync adds beyond the make-span."""
+    optimizer_ms: float
+    """The optimizer step (the slowest rank's)."""
+
+    @property
+    def pipeline_ms(self) -> float:
+        """The make-span: everything before the sync."""
+        return self.compute_ms + self.tensor_parallel_ms + self.pipeline_transfer_ms + self.bubble_ms
+
+    @property
+    def iteration_ms(self) -> float:
+        return self.pipeline_ms + self.data_parallel_ms + self.optimizer_ms
+
+
+def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: float, bubble_ms: float,
+                    rank_end_ms: Sequence[float], rank_sync_ms: Sequence[float],
+                    rank_optimizer_ms: Sequence[float]) -> IterationParts:
+    """The iteration's parts from the pipeline's simulation and each rank's sync and step.
+
+    Parameters
+    ----------
+    busy_ms, tensor_parallel_ms, transfer_ms, bubble_ms : float
+        The simulation's critical rank: its busy time (tensor-parallel collectives included), the
+        collectives' share of it, the exposed transfers, and the rest of the make-span (idle and
+        the schedule's own work). They add up to the make-span.
+    rank_end_ms : sequence of float
+        When each pipeline rank's last action ends; the largest is the make-span.
+    rank_sync_ms, rank_optimizer_ms : sequence of float
+        Each rank's exposed data-parallel sync and its optimizer step.
+
+    Returns
+    -------
+    IterationParts
+
+    Raises
+    ------
+    ValueError
+        If the per-rank sequences differ in length, or the parts do not add up to the make-span.
+
+    Examples
+    --------
+    >>> parts = iteration_parts(80.0, 8.0, 5.0, 15.0, [100.0, 90.0], [20.0, 20.0], [3.0, 3.0])
+    >>> parts.data_parallel_ms, parts.iteration_ms       # rank 0 ends last: 100 + 20 + 3
+    (20.0, 123.0)
+    >>> parts = iteration_parts(80.0, 8.0, 5.0, 15.0, [100.0, 90.0], [20.0, 40.0], [3.0, 3.0])
+    >>> parts.data_parallel_ms, parts.iteration_ms       # rank 1 syncs longer: 90 + 40 + 3
+    (30.0, 133.0)
+    """
+    ranks = len(rank_end_ms)
+    if ranks == 0 or len(rank_sync_ms) != ranks or len(rank_optimizer_ms) != ranks:
+        raise ValueError("every per-rank sequence needs one value per pipeline rank")
+    makespan = max(rank_end_ms)
+    if abs(busy_ms + transfer_ms + bubble_ms - makespan) > 1e-6 * max(1.0, makespan):
+        raise ValueError(f"busy {busy_ms} + transfers {transfer_ms} + bubble {bubble_ms} is not the "
+                         f"make-span {makespan}")
+    if not 0 <= tensor_parallel_ms <= busy_ms:
+        raise ValueError(f"tensor_parallel_ms {tensor_parallel_ms} must be within busy_ms {busy_ms}")
+    synced = max(end + sync for end, sync in zip(rank_end_ms, rank_sync_ms))
+    return IterationParts(
+        compute_ms=busy_ms - tensor_parallel_ms, tensor_parallel_ms=tensor_parallel_ms,
+        pipeline_transfer_ms=transfer_ms, bubble_ms=bubble_ms,
+        data_parallel_ms=synced - makespan, optimizer_ms=max(rank_optimizer_ms),
+    )
+
+
+def tokens_per_s_per_gpu(global_batch: int, sequence_length: int, iteration_ms: float, num_gpus: int) -> float:
+    """Training throughput per GPU.
+
+    Examples
+    --------
+    >>> tokens_per_s_per_gpu(64, 2048, 13750.0, 64)   # GPT-3 175B on 64 A100s, selective
+    148.94545454545454
+    """
+    if iteration_ms <= 0 or num_gpus < 1:
+        raise ValueError("iteration_ms must be > 0 and num_gpus >= 1")
+    return global_batch * sequence_length / (iteration_ms / 1e3) / num_gpus
+
+
+def model_flops_utilization(model_flops: float, iteration_ms: float, num_gpus: int,
+                            peak_flops_per_s: float) -> float:
+    """MFU: the model's FLOPs per iteration (no recomputation counted) over the GPUs' peak.
+
+    ``model_flops`` is the useful work of one iteration: forward and backward of every token,
+    as in Chowdhery et al. 2022 (PaLM, appendix B) and Korthikanti et al. 2022 (section 6).
+
+    Examples
+    --------
+    >>> round(model_flops_utilization(1.1436e15, 1100.0, 8, 312e12), 3)   # 22B, t = 8, selective
+    0.417
+    """
+    if iteration_ms <= 0 or num_gpus < 1 or peak_flops_per_s <= 0:
+        raise ValueError("iteration_ms and peak_flops_per_s must be > 0, num_gpus >= 1")
+    return model_flops / (iteration_ms / 1e3) / (num_gpus * peak_flops_per_s)
+
+
+def pipeline_lower_bound_ms(work_ms_per_microbatch: float, num_microbatches: int, pipeline: int,
+                            largest_unit_ms: float = 0.0, tail_ms: float = 0.0) -> float:
+    """A lower bound on a candidate's iteration, without splitting it: for pruning the search.
+
+    Some pipeline rank does at least ``1 / p`` of the work of every micro-batch, and at least
+    the largest unit's work; and its sync and step (``tail_ms``, their least over the ranks)
+    follow. Every split, schedule and placement is at least this slow.
+
+    Parameters
+    ----------
+    work_ms_per_microbatch : float
+        The whole model's forward + backward (+ tensor-parallel collectives) per micro-batch, at
+        the candidate's degree and micro-batch size.
+    num_microbatches, pipeline : int
+        ``m`` and ``p``.
+    largest_unit_ms : float
+        The largest single unit's work per micro-batch (a stage holds it whole).
+    tail_ms : float
+        The least exposed sync + optimizer step over the ranks.
+
+    Examples
+    --------
+    >>> pipeline_lower_bound_ms(80.0, 8, 4, largest_unit_ms=30.0, tail_ms=5.0)   # 8 x max(20, 30) + 5
+    245.0
+    """
+    if pipeline < 1 or num_microbatches < 1:
+        raise ValueError("pipeline and num_microbatches must be >= 1")
+    return num_microbatches * max(work_ms_per_microbatch / pipeline, largest_unit_ms) + tail_ms

@@ -1,0 +1,132 @@
+"""What each ``--optimizer`` keeps per parameter, and what its step reads and writes.
+
+Training state per parameter, in bytes, split into the three parts ZeRO shards one by one
+(``w`` = the training dtype's bytes, 2 for bf16/fp16, 4 for fp32):
+
+    adam             w + w + (4 master + 8 moments)  = 16 (fp32: 4 + 4 + 8 = 16)
+                     the ZeRO paper's K = 12 and DeepSpeed's accounting
+    adam-fp32-grads  w + 4 + (4 master + 8 moments)  = 18 (fp32: 16)
+                     Megatron-LM's mixed precision: fp32 main gradients
+    sgd              w + w + (4 master + 4 momentum) = 12 (fp32: 4 + 4 + 4 = 12)
+    none             w + w                           = 2 w: no optimizer state
+
+``adam`` is pipeplan's default and what plans of schema version 1 assumed (16 bytes);
+``adam-fp32-grads`` is Megatron's default for bf16 (``--accumulate-allreduce-grads-in-fp32``):
+18 bytes, of which its distributed optimizer shards the 12 of the optimizer state, giving
+Megatron's documented ``6 + 12 / d`` (Megatron Core user guide, "Distributed Optimizer").
+
+The optimizer step is memory-bound. Per parameter of the rank's shard it touches (Megatron-LM's
+``MixedPrecisionOptimizer.step``, which DeepSpeed and torchtitan's defaults match in kind):
+
+- clipping by the global gradient norm (``--clip-grad 1.0``, Megatron's default): the gradient
+  read once for the norm and read and written once to scale it (3 x gradient bytes);
+- the update: the state read and written, the gradient read (2 x state + gradient);
+- the training-dtype copy of the weights: the fp32 master read, the copy written (4 + w); in
+  fp32 training the update steps the weights in place instead (read and written, 2 w);
+- with fp16 loss scaling (:func:`optimizer_step_ms`'s ``loss_scaling``): unscaling the gradients
+  and checking them for inf/nan, read and written once (2 x gradient bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["OPTIMIZERS", "TrainingState", "training_state", "optimizer_step_ms"]
+
+#: The ``--optimizer`` values.
+OPTIMIZERS = ("adam", "adam-fp32-grads", "sgd", "none")
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """Bytes per parameter of each part of the training state."""
+
+    weight_bytes: float
+    """The weights in the training dtype (what the forward reads; ZeRO 3 shards them)."""
+    gradient_bytes: float
+    """The gradients that data parallelism reduces (ZeRO 2 shards them)."""
+    optimizer_bytes: float
+    """fp32 master weights (16-bit training) and the optimizer's moments (ZeRO 1 shards them)."""
+    step_bytes: float
+    """Bytes the optimizer step reads and writes per parameter of its shard."""
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
+
+
+def training_state(optimizer: str, dtype_bytes: int) -> TrainingState:
+    """Bytes per parameter of ``optimizer`` training in a dtype of ``dtype_bytes``.
+
+    Parameters
+    ----------
+    optimizer : {"adam", "adam-fp32-grads", "sgd", "none"}
+    dtype_bytes : int
+        2 for bf16/fp16, 4 for fp32.
+
+    Raises
+    ------
+    ValueError
+        For an unknown optimizer.
+
+    Examples
+    --------
+    >>> training_state("adam", 2).total_bytes
+    16
+    >>> training_state("adam-fp32-grads", 2).total_bytes   # Megatron's 18
+    18
+    >>> training_state("adam", 4).total_bytes
+    16
+    >>> training_state("sgd", 2).total_bytes
+    12
+    >>> training_state("none", 2).total_bytes
+    4
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    w = dtype_bytes
+    master = 4 if w < 4 else 0  # 16-bit training keeps an fp32 copy; fp32 training steps the weights
+    if optimizer == "none":
+        return TrainingState(w, w, 0, 0)
+    grad = 4 if optimizer == "adam-fp32-grads" else w
+    moments = 8 if optimizer.startswith("adam") else 4
+    state = master + moments
+    # Module docstring: clipping (3 grad), the update (2 state + grad), the weight copy.
+    step = 3 * grad + 2 * state + grad + (4 + w if master else 2 * w)
+    return TrainingState(w, grad, state, step)
+
+
+def optimizer_step_ms(shard_params: float, state: TrainingState, hbm_bytes_per_s: float,
+                      hbm_efficiency: float = 0.8, loss_scaling: bool = False) -> float:
+    """Time of the optimizer step over a rank's shard: bytes touched / achieved HBM bandwidth.
+
+    Parameters
+    ----------
+    shard_params : float
+        Parameters this GPU steps: its tensor shard of its stages, divided by ``d`` under
+        ZeRO 1-3 (each data-parallel rank steps its own share).
+    state : TrainingState
+    hbm_bytes_per_s : float
+        The GPU's memory bandwidth (data sheet).
+    hbm_efficiency : float
+        Achieved share of it by the fused (multi-tensor) optimizer kernels.
+    loss_scaling : bool
+        fp16 training: the gradients are unscaled and checked for inf/nan first.
+
+    Examples
+    --------
+    >>> s = training_state("adam", 2)
+    >>> s.step_bytes            # clip 3 x 2 + update 2 x 12 + 2 + copy 4 + 2
+    38
+    >>> optimizer_step_ms(1e9, s, 2e12, hbm_efficiency=1.0)   # 38 GB at 2 TB/s
+    19.0
+    >>> megatron = training_state("adam-fp32-grads", 2)
+    >>> megatron.step_bytes + 2 * megatron.gradient_bytes     # fp16: Megatron's step, 54 bytes
+    54
+    """
+    if shard_params < 0:
+        raise ValueError(f"shard_params: {shard_params} must be >= 0")
+    if hbm_bytes_per_s <= 0 or not 0 < hbm_efficiency <= 1:
+        raise ValueError("hbm_bytes_per_s must be > 0 and hbm_efficiency in (0, 1]")
+    touched = state.step_bytes + (2 * state.gradient_bytes if loss_scaling else 0)
+    return shard_params * touched / (hbm_bytes_per_s * hbm_efficiency) * 1e3

@@ -1,0 +1,175 @@
+"""Which GPU runs what: ranks of a data x tensor x pipeline layout, as Megatron orders them.
+
+Megatron-LM numbers ranks with tensor parallelism innermost, then data, then pipeline
+(``megatron.core.parallel_state``, order ``tp-dp-pp`` with context and expert parallelism 1):
+
+    rank = t + T x (d + D x p)        for tensor rank t < T, data rank d < D, pipeline rank p < P
+
+and fills nodes in rank order (``gpus_per_node`` consecutive ranks per node). So a tensor
+group is ``T`` consecutive GPUs, inside one node whenever ``T`` divides the node; a pipeline
+rank's ``T x D`` GPUs are consecutive; neighbouring pipeline ranks are ``T x D`` GPUs apart,
+on the same node only when ``T x D`` is smaller than a node.
+
+Examples
+--------
+>>> layout = Layout(data=2, tensor=4, pipeline=2, gpus_per_node=8)
+>>> layout.stage_gpus(1)
+(8, 9, 10, 11, 12, 13, 14, 15)
+>>> layout.tensor_group(pipeline_rank=0, data_rank=1)
+(4, 5, 6, 7)
+>>> layout.data_group(pipeline_rank=1, tensor_rank=0)
+(8, 12)
+>>> layout.pipeline_link(0, 1)
+'inter'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeplan.errors import BadInputError
+
+__all__ = ["Layout", "GroupSpan"]
+
+LinkKind = Literal["intra", "inter", "local"]
+
+
+@dataclass(frozen=True)
+class GroupSpan:
+    """The shape of a communication group on the nodes."""
+
+    ranks_per_node: int
+    """GPUs of the group on each node it touches (the same on every one)."""
+    nodes: int
+    """Nodes the group touches."""
+
+    @property
+    def size(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+    @property
+    def link(self) -> LinkKind:
+        """``local`` (one GPU), ``intra`` (one node) or ``inter`` (spans nodes)."""
+        if self.size == 1:
+            return "local"
+        return "intra" if self.nodes == 1 else "inter"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A data x tensor x pipeline layout on nodes of ``gpus_per_node`` GPUs.
+
+    Raises
+    ------
+    BadInputError
+        If a degree is not positive, the tensor degree does not divide a node (tensor
+        parallelism stays on the intra-node link), or the GPUs are not whole nodes.
+    """
+
+    data: int
+    tensor: int
+    pipeline: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        for name in ("data", "tensor", "pipeline", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise BadInputError(f"{name}: {getattr(self, name)} must be at least 1")
+        if self.gpus_per_node % self.tensor:
+            raise BadInputError(
+                f"tensor parallel {self.tensor} does not divide the {self.gpus_per_node} GPUs of a "
+                f"node; tensor parallelism runs inside a node, so use a divisor of {self.gpus_per_node}")
+        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            raise BadInputError(
+                f"{self.num_gpus} GPUs are not whole nodes of {self.gpus_per_node}")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.data * self.tensor * self.pipeline
+
+    def rank(self, pipeline_rank: int, data_rank: int, tensor_rank: int) -> int:
+        """The global rank (GPU) of one coordinate (module docstring)."""
+        return tensor_rank + self.tensor * (data_rank + self.data * pipeline_rank)
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """``(pipeline_rank, data_rank, tensor_rank)`` of a global rank.
+
+        Examples
+        --------
+        >>> Layout(2, 4, 2, 8).coordinates(13)
+        (1, 1, 1)
+        """
+        tensor_rank = rank % self.tensor
+        data_rank = (rank // self.tensor) % self.data
+        return rank // (self.tensor * self.data), data_rank, tensor_rank
+
+    def node(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def stage_gpus(self, pipeline_rank: int) -> tuple[int, ...]:
+        """The GPUs that run pipeline rank ``pipeline_rank`` (every replica and tensor shard)."""
+        first = self.rank(pipeline_rank, 0, 0)
+        return tuple(range(first, first + self.tensor * self.data))
+
+    def tensor_group(self, pipeline_rank: int, data_rank: int) -> tuple[int, ...]:
+        return tuple(self.rank(pipeline_rank, data_rank, t) for t in range(self.tensor))
+
+    def data_group(self, pipeline_rank: int, tensor_rank: int) -> tuple[int, ...]:
+        return tuple(self.rank(pipeline_rank, d, tensor_rank) for d in range(self.data))
+
+    def pipeline_group(self, data_rank: int, tensor_rank: int) -> tuple[int, ...]:
+        return tuple(self.rank(p, data_rank, tensor_rank) for p in range(self.pipeline))
+
+    def span(self, ranks) -> GroupSpan:
+        """The group's shape on the nodes.
+
+        Raises
+        ------
+        ValueError
+            If the group has different counts on different nodes (no layout here makes one).
+        """
+        counts: dict[int, int] = {}
+        for rank in ranks:
+            counts[self.node(rank)] = counts.get(self.node(rank), 0) + 1
+        per_node = set(counts.values())
+        if len(per_node) != 1:
+            raise ValueError(f"group {tuple(ranks)} is uneven over nodes: {counts}")
+        return GroupSpan(ranks_per_node=per_node.pop(), nodes=len(counts))
+
+    def tensor_span(self) -> GroupSpan:
+        """Every tensor group's shape (all alike: consecutive GPUs inside a node)."""
+        return self.span(self.tensor_group(0, 0))
+
+    def data_span(self) -> GroupSpan:
+        """Every data-parallel group's shape (all alike in this ordering)."""
+        return self.span(self.data_group(0, 0))
+
+    def pipeline_link(self, src_pipeline_rank: int, dst_pipeline_rank: int) -> LinkKind:
+        """The link a pipeline transfer between two pipeline ranks crosses.
+
+        Every replica and tensor shard sends at once, each GPU to its peer ``T x D`` GPUs away;
+        the transfer is on the network if any of those pairs is on two nodes (the slowest pair
+        gates the step). ``local`` when the two pipeline ranks are the same (the V placement).
+
+        Examples
+        --------
+        >>> Layout(data=1, tensor=2, pipeline=4, gpus_per_node=8).pipeline_link(1, 2)
+        'intra'
+        >>> Layout(data=1, tensor=2, pipeline=8, gpus_per_node=8).pipeline_link(3, 4)
+        'inter'
+        """
+        if src_pipeline_rank == dst_pipeline_rank:
+            return "local"
+        for src, dst in zip(self.stage_gpus(src_pipeline_rank), self.stage_gpus(dst_pipeline_rank)):
+            if self.node(src) != self.node(dst):
+                return "inter"
+        return "intra"
+
+    def describe_stage(self, pipeline_rank: int) -> str:
+        """``GPUs 8-15 (node 1)``: for ``show``."""
+        gpus = self.stage_gpus(pipeline_rank)
+        nodes = sorted({self.node(g) for g in gpus})
+        gpu_text = f"GPU {gpus[0]}" if len(gpus) == 1 else f"GPUs {gpus[0]}-{gpus[-1]}"
+        node_text = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {nodes[0]}-{nodes[-1]}"
+        return f"{gpu_text} ({node_text})"

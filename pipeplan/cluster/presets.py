@@ -1,0 +1,125 @@
+"""Cluster presets (``--cluster dgx-h100``) and resolving a name or a TOML file to a spec.
+
+Every figure is the vendor's data-sheet number, with its source beside it; bandwidths are per
+GPU and per direction (a data sheet's "900 GB/s NVLink" is both directions together, so 450 GB/s
+here). What collectives achieve of them is ``Link.efficiency`` (docs/cluster-model.md). Latencies
+are NCCL's own per-hop figures for its Ring/Simple protocol (``hwLat`` in NCCL's
+``src/graph/tuning.cc``: NVLink 3.4 us, PCI 5.7 us, network 14.0 us). The GPUs' own figures
+(memory, FLOP/s, HBM bandwidth) are the GPU table's (:mod:`pipeplan.analytic.gpus`), by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeplan.errors import BadInputError
+from pipeplan.formats.cluster import ClusterSpec, Link, load_cluster_file
+
+__all__ = ["PRESETS", "resolve_cluster", "memory_cap_bytes"]
+
+GB = 10**9
+
+#: NCCL's per-hop latencies (Ring, Simple protocol), src/graph/tuning.cc ``hwLat``.
+_NVLINK_LATENCY_US = 3.4
+_PCI_LATENCY_US = 5.7
+_NET_LATENCY_US = 14.0
+#: NCCL's base latency per call (Ring and Tree, Simple protocol), ``baseLat`` in the same file.
+_CALL_LATENCY_US = 8.4
+
+PRESETS: dict[str, ClusterSpec] = {
+    "dgx-h100": ClusterSpec(
+        name="dgx-h100", gpu="h100-sxm", gpus_per_node=8,
+        # H100 data sheet: NVLink 900 GB/s (both directions) through DGX H100's four NVSwitches.
+        intra_node=Link(bandwidth_bytes_per_s=450 * GB, latency_us=_NVLINK_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+        # DGX H100 data sheet: 8x single-port ConnectX-7, 400 Gb/s InfiniBand: one per GPU.
+        inter_node=Link(bandwidth_bytes_per_s=50 * GB, latency_us=_NET_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+    ),
+    "dgx-a100": ClusterSpec(
+        name="dgx-a100", gpu="a100-80gb", gpus_per_node=8,
+        # A100 data sheet: NVLink 600 GB/s (both directions) through DGX A100's six NVSwitches.
+        intra_node=Link(bandwidth_bytes_per_s=300 * GB, latency_us=_NVLINK_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+        # DGX A100 data sheet: 8x single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute
+        # (Selene, where Korthikanti et al. 2022 ran, is built of these nodes).
+        inter_node=Link(bandwidth_bytes_per_s=25 * GB, latency_us=_NET_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+    ),
+    "gh200": ClusterSpec(
+        name="gh200", gpu="gh200", gpus_per_node=4,
+        # Quad GH200 node (HPE Cray EX254n, as in CSCS Alps): the four Hoppers are linked all to
+        # all; each has 18 NVLink-4 links of 25 GB/s per direction (H100 data sheet), 6 to each
+        # peer, so a ring step between two of them runs at 150 GB/s.
+        intra_node=Link(bandwidth_bytes_per_s=150 * GB, latency_us=_NVLINK_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+        # One Slingshot-11 NIC of 200 Gb/s per GH200 (CSCS Alps documentation).
+        inter_node=Link(bandwidth_bytes_per_s=25 * GB, latency_us=_NET_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+    ),
+    "dgx-b200": ClusterSpec(
+        name="dgx-b200", gpu="b200", gpus_per_node=8,
+        # DGX B200 data sheet: fifth-generation NVLink, 1.8 TB/s per GPU (both directions).
+        intra_node=Link(bandwidth_bytes_per_s=900 * GB, latency_us=_NVLINK_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+        # DGX B200 data sheet: 8x single-port ConnectX-7, up to 400 Gb/s: one per GPU.
+        inter_node=Link(bandwidth_bytes_per_s=50 * GB, latency_us=_NET_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+    ),
+    "pcie-l4": ClusterSpec(
+        name="pcie-l4", gpu="l4", gpus_per_node=8,
+        # L4 data sheet: PCIe Gen4 x16, 64 GB/s (both directions); no NVLink.
+        intra_node=Link(bandwidth_bytes_per_s=32 * GB, latency_us=_PCI_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+        # Google Cloud g2-standard-96 (8 L4): 100 Gb/s network per VM, shared by 8 GPUs.
+        inter_node=Link(bandwidth_bytes_per_s=100 * GB / 8 / 8, latency_us=_NET_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+    ),
+}
+
+
+def resolve_cluster(name_or_path: str | Path) -> ClusterSpec:
+    """A preset by name, or a TOML file by path.
+
+    Raises
+    ------
+    BadInputError
+        If it is neither a preset nor a readable, valid cluster file.
+
+    Examples
+    --------
+    >>> resolve_cluster("dgx-a100").gpus_per_node
+    8
+    """
+    text = str(name_or_path)
+    if text in PRESETS:
+        return PRESETS[text]
+    path = Path(text)
+    if path.suffix.lower() == ".toml" or path.exists():
+        return load_cluster_file(path)
+    raise BadInputError(
+        f"--cluster: {text!r} is neither a preset ({', '.join(PRESETS)}) nor a TOML file")
+
+
+def memory_cap_bytes(spec: ClusterSpec) -> int:
+    """The spec's cap, else its GPU model's memory (the GPU table, ``pipeplan gpus``).
+
+    Raises
+    ------
+    BadInputError
+        If neither is known: the file must give ``memory_cap``.
+
+    Examples
+    --------
+    >>> memory_cap_bytes(PRESETS["dgx-h100"]) / 2**30   # H100 SXM: 80 GB of HBM3 (80 GiB)
+    80.0
+    """
+    if spec.memory_cap_bytes is not None:
+        return spec.memory_cap_bytes
+    from pipeplan.analytic.gpus import GPUS
+
+    if spec.gpu in GPUS:
+        return GPUS[spec.gpu].memory_bytes
+    raise BadInputError(
+        f"cluster {spec.name!r}: gpu: {spec.gpu!r} is not in the GPU table (pipeplan gpus); give memory_cap "
+        f"(known GPUs: {', '.join(GPUS)})")

@@ -1,0 +1,479 @@
+"""The cluster search: the fastest data x tensor x pipeline plan of a profile on N GPUs.
+
+For every layout (d, t, p) the rules allow (:mod:`pipeplan.cluster.space`), every ZeRO stage and
+recomputation family, the pipeline planner (:func:`pipeplan.plan.search.make_plan`) finds the
+fastest exact split, schedule, stages per rank and micro-batch size of one replica: ``G / d``
+samples on ``p`` ranks, from the profile at degree ``t`` on the cluster's links
+(:func:`pipeplan.cluster.profile_view.degree_view`), with the ZeRO-sharded training state and
+each GPU's plannable memory (the cap less the reserve). The cluster then adds each pipeline
+rank's data-parallel sync and the optimizer step (:func:`pipeplan.cluster.iteration.iteration_parts`).
+
+Pruning: candidates are evaluated in the order of a lower bound that needs no split (some rank
+does at least ``1/p`` of each micro-batch's work and the slowest step follows,
+:func:`pipeplan.cluster.iteration.pipeline_lower_bound_ms`); a candidate whose bound is above the
+best iteration found is not planned, and one whose state alone cannot fit (``1/p`` of the
+model's training state on some rank) is skipped. Ties go to the earlier candidate in a fixed
+order, so the same inputs give the same plan.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
+from pipeplan.cluster.iteration import (iteration_parts, model_flops_utilization, pipeline_lower_bound_ms,
+                                        tokens_per_s_per_gpu)
+from pipeplan.cluster.memory import (plannable_bytes, state_bytes_per_param_byte, state_memory,
+                                     zero3_gathered_bytes)
+from pipeplan.cluster.optimizers import optimizer_step_ms, training_state
+from pipeplan.cluster.placement import Layout
+from pipeplan.cluster.presets import memory_cap_bytes
+from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, tensor_degrees
+from pipeplan.cluster.space import candidates, parallel_degrees
+from pipeplan.errors import BadInputError, InfeasibleError
+from pipeplan.formats.plan import Alternative, Parallelism, Plan, PlanSettings
+from pipeplan.quantities import format_bytes
+
+__all__ = ["plan_any", "plan_cluster", "hbm_bytes_per_s", "peak_flops_per_s"]
+
+#: Achieved share of HBM bandwidth by the fused optimizer kernels.
+OPTIMIZER_HBM_EFFICIENCY = 0.8
+
+
+def _gpu_figure(profile, cluster, key: str):
+    gpu = (profile.measurement or {}).get("gpu") or {}
+    if gpu.get("name") == cluster.gpu and key in gpu:
+        return gpu[key]
+    try:  # the GPU table of the analytic profiles (issue 12), where installed
+        from pipeplan.analytic.gpus import get_gpu
+    except ImportError:
+        return gpu.get(key)
+    try:
+        return getattr(get_gpu(cluster.gpu), key)
+    except BadInputError:
+        return gpu.get(key)
+
+
+def hbm_bytes_per_s(profile, cluster) -> Optional[float]:
+    """The cluster GPU's memory bandwidth: from the GPU table, else the profile's GPU; None if unknown."""
+    value = _gpu_figure(profile, cluster, "hbm_bytes_per_s")
+    return None if value is None else float(value)
+
+
+def peak_flops_per_s(profile, cluster) -> Optional[float]:
+    """The cluster GPU's dense peak in the profile's dtype; None if unknown."""
+    flops = _gpu_figure(profile, cluster, "peak_flops") or {}
+    value = flops.get(profile.dtype)
+    return None if value is None else float(value)
+
+
+@dataclass
+class _Trial:
+    """One (d, t, p, ZeRO, recomputation family) the search considers."""
+
+    data: int
+    tensor: int
+    pipeline: int
+    zero_stage: int
+    family: str              # "plain" (none / full, per stage) or "selective"
+    order: int
+    lower_bound_ms: float = 0.0
+    status: str = "new"      # new, planned, infeasible, pruned, state-over-cap
+    reason: str = ""
+    plan: Optional[Plan] = None
+    parts: object = None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def key(self):
+        return (self.data, self.tensor, self.pipeline)
+
+
+def _zero_stages(settings: PlanSettings, d: int) -> list[int]:
+    if settings.zero_stage is not None:
+        return [settings.zero_stage]
+    # At d = 1 nothing is sharded. ZeRO 1 moves no more bytes than ZeRO 0 (a ring all-reduce is a
+    # reduce-scatter plus an all-gather) and holds less; it pays one more call's fixed latency per
+    # iteration (8.4 us on the presets), which the search gives up for a third fewer candidates:
+    # --zero 0 plans ZeRO 0.
+    return [0] if d == 1 else [1, 2, 3]
+
+
+def _families(settings: PlanSettings, view_has_selective: bool) -> list[tuple[str, str]]:
+    """(view family, the pipeline planner's recompute setting)."""
+    mode = settings.recompute
+    if mode == "selective":
+        return [("selective", "none")]
+    if mode in ("none", "all"):
+        return [("plain", mode)]
+    return [("plain", "auto")] + ([("selective", "none")] if view_has_selective else [])
+
+
+def _sums(view: DegreeView, sizes):
+    """Per micro-batch size: whole-model work per micro-batch and the largest unit's."""
+    out = {}
+    for b in sizes:
+        works = [layer.cost_at(b).forward_ms + layer.cost_at(b).backward_ms for layer in view.profile.layers]
+        out[b] = (sum(works), max(works))
+    return out
+
+
+def plan_any(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
+    """The plan ``settings`` ask for: a cluster plan (``num_gpus``), a given split
+    (``layers_per_stage``) or the pipeline planner's; what ``plan`` and ``check`` call."""
+    if settings.num_gpus is not None:
+        return plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
+    if settings.layers_per_stage is not None:
+        from pipeplan.api import plan_split
+
+        plan = plan_split(profile, settings, settings.layers_per_stage, profile_sha256=profile_sha256)
+        return plan.model_copy(update={"schema_version": 2})  # layers_per_stage is a version-2 field
+    from pipeplan.plan import make_plan
+
+    return make_plan(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
+
+
+def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
+    """The fastest cluster plan of ``profile`` for ``settings.num_gpus`` GPUs of ``settings.cluster``.
+
+    Raises
+    ------
+    BadInputError
+        No cluster, a GPU count no layout makes, a fixed degree that breaks a rule.
+    InfeasibleError
+        Nothing fits the memory; the message gives the least memory or GPUs that could.
+    """
+    from pipeplan.plan import with_profile_defaults
+
+    settings = with_profile_defaults(profile, settings)
+    if settings.search_stages:  # re-planning a plan file whose pipeline degree was searched
+        settings = settings.model_copy(update={"stages": None, "search_stages": None})
+    cluster = settings.cluster
+    if cluster is None:
+        raise BadInputError("--gpus: give the cluster (--cluster NAME or FILE; pipeplan cluster lists them)")
+    if settings.layers_per_stage is not None:
+        settings = _fixed_split_stages(settings)
+    n_gpus = settings.num_gpus
+    units = len(profile.layers)
+    degrees = parallel_degrees(n_gpus, cluster.gpus_per_node, units, head_counts(profile), tensor_degrees(profile),
+                               data=settings.data_parallel, tensor=settings.tensor_parallel, pipeline=settings.stages)
+    G = settings.global_batch
+    cap = settings.memory_cap_bytes or memory_cap_bytes(cluster)
+    usable = plannable_bytes(cap, cluster.reserve_bytes, cluster.fragmentation)
+    state = training_state(settings.optimizer, profile.dtype_bytes)
+    hbm = hbm_bytes_per_s(profile, cluster)
+    overlap = DEFAULT_OVERLAP if settings.data_parallel_overlap is None else settings.data_parallel_overlap
+    sizes_all = profile.microbatch_sizes if settings.microbatch_size is None else [settings.microbatch_size]
+
+    bandwidth_only = cluster.model_copy(update={
+        "intra_node": cluster.intra_node.model_copy(update={"latency_us": 0.0}),
+        "inter_node": cluster.inter_node.model_copy(update={"latency_us": 0.0})})
+    views: dict[tuple[int, str], DegreeView] = {}
+    trials: list[_Trial] = []
+    # The (d, t, p) that some micro-batch size b runs with d x b dividing the batch (space.candidates
+    # raises, naming the sizes, when none does).
+    runnable = sorted({(c.data, c.tensor, c.pipeline) for c in candidates(degrees, G, sizes_all)})
+    selective_ok = all(getattr(c, "selective_activation_bytes", None) is not None
+                       for layer in profile.layers for c in layer.costs)
+    for d, t, p in runnable:
+        if (t, "plain") not in views:
+            views[(t, "plain")] = degree_view(profile, t, cluster)
+        for zero in _zero_stages(settings, d):
+            for family, _ in _families(settings, selective_ok):
+                trials.append(_Trial(d, t, p, zero, family, len(trials)))
+
+    # Lower bounds and the state-only memory check.
+    for trial in trials:
+        vkey = (trial.tensor, trial.family)
+        if vkey not in views:
+            views[vkey] = degree_view(profile, trial.tensor, cluster, selective=trial.family == "selective")
+        view = views[vkey]
+        replica_batch = G // trial.data
+        sums = _sums(view, [b for b in sizes_all if replica_batch % b == 0])
+        params = sum(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes
+        static = state_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes, trial.zero_stage,
+                                            trial.data) * params * profile.dtype_bytes
+        trial.extras["state_per_gpu"] = static / trial.pipeline
+        if static / trial.pipeline > usable:
+            trial.status = "state-over-cap"
+            trial.reason = (f"training state alone is {format_bytes(static / trial.pipeline)} per GPU on average, "
+                            f"over the {format_bytes(usable)} plannable")
+            continue
+        shard = params / trial.pipeline / (trial.data if trial.zero_stage >= 1 else 1)
+        step = optimizer_step_ms(shard, state, hbm, OPTIMIZER_HBM_EFFICIENCY, profile.dtype == "fp16") if hbm else 0.0
+        trial.extras["step_lb"] = step
+        span = Layout(trial.data, trial.tensor, trial.pipeline, cluster.gpus_per_node).data_span()
+        bounds = []
+        for b, (work, largest) in sums.items():
+            m = replica_batch // b
+            # Averaged over the ranks: some rank's busy time plus sync is at least the mean's
+            # (bandwidth terms only, which are linear in the parameters).
+            sync = data_parallel_sync(params / trial.pipeline, state, trial.zero_stage, span, bandwidth_only,
+                                      m, overlap).exposed_ms
+            bounds.append(max(pipeline_lower_bound_ms(work, m, trial.pipeline) + sync, m * largest) + step)
+        trial.lower_bound_ms = min(bounds)
+
+    # Branch and bound. A trial's bound is refined once, by its layout's pipeline optimum without
+    # a memory cap (memory only ever constrains, so no ZeRO stage or recomputation beats it).
+    best: Optional[_Trial] = None
+    unbounded: dict = {}
+    heap = [(t.lower_bound_ms, t.order, False, t) for t in trials if t.status == "new"]
+    heapq.heapify(heap)
+    while heap:
+        bound, _, refined, trial = heapq.heappop(heap)
+        if best is not None and bound > best.parts.iteration_ms:
+            trial.status = "pruned"
+            trial.reason = f"pruned: its lower bound {bound:.1f} ms is above the best {best.parts.iteration_ms:.1f} ms"
+            continue
+        if not refined:
+            family = "plain" if any(f == "plain" for f, _ in _families(settings, True)) else "selective"
+            key = (trial.data, trial.tensor, trial.pipeline, family)
+            if key not in unbounded:
+                unbounded[key] = _unbounded(profile, settings, views[(trial.tensor, family)], trial, family,
+                                            cluster, profile_sha256)
+            trial.lower_bound_ms = max(bound, unbounded[key][0] + trial.extras["step_lb"])
+            heapq.heappush(heap, (trial.lower_bound_ms, trial.order, True, trial))
+            continue
+        _run_trial(trial, profile, settings, views[(trial.tensor, trial.family)], cluster, usable, state, hbm,
+                   overlap, profile_sha256, record_time)
+        if trial.status == "planned" and (best is None or (trial.parts.iteration_ms, trial.order)
+                                          < (best.parts.iteration_ms, best.order)):
+            best = trial
+    if best is None:
+        total_state = training_state(settings.optimizer, profile.dtype_bytes).total_bytes * sum(
+            layer.param_bytes for layer in profile.layers) / profile.dtype_bytes
+        needs = min(((peak, key, zero) for key, (_, peak, zero) in unbounded.items()),
+                    default=(math.inf, None, 0))
+        raise InfeasibleError(_infeasible_message(trials, settings, cluster, usable, cap, total_state, needs))
+    return _assemble(best, trials, profile, settings, views[(best.tensor, best.family)], cluster, cap, state)
+
+
+def _fixed_split_stages(settings: PlanSettings) -> PlanSettings:
+    """With ``--layers-per-stage`` the pipeline degree is the split's: counts / stages per rank."""
+    from pipeplan.plan import valid_virtual_stages
+
+    if settings.schedule == "auto":
+        raise BadInputError("--layers-per-stage: a given split needs a named --schedule, not auto")
+    v = settings.virtual_stages or valid_virtual_stages(settings.schedule)[0]
+    counts = len(settings.layers_per_stage)
+    if counts % v:
+        raise BadInputError(f"--layers-per-stage: {counts} counts are not a whole number of pipeline ranks "
+                            f"at {v} stages per rank")
+    if settings.stages is not None and settings.stages * v != counts:
+        raise BadInputError(f"--layers-per-stage: {counts} counts for --stages {settings.stages} x {v} stages "
+                            f"per rank; give {settings.stages * v}")
+    return settings.model_copy(update={"stages": counts // v, "virtual_stages": v})
+
+
+def _pipeline_plan(view: DegreeView, sub: PlanSettings, settings: PlanSettings, profile_sha256: str,
+                   record_time: bool = False) -> Plan:
+    """The pipeline planner's best plan of one replica, or the given split's (--layers-per-stage)."""
+    from pipeplan.plan import make_plan
+
+    if settings.layers_per_stage is None:
+        return make_plan(view.profile, sub, profile_sha256=profile_sha256, record_time=record_time)
+    from pipeplan.api import plan_split
+
+    plan = plan_split(view.profile, sub, settings.layers_per_stage, profile_sha256=profile_sha256)
+    cap = sub.memory_cap_bytes
+    peak = max(r.peak_memory_bytes for r in plan.ranks)
+    if cap is not None and peak > cap:
+        raise InfeasibleError(f"the given split needs {format_bytes(peak)} on its fullest rank, over the "
+                              f"{format_bytes(cap)} plannable")
+    return plan
+
+
+def _pipeline_link(cluster, trial):
+    layout = Layout(trial.data, trial.tensor, trial.pipeline, cluster.gpus_per_node)
+    links = {layout.pipeline_link(i, (i + 1) % trial.pipeline) for i in range(trial.pipeline)} - {"local"}
+    return layout, links, (cluster.inter_node if "inter" in links else cluster.intra_node)
+
+
+def _sub_settings(settings: PlanSettings, trial, link, cap, recompute: str) -> PlanSettings:
+    """The pipeline planner's settings for one replica of a trial."""
+    return settings.model_copy(update={
+        "stages": trial.pipeline, "global_batch": settings.global_batch // trial.data,
+        "memory_cap_bytes": cap, "bandwidth_bytes_per_s": link.achieved_bytes_per_s,
+        "recompute": recompute, "zero_stage": trial.zero_stage, "data_parallel": trial.data,
+        "num_gpus": None, "cluster": None, "tensor_parallel": None, "layers_per_stage": None,
+        "data_parallel_overlap": None, "search_stages": None,
+    })
+
+
+def _unbounded(profile, settings: PlanSettings, view: DegreeView, trial, family: str, cluster,
+               profile_sha256: str) -> tuple[float, float, int]:
+    """The layout's fastest pipeline with no memory cap: a lower bound on every trial of it.
+
+    Returns its make-span, its fullest rank's planned bytes and the ZeRO stage they are at: the
+    memory that one plan of the layout needs, for the infeasible message.
+    """
+    _, _, link = _pipeline_link(cluster, trial)
+    recompute = dict(_families(settings, True))[family]
+    sub = _sub_settings(settings, trial, link, None, "none" if recompute == "auto" else recompute)
+    try:
+        plan = _pipeline_plan(view, sub, settings, profile_sha256)
+    except (InfeasibleError, BadInputError):
+        return 0.0, math.inf, trial.zero_stage
+    return plan.predicted.iteration_ms, max(r.peak_memory_bytes for r in plan.ranks), trial.zero_stage
+
+
+def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView, cluster, usable: int, state,
+               hbm, overlap: float, profile_sha256: str, record_time: bool) -> None:
+    from pipeplan.plan import plan_simulation
+
+    layout, links, link = _pipeline_link(cluster, trial)
+    largest_unit_params = max(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes
+    gathered = zero3_gathered_bytes(largest_unit_params, state, trial.data) if trial.zero_stage == 3 else 0
+    recompute = dict(_families(settings, True))[trial.family]
+    sub = _sub_settings(settings, trial, link, max(1, usable - gathered), recompute)
+    try:
+        plan = _pipeline_plan(view, sub, settings, profile_sha256, record_time)
+    except InfeasibleError as error:
+        trial.status = "infeasible"
+        trial.reason = f"infeasible: {str(error).splitlines()[0]}"
+        return
+    sim = plan_simulation(plan)
+    m = plan.num_microbatches
+    rank_end = [0.0] * trial.pipeline
+    for event in sim.events:
+        rank_end[event.rank] = max(rank_end[event.rank], event.end_ms)
+    rank_params = [0.0] * trial.pipeline
+    rank_tp = [0.0] * trial.pipeline
+    for stage in plan.stages:
+        rank_params[stage.rank] += stage.param_bytes / profile.dtype_bytes
+        rank_tp[stage.rank] += m * view.stage_tensor_parallel_ms(stage.layers, plan.microbatch_size, stage.recompute)
+    span = layout.data_span()
+    sync = [data_parallel_sync(p, state, trial.zero_stage, span, cluster, m, overlap).exposed_ms for p in rank_params]
+    shard = [p / (trial.data if trial.zero_stage >= 1 else 1) for p in rank_params]
+    step = [optimizer_step_ms(s, state, hbm, OPTIMIZER_HBM_EFFICIENCY, profile.dtype == "fp16") if hbm else 0.0
+            for s in shard]
+    critical = sim.critical_rank
+    trial.parts = iteration_parts(sim.compute_ms, min(rank_tp[critical], sim.compute_ms), sim.transfer_ms,
+                                  sim.bubble_ms + sim.overhead_ms, rank_end, sync, step)
+    trial.plan = plan
+    trial.status = "planned"
+    trial.extras = {"layout": layout, "link": "inter" if "inter" in links else ("intra" if links else "local"),
+                    "gathered": gathered}
+
+
+def _infeasible_message(trials, settings: PlanSettings, cluster, usable: int, cap: int, total_state_bytes: float,
+                        needs=(math.inf, None, 0)) -> str:
+    """What would fit: the least per-GPU memory the state needs, and a GPU count it could fit in."""
+    G = cluster.gpus_per_node
+    gpus = max(1, math.ceil(total_state_bytes / max(usable, 1)))
+    gpus = gpus if gpus <= G else math.ceil(gpus / G) * G
+    least = min((t.extras.get("state_per_gpu", math.inf) for t in trials), default=math.inf)
+    planned = sorted({t.reason for t in trials if t.status == "infeasible"})
+    lines = [f"nothing fits {format_bytes(cap)} per GPU ({format_bytes(usable)} plannable after the "
+             f"{format_bytes(cluster.reserve_bytes)} reserve and {cluster.fragmentation:.0%} for fragmentation) "
+             f"on {settings.num_gpus} GPUs of {cluster.name}"]
+    if math.isfinite(least):
+        lines.append(f"the training state alone needs at least {format_bytes(least)} per GPU in the best layout "
+                     f"tried; fully sharded (ZeRO 3) it fits only from about {gpus} GPUs (activations not counted)")
+    peak, key, zero = needs
+    if key is not None and math.isfinite(peak):
+        d, t, p, _ = key
+        planned_cap = math.ceil(peak * (1 + cluster.fragmentation) + cluster.reserve_bytes)
+        lines.append(f"a cap of {format_bytes(planned_cap)} per GPU fits d={d} t={t} p={p} ZeRO {zero} "
+                     f"without recomputation")
+    elif planned:
+        lines.append(f"with the state fitting, {planned[0]}")
+    return "; ".join(lines)
+
+
+def _alternatives(best: _Trial, trials, default_microbatch: int) -> list[Alternative]:
+    """The best trial of each (d, t, p) other than the winner's, and why it lost."""
+    by_key: dict = {}
+    for trial in trials:
+        current = by_key.get(trial.key)
+        rank = (0, trial.parts.iteration_ms, trial.order) if trial.status == "planned" else (1, 0.0, trial.order)
+        if current is None or rank < current[0]:
+            by_key[trial.key] = (rank, trial)
+    out = []
+    for key in sorted(by_key, key=lambda k: by_key[k][0]):
+        trial = by_key[key][1]
+        if trial is best:
+            continue
+        plan = trial.plan
+        if trial.status == "planned":
+            slower = trial.parts.iteration_ms - best.parts.iteration_ms
+            reason = f"slower by {slower:.1f} ms"
+        else:
+            reason = trial.reason
+        out.append(Alternative(
+            schedule=plan.schedule if plan else "-", virtual_stages=plan.virtual_stages if plan else 1,
+            microbatch_size=plan.microbatch_size if plan else default_microbatch,
+            recompute=("selective" if trial.family == "selective" else
+                       ("some" if plan and any(s.recompute for s in plan.stages) else "none")),
+            iteration_ms=round(trial.parts.iteration_ms, 6) if trial.status == "planned" else None,
+            peak_memory_bytes=max(r.peak_memory_bytes for r in plan.ranks) if plan and plan.ranks else None,
+            reason=f"d={trial.data} t={trial.tensor} p={trial.pipeline} ZeRO {trial.zero_stage}: {reason}",
+        ))
+    return out
+
+
+def _assemble(best: _Trial, trials, profile, settings: PlanSettings, view: DegreeView, cluster, cap: int,
+              state) -> Plan:
+    plan, parts, layout = best.plan, best.parts, best.extras["layout"]
+    d, t, p = best.data, best.tensor, best.pipeline
+    stages = []
+    for stage in plan.stages:
+        params = stage.param_bytes / profile.dtype_bytes
+        memory = state_memory(params, state, best.zero_stage, d)
+        static = math.ceil(state_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes, best.zero_stage, d)
+                           * stage.param_bytes)
+        stages.append(stage.model_copy(update={
+            "weight_bytes": memory.weight_bytes + (best.extras["gathered"] if best.zero_stage == 3 else 0),
+            "gradient_bytes": memory.gradient_bytes, "optimizer_bytes": memory.optimizer_bytes,
+            "peak_activation_bytes": max(0, stage.peak_memory_bytes - static),
+        }))
+    iteration_ms = parts.iteration_ms
+    G = settings.global_batch
+    predicted = plan.predicted.model_copy(update={
+        "iteration_ms": round(iteration_ms, 6),
+        "samples_per_second": round(G / (iteration_ms / 1e3), 6),
+        "compute_ms": round(parts.compute_ms, 6),
+        "tensor_parallel_ms": round(parts.tensor_parallel_ms, 6),
+        "transfer_ms": round(parts.pipeline_transfer_ms, 6),
+        "bubble_ms": round(parts.bubble_ms - (plan.predicted.overhead_ms or 0.0), 6),
+        "data_parallel_ms": round(parts.data_parallel_ms, 6),
+        "optimizer_ms": round(parts.optimizer_ms, 6),
+    })
+    if profile.sequence_length:
+        predicted = predicted.model_copy(update={"tokens_per_second_per_gpu": round(
+            tokens_per_s_per_gpu(G, profile.sequence_length, iteration_ms, settings.num_gpus), 6)})
+        flops_per_token = (profile.measurement or {}).get("model_flops_per_token")
+        peak = peak_flops_per_s(profile, cluster)
+        if flops_per_token and peak:
+            predicted = predicted.model_copy(update={"model_flops_utilization": round(model_flops_utilization(
+                flops_per_token * G * profile.sequence_length, iteration_ms, settings.num_gpus, peak), 6)})
+    peak_rank = max(r.peak_memory_bytes for r in plan.ranks) if plan.ranks else max(s.peak_memory_bytes for s in plan.stages)
+    link_text = {"inter": "the network", "intra": "the intra-node link", "local": "no link"}[best.extras["link"]]
+    notes = list(plan.notes) + [
+        f"layout d={d} x t={t} x p={p} on {cluster.name} ({cluster.gpus_per_node} GPUs per node), ranks in "
+        f"Megatron's order (tensor, data, pipeline); pipeline transfers on {link_text}",
+        f"data-parallel sync: {int(round(100 * (settings.data_parallel_overlap or 0)))}% assumed hidden behind "
+        f"compute (--data-parallel-overlap)" if d > 1 else "no data parallelism: no gradient sync",
+    ]
+    if hbm_bytes_per_s(profile, cluster) is None:
+        notes.append(f"optimizer step not timed: no HBM bandwidth known for {cluster.gpu}")
+    out_settings = settings.model_copy(update={
+        "stages": p, "search_stages": True if settings.stages is None else None,
+        "bandwidth_bytes_per_s": plan.settings.bandwidth_bytes_per_s,
+    })
+    return plan.model_copy(update={
+        "schema_version": 2, "settings": out_settings, "stages": stages, "predicted": predicted,
+        "alternatives": _alternatives(best, trials, settings.microbatch_size or min(profile.microbatch_sizes)), "notes": notes,
+        "parallelism": Parallelism(num_gpus=settings.num_gpus, data=d, tensor=t, pipeline=p,
+                                   virtual_stages=plan.virtual_stages, zero_stage=best.zero_stage,
+                                   sequence_parallel=bool(t > 1 and _sequence_parallel(profile)),
+                                   gpus_per_node=cluster.gpus_per_node),
+        "reserve_bytes": cluster.reserve_bytes + math.ceil(cluster.fragmentation * peak_rank),
+    })
+
+
+def _sequence_parallel(profile) -> bool:
+    return any(getattr(c, "sequence_parallel", None) for layer in profile.layers for c in layer.costs)

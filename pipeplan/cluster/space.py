@@ -1,0 +1,183 @@
+"""The search space of a cluster plan: every (d, t, p) and micro-batch size that can run.
+
+For ``N`` GPUs in nodes of ``G``, a global batch of ``B`` samples and micro-batch sizes ``b``:
+
+- ``d x t x p = N``;
+- ``t`` divides ``G`` (tensor parallelism stays inside a node), divides every head count given
+  (attention heads, KV heads: Megatron splits heads whole), and is a degree the profile has;
+- ``p`` is at most the number of units (each stage needs one);
+- ``B`` is divisible by ``d x b``; each replica runs ``m = B / (d x b)`` micro-batches.
+
+A fixed degree (``--data-parallel``, ``--tensor-parallel``, ``--stages``, ``--microbatch-size``)
+keeps only its value. Schedules, virtual stages, recomputation and ZeRO are searched per
+candidate by the planner; their own rules (e.g. ``m`` against ``p``) are the schedules'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from pipeplan.errors import BadInputError
+
+__all__ = ["Degrees", "Candidate", "parallel_degrees", "candidates", "divisors"]
+
+
+@dataclass(frozen=True, order=True)
+class Degrees:
+    """One way to lay ``N`` GPUs out: data x tensor x pipeline."""
+
+    data: int
+    tensor: int
+    pipeline: int
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """A layout with a micro-batch size: what the planner costs and splits."""
+
+    data: int
+    tensor: int
+    pipeline: int
+    microbatch_size: int
+    num_microbatches: int
+    """Per replica: ``global_batch / (data x microbatch_size)``."""
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending.
+
+    Examples
+    --------
+    >>> divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
+    if n < 1:
+        raise ValueError(f"{n} has no positive divisors")
+    small = [k for k in range(1, int(n**0.5) + 1) if n % k == 0]
+    return sorted(set(small + [n // k for k in small]))
+
+
+def _check_gpus(num_gpus: int, gpus_per_node: int) -> None:
+    if num_gpus < 1:
+        raise BadInputError(f"--gpus: {num_gpus} must be at least 1")
+    if num_gpus > gpus_per_node and num_gpus % gpus_per_node:
+        lower = num_gpus // gpus_per_node * gpus_per_node
+        raise BadInputError(
+            f"--gpus: {num_gpus} is not a whole number of {gpus_per_node}-GPU nodes; "
+            f"use {lower} or {lower + gpus_per_node}")
+
+
+def parallel_degrees(num_gpus: int, gpus_per_node: int, num_units: int,
+                     head_counts: Iterable[int] = (), tensor_degrees: Optional[Iterable[int]] = None,
+                     data: Optional[int] = None, tensor: Optional[int] = None,
+                     pipeline: Optional[int] = None) -> list[Degrees]:
+    """Every (d, t, p) with ``d t p = num_gpus`` that the rules (module docstring) allow.
+
+    Parameters
+    ----------
+    num_gpus, gpus_per_node : int
+    num_units : int
+        Units of the profile (the most stages a pipeline can have).
+    head_counts : iterable of int
+        Counts ``t`` must divide (attention heads, KV heads); empty: no such rule.
+    tensor_degrees : iterable of int, optional
+        Degrees the profile has costs for; None: every degree (a profile that scales itself).
+    data, tensor, pipeline : int, optional
+        Fixed degrees.
+
+    Returns
+    -------
+    list of Degrees
+        Sorted by (d, t, p).
+
+    Raises
+    ------
+    BadInputError
+        If ``num_gpus`` is not whole nodes, a fixed degree breaks a rule, or nothing is left;
+        the message names the rule.
+
+    Examples
+    --------
+    >>> [(x.data, x.tensor, x.pipeline) for x in parallel_degrees(8, 8, 4, head_counts=[4], tensor_degrees=[1, 2, 4, 8])]
+    [(1, 2, 4), (1, 4, 2), (2, 1, 4), (2, 2, 2), (2, 4, 1), (4, 1, 2), (4, 2, 1), (8, 1, 1)]
+
+    Notes
+    -----
+    O(number of divisor pairs of N), at most a few hundred for any real cluster.
+    """
+    _check_gpus(num_gpus, gpus_per_node)
+    heads = [int(h) for h in head_counts]
+    allowed_t = None if tensor_degrees is None else {int(t) for t in tensor_degrees}
+    if tensor is not None:
+        if tensor > gpus_per_node:
+            raise BadInputError(
+                f"--tensor-parallel: {tensor} is above the {gpus_per_node} GPUs of a node; "
+                f"tensor parallelism runs inside a node")
+        if gpus_per_node % tensor:
+            raise BadInputError(f"--tensor-parallel: {tensor} does not divide the {gpus_per_node} GPUs of a node")
+        for h in heads:
+            if h % tensor:
+                raise BadInputError(f"--tensor-parallel: {tensor} does not divide the model's {h} heads")
+        if allowed_t is not None and tensor not in allowed_t:
+            raise BadInputError(
+                f"--tensor-parallel: the profile has no costs at degree {tensor}; it has "
+                f"{', '.join(map(str, sorted(allowed_t)))} (build it with --tensor-parallel)")
+    if pipeline is not None and pipeline > num_units:
+        raise BadInputError(f"--stages: {pipeline} is more than the profile's {num_units} units")
+    for name, value in (("--data-parallel", data), ("--tensor-parallel", tensor), ("--stages", pipeline)):
+        if value is not None and (value < 1 or num_gpus % value):
+            raise BadInputError(f"{name}: {value} does not divide --gpus {num_gpus}")
+    out = []
+    for t in divisors(num_gpus):
+        if tensor is not None and t != tensor:
+            continue
+        if gpus_per_node % t or any(h % t for h in heads) or (allowed_t is not None and t not in allowed_t):
+            continue
+        for p in divisors(num_gpus // t):
+            if (pipeline is not None and p != pipeline) or p > num_units:
+                continue
+            d = num_gpus // (t * p)
+            if data is not None and d != data:
+                continue
+            out.append(Degrees(d, t, p))
+    if not out:
+        fixed = ", ".join(f"{n} {v}" for n, v in (("--data-parallel", data), ("--tensor-parallel", tensor),
+                                                   ("--stages", pipeline)) if v is not None)
+        raise BadInputError(
+            f"--gpus: no data x tensor x pipeline layout of {num_gpus} GPUs fits"
+            + (f" {fixed}" if fixed else "")
+            + f" (tensor within a {gpus_per_node}-GPU node" + (f", dividing heads {heads}" if heads else "")
+            + f", at most {num_units} stages)")
+    return sorted(out)
+
+
+def candidates(degrees: Iterable[Degrees], global_batch: int, microbatch_sizes: Iterable[int]) -> list[Candidate]:
+    """Each layout with each micro-batch size ``b`` such that ``d x b`` divides the batch.
+
+    Raises
+    ------
+    BadInputError
+        If no pair divides the global batch; the message gives the sizes tried.
+
+    Examples
+    --------
+    >>> [(c.data, c.microbatch_size, c.num_microbatches) for c in
+    ...  candidates([Degrees(2, 1, 4), Degrees(8, 1, 1)], 32, [1, 2, 4, 8])]
+    [(2, 1, 16), (2, 2, 8), (2, 4, 4), (2, 8, 2), (8, 1, 4), (8, 2, 2), (8, 4, 1)]
+    """
+    if global_batch < 1:
+        raise BadInputError(f"--global-batch: {global_batch} must be at least 1")
+    sizes = sorted({int(b) for b in microbatch_sizes})
+    degrees = list(degrees)
+    out = []
+    for deg in degrees:
+        for b in sizes:
+            if b >= 1 and global_batch % (deg.data * b) == 0:
+                out.append(Candidate(deg.data, deg.tensor, deg.pipeline, b, global_batch // (deg.data * b)))
+    if not out:
+        datas = sorted({deg.data for deg in degrees})
+        raise BadInputError(
+            f"--global-batch: {global_batch} is not divisible by d x b for any data-parallel degree "
+            f"d in {datas} and micro-batch size b in {sizes}")
+    return sorted(out)

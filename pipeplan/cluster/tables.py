@@ -1,0 +1,119 @@
+"""Rich tables for the terminal: cluster specs (``pipeplan cluster``) and cluster plans (``show``)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from pipeplan.formats.cluster import ClusterSpec
+
+__all__ = ["cluster_table", "cluster_plan_tables"]
+
+
+def _bandwidth(value: float) -> str:
+    return f"{value / 1e9:g} GB/s"
+
+
+def cluster_table(specs: list[ClusterSpec], title: str = "cluster presets") -> Table:
+    """One row per spec: GPU, node size, memory cap, links (per GPU, per direction)."""
+    from pipeplan.cluster.presets import memory_cap_bytes
+    from pipeplan.quantities import format_bytes
+
+    table = Table(title=title)
+    for column in ("name", "gpu", "gpus/node", "memory cap", "intra-node", "latency", "network/GPU",
+                   "latency", "efficiency"):
+        table.add_column(column, justify="left" if column in ("name", "gpu") else "right")
+    for spec in specs:
+        table.add_row(
+            spec.name, spec.gpu, str(spec.gpus_per_node), format_bytes(memory_cap_bytes(spec)),
+            _bandwidth(spec.intra_node.bandwidth_bytes_per_s), f"{spec.intra_node.latency_us:g} us",
+            _bandwidth(spec.inter_node.bandwidth_bytes_per_s), f"{spec.inter_node.latency_us:g} us",
+            f"{spec.intra_node.efficiency:g} / {spec.inter_node.efficiency:g}",
+        )
+    return table
+
+
+def cluster_plan_tables(plan):
+    """``show`` for a cluster plan: the layout, the iteration's parts, memory per GPU by part."""
+    from rich.console import Group
+
+    from pipeplan.cluster.placement import Layout
+    from pipeplan.quantities import format_bytes
+
+    par, p = plan.parallelism, plan.predicted
+    layout = Layout(par.data, par.tensor, par.pipeline, par.gpus_per_node)
+    cluster = plan.settings.cluster
+    title = (f"{plan.profile.model}: {par.num_gpus} GPUs of {cluster.name if cluster else '?'} as d={par.data} x "
+             f"t={par.tensor} x p={par.pipeline}, {plan.schedule}"
+             + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "") + f", ZeRO {par.zero_stage}"
+             + (", sequence parallel" if par.sequence_parallel else ""))
+    summary = Table(title=title, show_header=False)
+    summary.add_column("what")
+    summary.add_column("value", justify="right")
+
+    def share(ms):
+        return f"{ms:.1f} ms ({ms / p.iteration_ms:.1%})" if p.iteration_ms else f"{ms:.1f} ms"
+
+    rows = [
+        ("micro-batches per replica", f"{plan.num_microbatches} x {plan.microbatch_size} samples"),
+        ("iteration", f"{p.iteration_ms:.1f} ms"),
+        ("  compute", share(p.compute_ms)),
+        ("  tensor-parallel collectives", share(p.tensor_parallel_ms or 0.0)),
+        ("  pipeline bubble", share(p.bubble_ms + (p.overhead_ms or 0.0))),
+        ("  pipeline transfers", share(p.transfer_ms)),
+        ("  data-parallel sync", share(p.data_parallel_ms or 0.0)),
+        ("  optimizer step", share(p.optimizer_ms or 0.0)),
+        ("throughput", f"{p.samples_per_second:.2f} samples/s"),
+    ]
+    if p.tokens_per_second_per_gpu is not None:
+        rows.append(("tokens/s per GPU", f"{p.tokens_per_second_per_gpu:.0f}"))
+    if p.model_flops_utilization is not None:
+        rows.append(("MFU", f"{p.model_flops_utilization:.1%}"))
+    cap = plan.settings.memory_cap_bytes
+    if cap is None and cluster is not None:
+        from pipeplan.cluster.presets import memory_cap_bytes
+
+        cap = memory_cap_bytes(cluster)
+    rows.append(("memory cap per GPU", format_bytes(cap) if cap else "none"))
+    rows.append(("solver", f"{plan.solver.method}, {'optimal' if plan.solver.optimal else 'not proven optimal'}"))
+    for key, value in rows:
+        summary.add_row(key, value)
+
+    placement = Table(title="layout (ranks in Megatron's order: tensor, data, pipeline)")
+    for column in ("pipeline rank", "GPUs", "stages", "tensor group", "data group", "to next rank"):
+        placement.add_column(column)
+    for rank in range(par.pipeline):
+        stages = ", ".join(str(s.index) for s in plan.stages if s.rank == rank)
+        nxt = "-" if par.pipeline == 1 else layout.pipeline_link(rank, (rank + 1) % par.pipeline)
+        placement.add_row(str(rank), layout.describe_stage(rank), stages,
+                          f"{layout.tensor_span().size} GPUs ({layout.tensor_span().link})",
+                          f"{layout.data_span().size} GPUs ({layout.data_span().link})", nxt)
+
+    stages = Table(title="stages: memory per GPU by part")
+    for column in ("stage", "rank", "layers", "first .. last", "fwd ms", "bwd ms", "weights", "grads",
+                   "optimizer", "activations", "in flight", "peak"):
+        stages.add_column(column, justify="left" if column == "first .. last" else "right")
+    for s in plan.stages:
+        span = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
+        stages.add_row(str(s.index), str(s.rank), str(len(s.layers)), span, f"{s.forward_ms:.2f}",
+                       f"{s.backward_ms:.2f}" + (" (rc)" if s.recompute else ""),
+                       *(format_bytes(v or 0) for v in (s.weight_bytes, s.gradient_bytes, s.optimizer_bytes,
+                                                       s.peak_activation_bytes)),
+                       str(s.in_flight), format_bytes(s.peak_memory_bytes))
+    ranks = Table(title="memory per GPU")
+    for column in ("rank", "planned peak", "reserve", "total", "cap"):
+        ranks.add_column(column, justify="right")
+    for r in plan.ranks:
+        reserve = plan.reserve_bytes or 0
+        ranks.add_row(str(r.rank), format_bytes(r.peak_memory_bytes), format_bytes(reserve),
+                      format_bytes(r.peak_memory_bytes + reserve), format_bytes(cap) if cap else "none")
+    parts = [summary, placement, stages, ranks]
+    if plan.alternatives:
+        alt = Table(title="runners-up: the best plan of each layout")
+        for column in ("schedule", "v", "micro-batch", "recompute", "iteration ms", "why it lost"):
+            alt.add_column(column)
+        for a in plan.alternatives[:12]:
+            alt.add_row(a.schedule, str(a.virtual_stages), str(a.microbatch_size), a.recompute,
+                        "-" if a.iteration_ms is None else f"{a.iteration_ms:.1f}", a.reason)
+        parts.append(alt)
+    parts.extend(f"note: {note}" for note in plan.notes)
+    return Group(*parts)

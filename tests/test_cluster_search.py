@@ -1,0 +1,178 @@
+"""The cluster search (``pipeplan plan --gpus N --cluster C``) end to end on shipped profiles."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeplan.cli import app
+from pipeplan.cluster import search as search_module
+from pipeplan.cluster.presets import PRESETS
+from pipeplan.formats.io import file_sha256, load_plan, load_profile
+from pipeplan.formats.plan import PlanSettings
+
+REPO = Path(__file__).resolve().parents[1]
+PROFILE = REPO / "profiles" / "transformer32-analytic.json"
+runner = CliRunner()
+
+
+def _settings(**kw):
+    base = dict(num_gpus=16, cluster=PRESETS["dgx-a100"], global_batch=64, schedule="1f1b", recompute="auto")
+    base.update(kw)
+    return PlanSettings(**base)
+
+
+def _plan(**kw):
+    profile = load_profile(PROFILE)
+    return search_module.plan_cluster(profile, _settings(**kw), profile_sha256=file_sha256(PROFILE))
+
+
+def _parts_sum(p):
+    return (p.compute_ms + (p.tensor_parallel_ms or 0) + p.bubble_ms + (p.overhead_ms or 0) + p.transfer_ms
+            + (p.data_parallel_ms or 0) + (p.optimizer_ms or 0))
+
+
+def test_cluster_plan_parts_add_up_and_layout_is_recorded():
+    plan = _plan()
+    par = plan.parallelism
+    assert plan.schema_version == 2
+    assert par.data * par.tensor * par.pipeline == 16
+    assert plan.settings.stages == par.pipeline and plan.settings.search_stages is True
+    assert _parts_sum(plan.predicted) == pytest.approx(plan.predicted.iteration_ms, abs=1e-5)
+    assert plan.predicted.samples_per_second == pytest.approx(64 / (plan.predicted.iteration_ms / 1e3), rel=1e-6)
+    # each replica runs G / d samples in micro-batches of b
+    assert plan.num_microbatches * plan.microbatch_size * par.data == 64
+    for stage in plan.stages:
+        assert stage.weight_bytes + stage.gradient_bytes + stage.optimizer_bytes + stage.peak_activation_bytes \
+            == pytest.approx(stage.peak_memory_bytes, abs=4)
+    assert {a.reason.split(":")[0] for a in plan.alternatives}  # one row per other layout
+    if par.data > 1:
+        assert plan.predicted.data_parallel_ms > 0
+
+
+def test_pruning_never_loses_the_best_layout(monkeypatch):
+    """With the lower bounds switched off every candidate is planned; the winner must not change."""
+    pruned = _plan()
+    monkeypatch.setattr(search_module, "pipeline_lower_bound_ms", lambda *a, **k: 0.0)
+    monkeypatch.setattr(search_module, "_unbounded", lambda *a, **k: (0.0, float("inf"), 0))
+    exhaustive = _plan()
+    assert exhaustive.parallelism == pruned.parallelism
+    assert exhaustive.predicted.iteration_ms == pytest.approx(pruned.predicted.iteration_ms)
+    planned = [a.iteration_ms for a in exhaustive.alternatives if a.iteration_ms is not None]
+    assert all(ms >= exhaustive.predicted.iteration_ms for ms in planned)
+
+
+def test_fixed_degrees_are_kept():
+    plan = _plan(data_parallel=4, stages=4, zero_stage=2)
+    assert (plan.parallelism.data, plan.parallelism.pipeline, plan.parallelism.zero_stage) == (4, 4, 2)
+    assert plan.settings.search_stages is None
+    assert plan.alternatives == []  # one layout, one ZeRO stage: nothing to lose to
+
+
+def test_zero_shards_the_state_over_d():
+    z0 = _plan(data_parallel=4, stages=4, zero_stage=0)
+    z3 = _plan(data_parallel=4, stages=4, zero_stage=3)
+    s0, s3 = z0.stages[0], z3.stages[0]
+    assert s3.optimizer_bytes == pytest.approx(s0.optimizer_bytes / 4, rel=1e-3, abs=4)
+    assert s3.gradient_bytes == pytest.approx(s0.gradient_bytes / 4, rel=1e-3, abs=4)
+    assert z3.predicted.data_parallel_ms > z0.predicted.data_parallel_ms  # gathers every micro-batch
+
+
+def test_cli_plan_is_byte_identical_and_show_prints_the_layout(tmp_path):
+    args = ["plan", str(PROFILE), "--gpus", "16", "--cluster", "dgx-a100", "--global-batch", "64",
+            "--schedule", "1f1b", "-q"]
+    one, two = tmp_path / "a.json", tmp_path / "b.json"
+    assert runner.invoke(app, args + ["-o", str(one)]).exit_code == 0
+    assert runner.invoke(app, args + ["-o", str(two)]).exit_code == 0
+    assert one.read_bytes() == two.read_bytes()
+    shown = runner.invoke(app, ["show", str(one)])
+    assert shown.exit_code == 0, shown.output
+    for text in ("data-parallel sync", "optimizer step", "pipeline bubble", "GPUs 0-", "memory per GPU"):
+        assert text in shown.output
+    assert load_plan(one).parallelism is not None
+    data = json.loads(one.read_text())
+    assert data["settings"]["cluster"]["name"] == "dgx-a100"
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["--gpus", "12", "--cluster", "dgx-a100"], 2, "12 is not a whole number of 8-GPU nodes"),
+    (["--gpus", "16", "--cluster", "dgx-a100", "--tensor-parallel", "16"], 2, "above the 8 GPUs of a node"),
+    (["--gpus", "16"], 2, "give --cluster"),
+    (["--gpus", "16", "--cluster", "nope"], 2, "neither a preset"),
+    (["--stages", "4", "--zero", "1"], 2, "--zero: needs --gpus"),
+    (["--gpus", "16", "--cluster", "dgx-a100", "--memory-cap", "8GiB"], 3, "fits only from about 24 GPUs"),
+    (["--gpus", "16", "--cluster", "dgx-a100", "--memory-cap", "12GiB", "--recompute", "none"], 3,
+     "per GPU fits d=8 t=1 p=2 ZeRO"),
+    (["--gpus", "16", "--cluster", "dgx-a100", "--data-parallel", "3"], 2, "--data-parallel: 3 does not divide"),
+])
+def test_cli_cluster_errors(args, code, message):
+    result = runner.invoke(app, ["plan", str(PROFILE), "--global-batch", "64", "-q", *args])
+    assert result.exit_code == code, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_infeasible_says_what_would_fit():
+    result = runner.invoke(app, ["plan", str(PROFILE), "--global-batch", "64", "-q", "--gpus", "8",
+                                 "--cluster", "pcie-l4", "--memory-cap", "4GiB"])
+    assert result.exit_code == 3
+    assert "fits only from about" in result.output and "GPUs" in result.output
+
+
+def test_exports_and_run_refuse_data_or_tensor_parallel_plans(tmp_path):
+    path = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", str(PROFILE), "--global-batch", "64", "-q", "--gpus", "16",
+                                 "--cluster", "dgx-a100", "--data-parallel", "4", "--schedule", "1f1b", "-o", str(path)])
+    assert result.exit_code == 0, result.output
+    for args in (["export", str(path), "--format", "torchtitan"], ["run", str(path), "--steps", "1"]):
+        refused = runner.invoke(app, args)
+        assert refused.exit_code == 2, refused.output
+        assert "not supported yet" in refused.output
+
+
+def test_layers_per_stage_fixes_the_split(tmp_path):
+    gpt2 = REPO / "profiles" / "gpt2-tiny-cpu.json"
+    out = tmp_path / "given.json"
+    result = runner.invoke(app, ["plan", str(gpt2), "--stages", "2", "--layers-per-stage", "3,4", "--schedule",
+                                 "1f1b", "-b", "2", "-q", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    assert [len(s.layers) for s in plan.stages] == [3, 4] and plan.solver.method == "given"
+    cluster = runner.invoke(app, ["plan", str(PROFILE), "--gpus", "16", "--cluster", "dgx-a100", "--layers-per-stage",
+                                  "9,8,9,9", "--schedule", "1f1b", "-b", "1", "--global-batch", "64", "-q",
+                                  "-o", str(tmp_path / "c.json")])
+    assert cluster.exit_code == 0, cluster.output
+    plan = load_plan(tmp_path / "c.json")
+    assert [len(s.layers) for s in plan.stages] == [9, 8, 9, 9] and plan.parallelism.pipeline == 4
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--layers-per-stage", "9,8,9", "--stages", "4"], "3 counts for --stages 4"),
+    (["--layers-per-stage", "9,8,x"], "not a list of whole numbers"),
+    (["--layers-per-stage", "9,8,9,9", "--schedule", "auto"], "needs a named --schedule"),
+])
+def test_layers_per_stage_errors(extra, message):
+    args = ["plan", str(PROFILE), "--gpus", "16", "--cluster", "dgx-a100", "-b", "1", "--global-batch", "64", "-q"]
+    if "--schedule" not in extra:
+        args += ["--schedule", "1f1b"]
+    result = runner.invoke(app, args + extra)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_check_replans_a_cluster_baseline(tmp_path):
+    import shutil
+
+    profiles, baselines = tmp_path / "profiles", tmp_path / "baselines"
+    profiles.mkdir()
+    shutil.copy(PROFILE, profiles / PROFILE.name)
+    result = runner.invoke(app, ["plan", str(profiles / PROFILE.name), "--gpus", "16", "--cluster", "dgx-a100",
+                                 "--global-batch", "64", "--schedule", "1f1b", "-q",
+                                 "-o", str(baselines / "transformer32-analytic.plan.json")])
+    assert result.exit_code == 0, result.output
+    checked = runner.invoke(app, ["check", str(profiles), "--baseline", str(baselines)])
+    assert checked.exit_code == 0, checked.output
+    assert "+0.00%" in checked.output

@@ -158,7 +158,7 @@ def _settings(**kwargs):
 
 
 def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer, bandwidth, schedule,
-                   virtual_stages, recompute, solver, action_overhead_ms=None, **cluster_options):
+                   virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None, **cluster_options):
     from pipeplan.quantities import parse_bandwidth, parse_bytes
 
     if optimizer not in ("adam", "adam-fp32-grads", "sgd", "none"):
@@ -182,6 +182,7 @@ def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer,
         recompute=recompute,
         solver=solver,
         action_overhead_ms=action_overhead_ms,
+        launcher=launcher,
         **_cluster_settings(**cluster_options),
     )
 
@@ -341,6 +342,7 @@ def plan(
     recompute: str = _RECOMPUTE,
     solver: str = _SOLVER,
     action_overhead_ms: Optional[float] = _ACTION_OVERHEAD,
+    launcher: Optional[str] = typer.Option(None, "--launcher", help="megatron, torchtitan or deepspeed: plan only schedules and micro-batch counts it runs."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Plan JSON to write."),
     record_time: bool = typer.Option(False, "--record-time", help="Record solver seconds in the plan (breaks byte-identical output)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors."),
@@ -360,7 +362,7 @@ def plan(
     refuse_overwriting_input(output, profile)
     settings = _plan_settings(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size, memory_cap,
                               optimizer, bandwidth, schedule, virtual_stages, recompute, solver, action_overhead_ms,
-                              num_gpus=gpus, cluster=cluster, data_parallel=data_parallel,
+                              launcher=launcher, num_gpus=gpus, cluster=cluster, data_parallel=data_parallel,
                               tensor_parallel=tensor_parallel, zero=zero, data_parallel_overlap=data_parallel_overlap)
     if layers_per_stage is not None:
         settings = settings.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})

@@ -31,7 +31,13 @@ def documented_subclass():
 
 def main(export_path: str, out_dir: str) -> None:
     import deepspeed
+    import deepspeed.comm.torch  # noqa: F401  (deepspeed.comm's attribute "torch" is torch itself)
 
+    ds_torch_comm = sys.modules["deepspeed.comm.torch"]
+
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (minutes, and a C++
+    # compiler) that gloo does not need; without it DeepSpeed uses torch.distributed's own.
+    ds_torch_comm.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])

@@ -110,3 +110,40 @@ def test_worked_examples_in_the_docs_are_what_doctor_prints(monkeypatch, page, a
     assert result.exit_code in (0, 1), result.output
     text = (REPO / "docs" / page).read_text()
     assert result.output.rstrip() in text, f"docs/{page} is out of date: rerun its worked example"
+
+
+def test_analytic_profiles_from_model_configs_feed_doctor(tmp_path):
+    """`pipeplan profile --analytic` (HF names: model.embed_tokens, model.layers.N, lm_head) maps by
+    kind onto Megatron's and torchtitan's units; the example configs raise no alarm with it."""
+    profile = tmp_path / "llama3-8b.json"
+    made = runner.invoke(app, ["profile", "llama3-8b", "--analytic", "--gpu", "h100-sxm", "--seq-len", "8192",
+                               "--microbatch-sizes", "1,2", "-o", str(profile)])
+    if made.exit_code != 0:
+        pytest.skip(f"analytic profiles are not available: {made.output.strip()[-200:]}")
+    for launcher, name in [("megatron", "megatron_llama3_8b_pp4.sh"), ("torchtitan", "torchtitan_llama3_8b_pp4.toml")]:
+        result = runner.invoke(app, ["doctor", launcher, str(DATA / name), "--profile", str(profile), "--format", "json"])
+        assert result.exit_code == 0, result.output
+        data = json.loads(result.output)
+        assert not [f for f in data["findings"] if f["severity"] != "info"], data["findings"]
+        assert data["plan"] is not None and data["best"] is not None
+    out = tmp_path / "fixed.toml"
+    result = runner.invoke(app, ["doctor", "torchtitan", str(DATA / "torchtitan_issue775_microbatches_lt_pp.toml"),
+                                 "--profile", str(profile), "--fix", "-o", str(out)])
+    assert result.exit_code == 1 and "model.layers" not in out.read_text() and '"layers.0"' in out.read_text()
+
+
+def test_plan_for_a_launcher_on_the_command_line(tmp_path):
+    """`pipeplan plan --launcher megatron` never picks an interleaved count Megatron refuses."""
+    profile = write_profile(decoder_profile(16, 1024, 8, 1024, 32000, sizes=(1,)), tmp_path / "p.json")
+    out = tmp_path / "plan.json"
+    args = ["plan", str(profile), "--stages", "4", "--global-batch", "6", "--schedule", "interleaved", "-q"]
+    assert runner.invoke(app, [*args, "-o", str(out)]).exit_code == 0  # torch's class runs 6
+    refused = runner.invoke(app, [*args, "--launcher", "megatron"])
+    assert refused.exit_code == 2 and "its interleaved schedule refuses 6" in refused.output
+    ok = runner.invoke(app, ["plan", str(profile), "--stages", "4", "--global-batch", "8", "--launcher", "megatron",
+                             "-o", str(out), "-q"])
+    assert ok.exit_code == 0, ok.output
+    plan = json.loads(out.read_text())
+    assert plan["settings"]["launcher"] == "megatron" and plan["schedule"] in ("1f1b", "interleaved")
+    bad = runner.invoke(app, [*args, "--launcher", "fairscale"])
+    assert bad.exit_code == 2 and bad.output.startswith("error: --launcher")

@@ -155,7 +155,9 @@ def test_export_runs_in_deepspeeds_pipeline_engine(tmp_path):
     export = tmp_path / "plan.deepspeed.json"
     export.write_text(export_plan(plan, profile, "deepspeed")[".json"])
     worker = Path(__file__).parent / "deepspeed_pipeline_worker.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # A fresh extensions folder: the run must not depend on an op some earlier run compiled.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
          str(worker), str(export), str(tmp_path)],

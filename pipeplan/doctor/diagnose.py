@@ -207,14 +207,19 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
             f"tensor-parallel {config.tensor_degree}, data-parallel {config.data_degree or 'unknown'}"
             f"{', sharded optimizer' if config.sharded_optimizer else ''}: parsed, but time and memory here are "
             f"for one pipeline at tensor-parallel 1 without sharding (cluster planning, issue 13)")
-    if config.recompute == "selective":
-        result.notes.append("selective recomputation is not in the cost model: costed as no recomputation")
     if config.samples_per_replica is None:
         return result
     units, mapping = unit_positions(config.launcher, profile, config.num_layers)
     if config.launcher == "deepspeed" and len(layout.all_units) != len(units):
         raise BadInputError(f"--profile: {len(units)} layers but the PipelineModule has {len(layout.all_units)}")
     settings = _settings_for(config, base_settings)
+    selective_known = all(c.selective_activation_bytes is not None for layer in profile.layers for c in layer.costs
+                          if c.degree == 1)
+    mode = {"full": "all", "selective": "selective"}.get(config.recompute, "none")
+    if mode == "selective" and not selective_known:
+        mode = "none"
+        result.notes.append("the profile has no selective-recomputation costs (selective_activation_bytes): "
+                            "selective recomputation is costed as none")
     sharded = config.sharded_optimizer and (config.data_degree or 1) > 1
     if settings.memory_cap_bytes is not None and (config.tensor_degree > 1 or sharded):
         # The cost model is per pipeline rank at t = 1 without sharding: against the cap it would
@@ -235,12 +240,15 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
             result.plan = cost_split(profile, settings, positions, schedule=config.schedule,
                                      virtual_stages=config.virtual_stages, microbatch_size=config.microbatch_size,
                                      num_microbatches=config.num_microbatches,
-                                     recompute=config.recompute == "full", profile_sha256=profile_sha256)
+                                     recompute=mode, profile_sha256=profile_sha256)
             result.findings += _cost_findings(config, result.plan, settings)
     refuse = (lambda schedule, p, m, v: launcher_refusal(config.launcher, schedule, p, m, v))
     memory_checked = settings.memory_cap_bytes is not None
     # Without a memory check, dropping recomputation always looks faster: keep the user's.
-    recompute = ("none", "all") if memory_checked else (("all",) if config.recompute == "full" else ("none",))
+    if memory_checked:
+        recompute = ("none", "selective", "all") if selective_known else ("none", "all")
+    else:
+        recompute = (mode,)
     result.best, skipped = best_plan(profile, settings, LAUNCHERS[config.launcher], refuse=refuse,
                                      recompute_options=recompute, profile_sha256=profile_sha256)
     result.memory_checked = memory_checked
@@ -309,9 +317,12 @@ def _recipe(result: Diagnosis) -> str:
         steps.append(f"use {best.schedule}" + (f" with v = {best.virtual_stages}" if best.virtual_stages > 1 else ""))
     if best.microbatch_size != config.microbatch_size:
         steps.append(f"micro-batch size {best.microbatch_size} ({best.num_microbatches} micro-batches)")
-    recompute = [s.index for s in best.stages if s.recompute]
-    if bool(recompute) != (config.recompute == "full"):
-        steps.append("recompute on every stage" if recompute else "drop recomputation")
+    modes = {("selective" if s.recompute_granularity == "selective" else "full") if s.recompute else "none"
+             for s in best.stages}
+    best_mode = modes.pop() if len(modes) == 1 else "mixed"
+    if best_mode != config.recompute:
+        steps.append({"none": "drop recomputation", "full": "recompute every stage in full",
+                      "selective": "selective recomputation on every stage"}.get(best_mode, "recompute per stage"))
     return ", ".join(steps) or "same schedule, different split"
 
 

@@ -19,7 +19,7 @@ __all__ = ["cost_split", "best_plan"]
 
 
 def cost_split(profile, settings: PlanSettings, stage_layers: list[list[int]], *, schedule: str,
-               virtual_stages: int, microbatch_size: int, num_microbatches: int, recompute: bool,
+               virtual_stages: int, microbatch_size: int, num_microbatches: int, recompute: str,
                profile_sha256: str) -> Plan:
     """The plan of a given split: predicted time by parts and memory per rank.
 
@@ -33,8 +33,8 @@ def cost_split(profile, settings: PlanSettings, stage_layers: list[list[int]], *
         each a run of consecutive positions.
     schedule : str
     virtual_stages, microbatch_size, num_microbatches : int
-    recompute : bool
-        Whether every stage recomputes its forward (what the launchers' full recompute does).
+    recompute : {"none", "selective", "all"}
+        What every stage recomputes (the launchers apply recomputation to all stages alike).
     profile_sha256 : str
 
     Raises
@@ -53,11 +53,12 @@ def cost_split(profile, settings: PlanSettings, stage_layers: list[list[int]], *
         start += len(positions)
     given = settings.model_copy(update={
         "schedule": schedule, "virtual_stages": virtual_stages, "microbatch_size": microbatch_size,
-        "global_batch": microbatch_size * num_microbatches, "recompute": "all" if recompute else "none"})
+        "global_batch": microbatch_size * num_microbatches, "recompute": recompute})
     return plan_split(profile, given, [len(p) for p in stage_layers], profile_sha256=profile_sha256)
 
 
-def best_plan(profile, settings: PlanSettings, schedules: tuple[str, ...], *, recompute_options=("none", "all"),
+def best_plan(profile, settings: PlanSettings, schedules: tuple[str, ...], *,
+              recompute_options=("none", "selective", "all"),
               refuse: Callable[[str, int, int, int], str | None] | None = None,
               profile_sha256: str) -> tuple[Plan | None, list[str]]:
     """The fastest plan that fits, among the schedules and recomputation a launcher can express.
@@ -67,7 +68,8 @@ def best_plan(profile, settings: PlanSettings, schedules: tuple[str, ...], *, re
     schedules : tuple of str
         The pipeplan schedules the launcher runs.
     recompute_options : tuple of str
-        ``none`` and/or ``all``: the launchers apply recomputation to every stage alike.
+        Tried in order (``none``, ``selective``, ``all``) until one fits: the launchers apply
+        recomputation to every stage alike, and more of it only adds work.
     refuse : callable, optional
         ``refuse(schedule, p, m, v)`` returns why the launcher refuses those numbers, or None;
         refused configurations are skipped (Megatron's interleaved micro-batch rule).

@@ -220,6 +220,15 @@ def edit_toml_key(text: str, table: str, key: str, value: str | None) -> str:
 # ------------------------------------------------------------------------------------- per launcher
 
 
+def _recompute_mode(plan: Plan) -> str:
+    """``none``, ``selective`` or ``full``: what the plan's stages recompute (the same on all)."""
+    modes = {("selective" if s.recompute_granularity == "selective" else "full") if s.recompute else "none"
+             for s in plan.stages}
+    if len(modes) != 1:
+        raise BadInputError("--fix: the best plan recomputes on some stages only, which the launcher cannot say")
+    return modes.pop()
+
+
 def _megatron(config: LauncherConfig, text: str, plan: Plan, profile) -> str:
     from pipeplan.export.megatron import megatron_layout
 
@@ -229,14 +238,18 @@ def _megatron(config: LauncherConfig, text: str, plan: Plan, profile) -> str:
         text = edit_flag(text, flag, None, switch=flag in _SWITCHES)
     text = edit_flag(text, "--pipeline-model-parallel-layout", layout, after=anchors)
     text = edit_flag(text, "--micro-batch-size", str(plan.microbatch_size), after=anchors)
-    if any(s.recompute for s in plan.stages):
-        text = edit_flag(text, "--recompute-activations", None, switch=True)
+    mode = _recompute_mode(plan)
+    if mode == config.recompute or (config.recompute == "selective" and mode == "none"):
+        return text  # selective recomputation is kept unless the plan needs more
+    text = edit_flag(text, "--recompute-activations", None, switch=True)
+    for flag in ("--recompute-granularity", "--recompute-method", "--recompute-num-layers"):
+        text = edit_flag(text, flag, None)
+    if mode == "full":
         text = edit_flag(text, "--recompute-granularity", "full", after=anchors)
         text = edit_flag(text, "--recompute-method", "uniform", after=anchors)
         text = edit_flag(text, "--recompute-num-layers", "1", after=anchors)
-    elif config.recompute == "full":
-        for flag in ("--recompute-granularity", "--recompute-method", "--recompute-num-layers"):
-            text = edit_flag(text, flag, None)
+    elif mode == "selective":
+        text = edit_flag(text, "--recompute-granularity", "selective", after=anchors)
     return text
 
 
@@ -254,10 +267,9 @@ def _torchtitan(config: LauncherConfig, text: str, plan: Plan, profile) -> str:
     text = edit_toml_key(text, "parallelism", "pipeline_parallel_schedule", json.dumps(TORCH_SCHEDULE_NAME[plan.schedule]))
     text = edit_toml_key(text, "parallelism", "pipeline_parallel_microbatch_size", str(plan.microbatch_size))
     text = edit_toml_key(text, "parallelism", "module_fqns_per_model_part", body)
-    if any(s.recompute for s in plan.stages):
-        text = edit_toml_key(text, "activation_checkpoint", "mode", '"full"')
-    elif config.recompute == "full":
-        text = edit_toml_key(text, "activation_checkpoint", "mode", '"none"')
+    mode = _recompute_mode(plan)
+    if mode != config.recompute and not (config.recompute == "selective" and mode == "none"):
+        text = edit_toml_key(text, "activation_checkpoint", "mode", json.dumps(mode))
     return text
 
 

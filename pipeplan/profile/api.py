@@ -91,10 +91,15 @@ def _fail_forward(exc: Exception, microbatch_size: int, seq_len: Optional[int], 
             f"{f' and sequence length {seq_len}' if seq_len else ''}; drop that size from "
             f"--microbatch-sizes or lower --seq-len"
         )
+    # torch wraps errors in messages whose first line is empty; name the innermost cause.
+    cause = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    text = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
     return BadInputError(
         f"{what} failed at micro-batch size {microbatch_size}"
-        f"{f', sequence length {seq_len}' if seq_len else ''}: {type(exc).__name__}: "
-        f"{str(exc).splitlines()[0] if str(exc) else ''}; check that the inputs fit the model "
+        f"{f', sequence length {seq_len}' if seq_len else ''}: {type(cause).__name__}: "
+        f"{text or '(no message)'}; check that the inputs fit the model "
         f"(--seq-len, the batch factory or input spec)"
     )
 

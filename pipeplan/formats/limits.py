@@ -52,6 +52,8 @@ __all__ = [
     "OptionalRatio",
     "Bytes",
     "PlanBytes",
+    "PositiveBytes",
+    "Bandwidth",
     "PlanMs",
     "Count",
     "PositiveCount",
@@ -116,21 +118,25 @@ def _free_text(value: str) -> str:
     return value
 
 
-Ms = Annotated[float, BeforeValidator(_number), Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
+Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False), BeforeValidator(_number)]
 """A duration in milliseconds, 0 to MAX_MS."""
-OptionalRatio = Annotated[float, BeforeValidator(_number), Field(ge=0, le=1e6, allow_inf_nan=False)]
+OptionalRatio = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False), BeforeValidator(_number)]
 """A non-negative ratio or coefficient (spread, fraction)."""
-FiniteFloat = Annotated[float, BeforeValidator(_number), Field(ge=-1e18, le=1e18, allow_inf_nan=False)]
+FiniteFloat = Annotated[float, Field(ge=-1e18, le=1e18, allow_inf_nan=False), BeforeValidator(_number)]
 """Any finite number of a sane size (predictions, bounds)."""
-PlanMs = Annotated[float, BeforeValidator(_number), Field(ge=0, le=1e18, allow_inf_nan=False)]
+PlanMs = Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False), BeforeValidator(_number)]
 """A duration a plan sums from many layers and micro-batches: finite, non-negative."""
-PlanBytes = Annotated[int, BeforeValidator(_integer), Field(ge=0, le=2**63 - 1)]
+PlanBytes = Annotated[int, Field(ge=0, le=2**63 - 1), BeforeValidator(_integer)]
 """A byte count a plan sums from many layers: up to a signed 64-bit integer."""
-Bytes = Annotated[int, BeforeValidator(_integer), Field(ge=0, le=MAX_BYTES)]
+Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES), BeforeValidator(_integer)]
 """A byte count, 0 to 2**53."""
-Count = Annotated[int, BeforeValidator(_integer), Field(ge=0, le=MAX_COUNT)]
+PositiveBytes = Annotated[int, Field(gt=0, le=MAX_BYTES), BeforeValidator(_integer)]
+"""A positive byte count (a memory cap)."""
+Bandwidth = Annotated[float, Field(gt=0, le=1e18, allow_inf_nan=False), BeforeValidator(_number)]
+"""Bytes per second, positive and finite (no bandwidth limit is null, not infinity)."""
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT), BeforeValidator(_integer)]
 """A non-negative count or index."""
-PositiveCount = Annotated[int, BeforeValidator(_integer), Field(gt=0, le=MAX_COUNT)]
+PositiveCount = Annotated[int, Field(gt=0, le=MAX_COUNT), BeforeValidator(_integer)]
 """A positive count (samples, stages)."""
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_plain_text)]
 """A name printed in the terminal: plain text, no control characters."""

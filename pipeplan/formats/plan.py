@@ -10,8 +10,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeplan.formats.limits import (MAX_MICROBATCHES, Bytes, Count, FiniteFloat, Ms, Name, PlanBytes, PlanMs,
-                                     PositiveCount, Text)
+from pipeplan.formats.limits import (MAX_MICROBATCHES, Bandwidth, Count, FiniteFloat, Ms, Name, PlanBytes, PlanMs,
+                                     PositiveBytes, PositiveCount, Text)
 
 __all__ = [
     "SCHEDULES",
@@ -46,10 +46,10 @@ class PlanSettings(_Strict):
     stages: PositiveCount = Field(description="Pipeline ranks (GPUs).")
     global_batch: PositiveCount = Field(description="Samples per iteration.")
     microbatch_size: Optional[PositiveCount] = Field(default=None, description="Fixed micro-batch size, or null to search.")
-    memory_cap_bytes: Optional[Bytes] = Field(default=None, gt=0, description="Per-GPU memory cap, or null for none.")
+    memory_cap_bytes: Optional[PositiveBytes] = Field(default=None, description="Per-GPU memory cap, or null for none.")
     optimizer: Literal["adam", "sgd", "none"] = "adam"
-    bandwidth_bytes_per_s: Optional[FiniteFloat] = Field(
-        default=None, gt=0, description="Point-to-point bandwidth; null means infinite (transfers ignored)."
+    bandwidth_bytes_per_s: Optional[Bandwidth] = Field(
+        default=None, description="Point-to-point bandwidth; null means infinite (transfers ignored)."
     )
     schedule: Literal["auto", "gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"] = Field(
         default="1f1b", description="Requested schedule, or 'auto'.")

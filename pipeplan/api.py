@@ -128,5 +128,7 @@ def validate_file(path: str | Path) -> str:
                 f"{plan.schedule}, {plan.num_microbatches} x {plan.microbatch_size}")
     profile = load_profile(path)
     edges = "chain" if profile.edges is None else f"{len(profile.edges)} edges"
+    degrees = profile.tensor_parallel_degrees
     return (f"{path}: valid profile of {profile.model}: {len(profile.layers)} layers, {edges}, "
-            f"micro-batch sizes {profile.microbatch_sizes}")
+            f"micro-batch sizes {profile.microbatch_sizes}"
+            + (f", tensor-parallel degrees {degrees}" if degrees != [1] else ""))

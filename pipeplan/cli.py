@@ -232,10 +232,10 @@ def import_pipedream_cmd(
 @app.command()
 @_handled
 def profile(
-    model: str = typer.Argument(..., metavar="MODEL", help="Built-in (gpt2-tiny, gpt2, llama-tiny, bert-tiny, convnet-tiny, ...) or module:callable.", show_default=False),
+    model: str = typer.Argument(..., metavar="MODEL", help="Built-in (gpt2-tiny, gpt2, llama-tiny, bert-tiny, convnet-tiny, ...) or module:callable; with --analytic: a HF config.json or a shipped config (llama3-8b, ...).", show_default=False),
     microbatch_sizes: str = typer.Option("1,2,4", "--microbatch-sizes", help="Micro-batch sizes to measure, e.g. 1,2,4,8."),
-    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per sample (language models)."),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (language models); default 128, with --analytic the model's pre-training context."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default fp32; bf16 with --analytic)."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda or cpu (default: cuda when available)."),
     repeats: int = typer.Option(5, "--repeats", help="Timed runs per unit and size (medians)."),
     warmup: int = typer.Option(2, "--warmup", help="Untimed runs first."),
@@ -247,17 +247,47 @@ def profile(
     units: Optional[list[str]] = typer.Option(None, "--units", help="Units by dotted name or glob, e.g. 'encoder.layer.*' (repeatable)."),
     seed: int = typer.Option(0, "--seed", help="Weight and batch seed."),
     output: Path = typer.Option(..., "-o", "--output", help="Profile JSON to write (atomically).", show_default=False),
+    analytic: bool = typer.Option(False, "--analytic", help="Estimate from a model config and a GPU spec instead of measuring (docs/analytic.md)."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="With --analytic: a known GPU (pipeplan gpus), e.g. h100-sxm."),
+    gpu_spec: Optional[Path] = typer.Option(None, "--gpu-spec", help="With --analytic: a GPU spec TOML file instead of --gpu."),
+    tensor_parallel: str = typer.Option("1", "--tensor-parallel", help="With --analytic: tensor-parallel degrees, e.g. 1,2,4,8 (1 always included)."),
+    sequence_parallel: bool = typer.Option(True, "--sequence-parallel/--no-sequence-parallel", help="With --analytic: Megatron sequence parallelism above degree 1."),
+    flash_attention: bool = typer.Option(True, "--flash-attention/--no-flash-attention", help="With --analytic: flash attention (no s^2 activations)."),
 ):
-    """Measure a torch model per unit (time, activation and output bytes) into a profile."""
+    """Measure a torch model per unit (time, activation and output bytes) into a profile, or estimate one (--analytic)."""
+    if analytic:
+        from pipeplan.analytic import analytic_profile_to_file
+        from pipeplan.analytic.tables import analytic_summary_table
+
+        estimated = analytic_profile_to_file(
+            model, output, gpu=gpu, gpu_spec=gpu_spec, microbatch_sizes=microbatch_sizes,
+            tensor_parallel=tensor_parallel, seq_len=seq_len, dtype=dtype or "bf16",
+            sequence_parallel=sequence_parallel, flash_attention=flash_attention,
+        )
+        _console().print(analytic_summary_table(estimated))
+        typer.echo(f"wrote {output}")
+        return
+    if gpu or gpu_spec or tensor_parallel != "1":
+        raise BadInputError("--gpu, --gpu-spec and --tensor-parallel: only with --analytic")
     from pipeplan.profile import profile_to_file, summary_table
 
     result = profile_to_file(
-        model, str(output), microbatch_sizes=microbatch_sizes, seq_len=seq_len, dtype=dtype, device=device,
+        model, str(output), microbatch_sizes=microbatch_sizes, seq_len=128 if seq_len is None else seq_len,
+        dtype=dtype or "fp32", device=device,
         repeats=repeats, warmup=warmup, threads=threads, units=units or None, seed=seed,
         options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}, progress=True,
     )
     _console().print(summary_table(result))
     typer.echo(f"wrote {output}")
+
+
+@app.command()
+@_handled
+def gpus():
+    """The GPU specifications `profile --analytic --gpu NAME` knows (dense peaks, with sources)."""
+    from pipeplan.analytic.tables import gpu_table
+
+    _console().print(gpu_table())
 
 
 @app.command()
@@ -484,13 +514,30 @@ def run(
 @app.command()
 @_handled
 def calibrate(
-    plan_file: Path = typer.Argument(..., metavar="PLAN", help="The plan that was run.", show_default=False),
-    report_file: Path = typer.Argument(..., metavar="REPORT", help="Its run report (pipeplan run --report).", show_default=False),
+    plan_file: Path = typer.Argument(..., metavar="PLAN", help="The plan that was run (with --measured: an analytic profile).", show_default=False),
+    report_file: Optional[Path] = typer.Argument(None, metavar="REPORT", help="Its run report (pipeplan run --report).", show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Calibrated profile JSON to write.", show_default=False),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile to scale (default: the one the report names)."),
+    measured: Optional[Path] = typer.Option(None, "--measured", help="Fit the analytic profile PLAN's efficiency model to this measured profile of the same model and GPU (no REPORT)."),
 ):
     """Scale a profile's per-layer times by what a run measured, so the next plan uses real numbers."""
     from pipeplan.formats.io import refuse_overwriting_input
+
+    if measured is not None:
+        from pipeplan.analytic.calibrate import calibrate_analytic_files
+
+        if report_file is not None or profile is not None:
+            raise BadInputError("--measured: give an analytic profile and no REPORT or --profile")
+        refuse_overwriting_input(output, plan_file, measured)
+        _, fit = calibrate_analytic_files(plan_file, measured, output)
+        eff = fit["efficiency"]
+        typer.echo(f"efficiency fitted to {fit['entries']} unit times: gemm {eff['gemm']}, attention {eff['attention']}, "
+                   f"memory {eff['memory']}, kernel latency {eff['kernel_latency_us']} us; rms log error "
+                   f"{fit['rms_log_error_before']:.3f} -> {fit['rms_log_error_after']:.3f}")
+        typer.echo(f"wrote {output}")
+        return
+    if report_file is None:
+        raise BadInputError("REPORT: missing (the run report of PLAN), or give --measured to fit an analytic profile")
     from pipeplan.run.calibrate import calibrate_files, calibration_table
 
     refuse_overwriting_input(output, plan_file, report_file, profile)

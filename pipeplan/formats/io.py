@@ -108,7 +108,7 @@ def _kind(data: dict) -> str | None:
 _ARTICLE = {"plan": "a plan", "profile": "a profile", "report": "a run report"}
 
 
-def _load(path: str | Path, model: type[M], what: str) -> M:
+def _load(path: str | Path, model: type[M], what: str, versions: tuple[int, ...] = (1,)) -> M:
     data = load_json(path)
     if not isinstance(data, dict):
         raise BadInputError(f"{path}: expected a JSON object ({what}), found {type(data).__name__}")
@@ -118,9 +118,10 @@ def _load(path: str | Path, model: type[M], what: str) -> M:
     version = data.get("schema_version")
     if isinstance(version, str):
         raise BadInputError(f"{path}: schema_version: {version!r} is a string; write the number without quotes")
-    if "schema_version" in data and data["schema_version"] != 1:
+    if "schema_version" in data and data["schema_version"] not in versions:
+        readable = " and ".join(str(v) for v in versions)
         raise BadInputError(
-            f"{path}: schema_version: {data['schema_version']!r} is not supported; this pipeplan reads 1"
+            f"{path}: schema_version: {data['schema_version']!r} is not supported; this pipeplan reads {readable}"
         )
     try:
         return model.model_validate(data)
@@ -136,9 +137,9 @@ def load_profile(path: str | Path):
     BadInputError
         If the file is missing, not JSON, or breaks a rule of the format.
     """
-    from pipeplan.formats.profile import Profile
+    from pipeplan.formats.profile import SCHEMA_VERSIONS, Profile
 
-    return _load(path, Profile, "a profile")
+    return _load(path, Profile, "a profile", SCHEMA_VERSIONS)
 
 
 def load_plan(path: str | Path):

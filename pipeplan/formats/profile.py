@@ -1,7 +1,14 @@
-"""The profile format (schema_version 1): per-layer time and memory of one model.
+"""The profile format (schema_version 2, reads 1): per-layer time and memory of one model.
 
 A profile is what the planner reads. It is produced by ``pipeplan profile`` (measured),
-``pipeplan import`` (imported) or written by hand (analytic). See docs/formats.md.
+``pipeplan import`` (imported), ``pipeplan profile --analytic`` or written by hand (analytic).
+See docs/formats.md.
+
+Version 2 adds, per cost entry, the tensor-parallel degree it was costed at (absent: 1), the
+bytes of that degree's tensor-parallel collectives, the rank's parameter bytes at that degree and
+what selective recomputation keeps and costs. A layer then has one entry per (micro-batch size,
+tensor-parallel degree); the planner reads the degree-1 entries (:meth:`Layer.cost_at`).
+Version 1 files read unchanged: none of the new fields is set, so every entry is degree 1.
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeplan.formats.limits import Bytes, Ms, Name, PositiveCount, Text
 
-__all__ = ["Device", "LayerCost", "Layer", "Profile", "NonNegativeMs", "LAYER_KINDS", "DTYPES"]
+__all__ = ["Device", "LayerCost", "Layer", "Profile", "NonNegativeMs", "LAYER_KINDS", "DTYPES",
+           "SCHEMA_VERSIONS", "V2_COST_FIELDS", "TP_COLLECTIVES"]
+
 
 # Finite ranges (pipeplan.formats.limits): 0..1e9 ms, 0..2**53 bytes, no booleans or strings.
 NonNegativeMs = Ms
@@ -20,6 +29,13 @@ NonNegativeBytes = Bytes
 
 #: Training dtypes a profile may name (bytes per element: 8, 4, 2 or 1).
 DTYPES = ("fp64", "float64", "fp32", "float32", "tf32", "bf16", "bfloat16", "fp16", "float16")
+
+#: Profile versions this pipeplan reads; it writes 2 only where a version-2 field is set.
+SCHEMA_VERSIONS = (1, 2)
+
+#: How a cost entry's tensor-parallel bytes move: all-reduces (Megatron's tensor parallelism), or
+#: reduce-scatters and all-gathers (with sequence parallelism).
+TP_COLLECTIVES = ("all_reduce", "reduce_scatter_all_gather")
 
 #: Roles a layer can declare; exporters (Megatron's layout) use them.
 LAYER_KINDS = ("embedding", "block", "norm", "head", "other")
@@ -64,6 +80,52 @@ class LayerCost(_Strict):
     backward_spread: Optional[NonNegativeMs] = Field(
         default=None, description="Coefficient of variation of the backward repeats."
     )
+    # --- schema_version 2 ---
+    tensor_parallel: Optional[int] = Field(
+        default=None, gt=0,
+        description="Tensor-parallel degree t this entry is costed at (times, bytes: one rank's "
+        "share). Absent: 1.",
+    )
+    param_bytes: Optional[NonNegativeBytes] = Field(
+        default=None,
+        description="One rank's parameter bytes at this degree (sharded weights plus replicated "
+        "ones). Absent: the layer's param_bytes (degree 1).",
+    )
+    tensor_parallel_collective: Optional[Literal["all_reduce", "reduce_scatter_all_gather"]] = Field(
+        default=None,
+        description="How the tensor-parallel bytes move: all_reduce (ring cost 2(t-1)/t of the "
+        "payload per rank), or reduce_scatter_all_gather with sequence parallelism (each "
+        "(t-1)/t; an all-reduce counts as one of each).",
+    )
+    tensor_parallel_forward_bytes: Optional[NonNegativeBytes] = Field(
+        default=None,
+        description="Payload of the forward's tensor-parallel collectives per micro-batch: the sum "
+        "of each collective's full (unsharded) buffer.",
+    )
+    tensor_parallel_backward_bytes: Optional[NonNegativeBytes] = Field(
+        default=None, description="The same for the backward (B and W together)."
+    )
+    tensor_parallel_forward_count: Optional[int] = Field(
+        default=None, ge=0, description="Collective calls in the forward (for latency terms)."
+    )
+    tensor_parallel_backward_count: Optional[int] = Field(
+        default=None, ge=0, description="Collective calls in the backward."
+    )
+    sequence_parallel: Optional[bool] = Field(
+        default=None,
+        description="Whether the entry assumes Megatron's sequence parallelism (norms, dropouts "
+        "and residuals sharded along the sequence). Absent: false.",
+    )
+    selective_activation_bytes: Optional[NonNegativeBytes] = Field(
+        default=None,
+        description="Bytes kept for backward under selective recomputation (the attention core "
+        "recomputed in backward, as Megatron's --recompute-granularity selective).",
+    )
+    selective_recompute_ms: Optional[NonNegativeMs] = Field(
+        default=None,
+        description="Extra forward time per micro-batch of recomputing the attention core "
+        "under selective recomputation.",
+    )
 
     @model_validator(mode="after")
     def _backward_split_whole(self) -> "LayerCost":
@@ -71,15 +133,38 @@ class LayerCost(_Strict):
             raise ValueError(
                 "give both backward_input_ms and backward_weight_ms, or neither"
             )
+        if (self.selective_activation_bytes is None) != (self.selective_recompute_ms is None):
+            raise ValueError(
+                "give both selective_activation_bytes and selective_recompute_ms, or neither"
+            )
         return self
+
+    @property
+    def degree(self) -> int:
+        """The tensor-parallel degree (1 where the field is absent)."""
+        return self.tensor_parallel or 1
+
+    def uses_version_2(self) -> bool:
+        """Whether any field of schema_version 2 is set."""
+        return any(getattr(self, name) is not None for name in V2_COST_FIELDS)
+
+
+#: Cost fields that need schema_version 2.
+V2_COST_FIELDS = tuple(
+    name for name in LayerCost.model_fields
+    if name.startswith(("tensor_parallel", "selective_")) or name in ("param_bytes", "sequence_parallel")
+)
 
 
 class Layer(_Strict):
     """One partitionable unit: a module of the model, or a node of an imported graph."""
 
     name: Name = Field(description="Unique; the module's dotted name for torch models; plain text.")
-    param_bytes: NonNegativeBytes = Field(description="Bytes of the layer's parameters.")
-    costs: list[LayerCost] = Field(min_length=1, description="One entry per profiled micro-batch size.")
+    param_bytes: NonNegativeBytes = Field(description="Bytes of the layer's parameters (unsharded: degree 1).")
+    costs: list[LayerCost] = Field(
+        min_length=1,
+        description="One entry per (micro-batch size, tensor-parallel degree); degree 1 always present.",
+    )
     kind: Optional[Literal["embedding", "block", "norm", "head", "other"]] = Field(
         default=None, description="The layer's role, for launchers that name layers by role."
     )
@@ -87,22 +172,49 @@ class Layer(_Strict):
 
     @model_validator(mode="after")
     def _one_cost_per_size(self) -> "Layer":
-        sizes = [c.microbatch_size for c in self.costs]
-        if len(set(sizes)) != len(sizes):
-            raise ValueError(f"costs: micro-batch sizes repeat: {sorted(sizes)}")
+        keys = [(c.microbatch_size, c.degree) for c in self.costs]
+        if len(set(keys)) != len(keys):
+            if all(c.tensor_parallel is None for c in self.costs):
+                raise ValueError(f"costs: micro-batch sizes repeat: {sorted(c.microbatch_size for c in self.costs)}")
+            repeated = sorted({k for k in keys if keys.count(k) > 1})
+            raise ValueError(
+                f"costs: (micro-batch size, tensor_parallel) pairs repeat: {repeated}; give one entry per pair"
+            )
+        for index, cost in enumerate(self.costs):
+            if cost.degree == 1 and cost.param_bytes is not None and cost.param_bytes != self.param_bytes:
+                raise ValueError(
+                    f"costs[{index}].param_bytes: {cost.param_bytes} at tensor_parallel 1 differs from the "
+                    f"layer's param_bytes {self.param_bytes}; leave it out at degree 1"
+                )
         return self
 
-    def cost_at(self, microbatch_size: int) -> LayerCost:
+    def cost_at(self, microbatch_size: int, tensor_parallel: int = 1) -> LayerCost:
+        """The entry at ``microbatch_size`` and ``tensor_parallel`` (default: degree 1, what the
+        pipeline planner reads)."""
         for cost in self.costs:
-            if cost.microbatch_size == microbatch_size:
+            if cost.microbatch_size == microbatch_size and cost.degree == tensor_parallel:
                 return cost
-        raise KeyError(microbatch_size)
+        raise KeyError((microbatch_size, tensor_parallel) if tensor_parallel != 1 else microbatch_size)
+
+    def param_bytes_at(self, tensor_parallel: int = 1) -> int:
+        """One rank's parameter bytes at ``tensor_parallel`` (the layer's own at degree 1)."""
+        if tensor_parallel == 1:
+            return self.param_bytes
+        for cost in self.costs:
+            if cost.degree == tensor_parallel:
+                if cost.param_bytes is None:
+                    raise KeyError(tensor_parallel)
+                return cost.param_bytes
+        raise KeyError(tensor_parallel)
 
 
 class Profile(_Strict):
     """A whole model's profile; layers in a topological order."""
 
-    schema_version: Literal[1] = Field(description="Format version; always 1.")
+    schema_version: Literal[1, 2] = Field(
+        description="Format version: 2 where a cost entry sets a version-2 field (tensor_parallel, "
+        "param_bytes, the tensor-parallel bytes, sequence_parallel, the selective fields), else 1."
+    )
     model: Name = Field(description="Model name.")
     source: Literal["measured", "analytic", "imported"] = Field(description="How the numbers were obtained.")
     device: Device
@@ -128,13 +240,36 @@ class Profile(_Strict):
                     f"(also layers[{seen[layer.name]}])"
                 )
             seen[layer.name] = index
-        sizes = sorted(c.microbatch_size for c in self.layers[0].costs)
+        if self.schema_version == 1:
+            for index, layer in enumerate(self.layers):
+                for k, cost in enumerate(layer.costs):
+                    if cost.uses_version_2():
+                        field = next(n for n in V2_COST_FIELDS if getattr(cost, n) is not None)
+                        raise ValueError(
+                            f"layers[{index}].costs[{k}].{field}: needs schema_version 2 (this file says 1)"
+                        )
+        keys = sorted((c.microbatch_size, c.degree) for c in self.layers[0].costs)
         for index, layer in enumerate(self.layers):
-            other = sorted(c.microbatch_size for c in layer.costs)
-            if other != sizes:
+            other = sorted((c.microbatch_size, c.degree) for c in layer.costs)
+            if other != keys:
+                if all(d == 1 for _, d in keys + other):
+                    raise ValueError(
+                        f"layers[{index}].costs: micro-batch sizes {[b for b, _ in other]} differ from "
+                        f"layers[0]'s {[b for b, _ in keys]}; every layer needs the same sizes"
+                    )
                 raise ValueError(
-                    f"layers[{index}].costs: micro-batch sizes {other} differ from "
-                    f"layers[0]'s {sizes}; every layer needs the same sizes"
+                    f"layers[{index}].costs: (micro-batch size, tensor_parallel) pairs {other} differ from "
+                    f"layers[0]'s {keys}; every layer needs the same pairs"
+                )
+        sizes = sorted(b for b, d in keys if d == 1)
+        for degree in sorted({d for _, d in keys}):
+            at = sorted(b for b, d in keys if d == degree)
+            if at != sizes:
+                what = "none" if not sizes else f"{sizes}"
+                raise ValueError(
+                    f"layers[0].costs: tensor_parallel {degree} has micro-batch sizes {at}, degree 1 has "
+                    f"{what}; every degree needs the same sizes, and degree 1 (what the pipeline planner "
+                    f"reads) must be present"
                 )
         first_edge: dict[tuple[str, str], int] = {}
         for index, (src, dst) in enumerate(self.edges or ()):
@@ -164,7 +299,12 @@ class Profile(_Strict):
     @property
     def microbatch_sizes(self) -> list[int]:
         """The profiled micro-batch sizes, ascending."""
-        return sorted(c.microbatch_size for c in self.layers[0].costs)
+        return sorted(c.microbatch_size for c in self.layers[0].costs if c.degree == 1)
+
+    @property
+    def tensor_parallel_degrees(self) -> list[int]:
+        """The tensor-parallel degrees the costs cover, ascending (``[1]`` for version-1 files)."""
+        return sorted({c.degree for c in self.layers[0].costs})
 
     @property
     def dtype_bytes(self) -> int:

@@ -20,5 +20,6 @@ def json_schema_text(kind: str) -> str:
         raise BadInputError(f"schema: {kind!r} is not one of profile, plan, report")
     schema = models[kind].model_json_schema(by_alias=True)
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["$id"] = f"https://pipeplan.dev/schemas/{kind}-v1.json"
+    version = {"profile": 2, "plan": 1, "report": 1}[kind]
+    schema["$id"] = f"https://pipeplan.dev/schemas/{kind}-v{version}.json"
     return json.dumps(schema, indent=2) + "\n"

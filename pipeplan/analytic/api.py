@@ -1,0 +1,243 @@
+"""``pipeplan profile --analytic``: a profile estimated from a model config and a GPU spec."""
+
+from __future__ import annotations
+
+
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from pipeplan.analytic.collectives import unit_collectives
+from pipeplan.analytic.configs import ModelConfig, load_model_config
+from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY, EfficiencyModel, parts_ms
+from pipeplan.analytic.flops import Shape, model_flops_per_token, unit_work
+from pipeplan.analytic.gpus import GpuSpec, resolve_gpu
+from pipeplan.analytic.memory import unit_activation_bytes, unit_output_bytes
+from pipeplan.analytic.shapes import check_tensor_parallel, unit_param_count
+from pipeplan.errors import BadInputError
+from pipeplan.formats.profile import Device, Layer, LayerCost, Profile
+
+__all__ = ["analytic_profile", "analytic_profile_to_file", "parse_degrees", "default_seq_len", "DTYPE_BYTES"]
+
+#: Bytes per element of each training dtype the analytic model takes.
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+
+
+def parse_degrees(text: Union[str, Sequence[int]], option: str = "--tensor-parallel") -> list[int]:
+    """``'1,2,4,8'`` to ``[1, 2, 4, 8]``; degree 1 is always included (the planner reads it).
+
+    Examples
+    --------
+    >>> parse_degrees("8,2")
+    [1, 2, 8]
+    """
+    items = text.split(",") if isinstance(text, str) else list(text)
+    degrees = set()
+    for item in items:
+        try:
+            value = int(str(item).strip())
+        except ValueError:
+            raise BadInputError(f"{option}: {item!r} is not an integer; write e.g. 1,2,4,8") from None
+        if value <= 0:
+            raise BadInputError(f"{option}: {value} must be positive")
+        degrees.add(value)
+    return sorted(degrees | {1})
+
+
+def default_seq_len(cfg: ModelConfig) -> int:
+    """The context the model was pre-trained at: ``rope_scaling.original_max_position_embeddings``
+    where the config extends its context (Llama 3.1), else ``max_position_embeddings``."""
+    scaling = cfg.raw.get("rope_scaling") or {}
+    original = scaling.get("original_max_position_embeddings") if isinstance(scaling, dict) else None
+    return int(original) if isinstance(original, int) and original > 0 else cfg.max_positions
+
+
+def _units(cfg: ModelConfig) -> list[tuple[str, str, int]]:
+    units = [(cfg.names.embedding, "embedding", 0)]
+    units += [(cfg.block_name(i), "block", i) for i in range(cfg.num_layers)]
+    if cfg.names.norm is not None:
+        units.append((cfg.names.norm, "norm", 0))
+    units.append((cfg.names.head, "head", 0))
+    return units
+
+
+def _round(value: float) -> float:
+    return round(float(value), 6)
+
+
+def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, dtype: str,
+           efficiency: EfficiencyModel) -> LayerCost:
+    peak, bw = gpu.flops_for(dtype), gpu.hbm_bytes_per_s
+    work = unit_work(cfg, kind, index, shape)
+    forward = parts_ms(work.forward, peak, bw, efficiency)
+    b_input = parts_ms(work.backward_input, peak, bw, efficiency)
+    b_weight = parts_ms(work.backward_weight, peak, bw, efficiency)
+    t = shape.tensor_parallel
+    fields = dict(
+        microbatch_size=shape.microbatch_size,
+        forward_ms=_round(forward),
+        backward_ms=_round(b_input + b_weight),
+        backward_input_ms=_round(b_input),
+        backward_weight_ms=_round(b_weight),
+        activation_bytes=unit_activation_bytes(cfg, kind, index, shape),
+        output_bytes=unit_output_bytes(cfg, kind, shape),
+        selective_activation_bytes=unit_activation_bytes(cfg, kind, index, shape, selective=True),
+        selective_recompute_ms=_round(parts_ms(work.attention_core, peak, bw, efficiency)),
+    )
+    if t > 1:
+        traffic = unit_collectives(cfg, kind, shape)
+        fields.update(
+            tensor_parallel=t,
+            param_bytes=unit_param_count(cfg, kind, t) * shape.dtype_bytes,
+            sequence_parallel=shape.sequence_parallel,
+            tensor_parallel_collective=traffic.kind,
+            tensor_parallel_forward_bytes=traffic.forward_bytes,
+            tensor_parallel_backward_bytes=traffic.backward_bytes,
+            tensor_parallel_forward_count=traffic.forward_count,
+            tensor_parallel_backward_count=traffic.backward_count,
+        )
+    return LayerCost(**fields)
+
+
+def analytic_profile(
+    config: Union[str, Path, ModelConfig],
+    gpu: GpuSpec,
+    *,
+    seq_len: Optional[int] = None,
+    dtype: str = "bf16",
+    microbatch_sizes: Sequence[int] = (1, 2, 4),
+    tensor_parallel: Sequence[int] = (1,),
+    sequence_parallel: bool = True,
+    flash_attention: bool = True,
+    efficiency: EfficiencyModel = DEFAULT_EFFICIENCY,
+) -> Profile:
+    """Estimate a profile of ``config`` on ``gpu`` at each micro-batch size and tensor-parallel degree.
+
+    Parameters
+    ----------
+    config : str, Path or ModelConfig
+        A HuggingFace ``config.json`` path, a shipped config's name, or a loaded config.
+    gpu : GpuSpec
+        From :func:`pipeplan.analytic.gpus.get_gpu` or a ``--gpu-spec`` file.
+    seq_len : int, optional
+        Tokens per sample; default: the model's pre-training context (:func:`default_seq_len`).
+    dtype : {'bf16', 'fp16', 'fp32'}
+        Training dtype: bytes per element and which peak FLOP/s applies.
+    microbatch_sizes, tensor_parallel : sequence of int
+        Each pair gets one cost entry per unit; degree 1 is always included.
+    sequence_parallel : bool
+        Megatron's sequence parallelism at degrees above 1 (norms, dropouts, residuals and the
+        activations they keep divided by t; collectives as reduce-scatter + all-gather).
+    flash_attention : bool
+        No ``s^2`` score tensors kept; attention backward recomputes the scores (2.5x forward).
+    efficiency : EfficiencyModel
+        Achieved fractions of the peaks (pipeplan.analytic.efficiency).
+
+    Returns
+    -------
+    Profile
+        ``source: analytic``, schema_version 2, units named as the HF model names its modules.
+
+    Raises
+    ------
+    BadInputError
+        A bad config field, an unknown dtype, a degree that does not divide the heads.
+
+    Notes
+    -----
+    Identical blocks are computed once per (size, degree): the cost is
+    O(sizes x degrees x distinct block kinds + layers x sizes x degrees) small steps.
+    """
+    cfg = config if isinstance(config, ModelConfig) else load_model_config(config)
+    if dtype not in DTYPE_BYTES:
+        raise BadInputError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    gpu.flops_for(dtype)
+    seq = default_seq_len(cfg) if seq_len is None else seq_len
+    if seq <= 0:
+        raise BadInputError(f"--seq-len: {seq} must be positive")
+    if cfg.learned_positions and seq > cfg.max_positions:
+        raise BadInputError(
+            f"--seq-len: {seq} exceeds the {cfg.max_positions} positions of {cfg.name}'s learned position table"
+        )
+    degrees = sorted(set(tensor_parallel) | {1})
+    for t in degrees:
+        check_tensor_parallel(cfg, t)
+    sizes = sorted(set(microbatch_sizes))
+    if not sizes or sizes[0] <= 0:
+        raise BadInputError("--microbatch-sizes: give positive sizes, e.g. 1,2,4")
+    e = DTYPE_BYTES[dtype]
+    shapes = [Shape(seq, b, t, sequence_parallel and t > 1, flash_attention, e) for b in sizes for t in degrees]
+    cache: dict = {}
+    layers = []
+    for name, kind, index in _units(cfg):
+        sliding = kind == "block" and index in cfg.sliding_layers
+        key = (kind, sliding)
+        if key not in cache:
+            cache[key] = [_entry(cfg, kind, index, shape, gpu, dtype, efficiency) for shape in shapes]
+        modules = {"embedding": cfg.names.embedding_modules, "norm": cfg.names.norm_modules}.get(kind, ())
+        layers.append(Layer(
+            name=name, param_bytes=unit_param_count(cfg, kind) * e, costs=cache[key], kind=kind,
+            description=f"covers {' + '.join(modules)}" if len(modules) > 1 else None,
+        ))
+    unique_params = sum(unit_param_count(cfg, kind) for _, kind, _ in _units(cfg))
+    if cfg.tied_embeddings:
+        unique_params -= unit_param_count(cfg, "head")
+    measurement = {
+        "method": "analytic (pipeplan.analytic; docs/analytic.md)",
+        "config": cfg.raw,
+        "config_source": cfg.origin or None,
+        "config_shape": cfg.summary(),
+        "gpu": gpu.model_dump(),
+        "efficiency": efficiency.model_dump(),
+        "dtype": dtype,
+        "flash_attention": flash_attention,
+        "sequence_parallel": sequence_parallel,
+        "tensor_parallel_degrees": degrees,
+        "parameters": unique_params,
+        "model_flops_per_token": float(f"{model_flops_per_token(cfg, seq, flash_attention):.6e}"),
+        "activation_model": "Korthikanti et al. 2022, generalised per tensor (pipeplan.analytic.memory)",
+        "tied_embeddings": ("the head counts the tied token table again (a stage holding it keeps a copy)"
+                            if cfg.tied_embeddings else None),
+    }
+    return Profile(
+        schema_version=2, model=cfg.name, source="analytic",
+        device=Device(name=f"{gpu.description or gpu.name} (analytic)", memory_bytes=gpu.memory_bytes),
+        dtype=dtype, sequence_length=seq, layers=layers,
+        measurement={k: v for k, v in measurement.items() if v is not None},
+    )
+
+
+def analytic_profile_to_file(config: Union[str, Path], output: Union[str, Path], *, gpu: Optional[str] = None,
+                             gpu_spec: Optional[Union[str, Path]] = None, microbatch_sizes="1,2,4",
+                             tensor_parallel="1", **kwargs) -> Profile:
+    """``pipeplan profile CONFIG --analytic``: build and write atomically (options as the CLI's)."""
+    from pipeplan.formats.io import write_json_atomic
+    from pipeplan.profile.api import parse_microbatch_sizes
+
+    spec = resolve_gpu(gpu, gpu_spec)
+    profile = analytic_profile(config, spec, microbatch_sizes=parse_microbatch_sizes(microbatch_sizes),
+                               tensor_parallel=parse_degrees(tensor_parallel), **kwargs)
+    write_json_atomic(output, profile)
+    return profile
+
+
+def summary_rows(profile: Profile) -> list[dict]:
+    """Per degree and size: the whole model's time and memory (for the CLI's table)."""
+    rows = []
+    for t in profile.tensor_parallel_degrees:
+        for b in profile.microbatch_sizes:
+            costs = [layer.cost_at(b, t) for layer in profile.layers]
+            rows.append({
+                "tensor_parallel": t, "microbatch_size": b,
+                "forward_ms": sum(c.forward_ms for c in costs),
+                "backward_ms": sum(c.backward_ms for c in costs),
+                "param_bytes": sum(layer.param_bytes_at(t) for layer in profile.layers),
+                "activation_bytes": sum(c.activation_bytes for c in costs),
+                "selective_activation_bytes": sum(c.selective_activation_bytes or 0 for c in costs),
+                "tp_bytes": sum((c.tensor_parallel_forward_bytes or 0) + (c.tensor_parallel_backward_bytes or 0)
+                                for c in costs),
+            })
+    return rows
+
+
+__all__.append("summary_rows")
+

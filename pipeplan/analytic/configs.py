@@ -1,0 +1,209 @@
+"""A transformer's shape, read from a HuggingFace ``config.json`` (as JSON: no torch, no network).
+
+:func:`load_model_config` takes a path or the name of a config shipped in
+``pipeplan/analytic/model_configs/`` and returns a :class:`ModelConfig`, the family-neutral shape
+that the FLOP, memory and time models read. The per-family readers live in
+:mod:`pipeplan.analytic.families`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any, Optional
+
+from pipeplan.errors import BadInputError
+
+__all__ = ["ModelConfig", "UnitNames", "load_model_config", "shipped_configs", "read_config_json"]
+
+
+@dataclass(frozen=True)
+class UnitNames:
+    """The HF module names of the four kinds of unit (so exports match the real model)."""
+
+    embedding: str
+    """The embedding unit's name, e.g. ``model.embed_tokens``."""
+    block_prefix: str
+    """Decoder blocks are ``f"{block_prefix}.{i}"``, e.g. ``model.layers``."""
+    norm: Optional[str]
+    """The final norm (``model.norm``); None where the model has none (OPT-350m)."""
+    head: str
+    """The output projection with the loss (``lm_head``)."""
+    embedding_modules: tuple[str, ...] = ()
+    """Every module the embedding unit covers (token and position tables, OPT's project_in)."""
+    norm_modules: tuple[str, ...] = ()
+    """Every module the norm unit covers (the norm, OPT's project_out)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer's shape, as the analytic model reads it.
+
+    Every field is in the model's own units (elements, not bytes). Checks in ``__post_init__``
+    raise :class:`BadInputError` naming the config field.
+    """
+
+    name: str
+    """Model name (the shipped config's name or the file's stem)."""
+    family: str
+    """HF ``model_type``: llama, mistral, qwen2, gemma2, gpt2, gpt_neox, opt, mixtral."""
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    """Key/value heads (grouped-query attention); equal to num_heads for multi-head attention."""
+    head_dim: int
+    """Per-head width; ``hidden_size / num_heads`` unless the config says (gemma2: 256)."""
+    intermediate_size: int
+    """The MLP's inner width (per expert for mixture-of-experts)."""
+    vocab_size: int
+    max_positions: int
+    """Context length the config was trained at (``max_position_embeddings``)."""
+    names: UnitNames
+    norm: str = "rmsnorm"
+    """``rmsnorm`` (weight only) or ``layernorm`` (weight and bias)."""
+    gated_mlp: bool = True
+    """SwiGLU/GeGLU (gate, up, down) rather than two GEMMs with an activation between."""
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    tied_embeddings: bool = False
+    """The head reuses the token table. The head unit still counts the weight: on another
+    pipeline stage it needs its own copy (as Megatron keeps one on the last stage)."""
+    learned_positions: int = 0
+    """Rows of a learned position table (GPT-2: n_positions; OPT: max_positions + 2); 0: rotary."""
+    embed_proj_dim: Optional[int] = None
+    """OPT's word_embed_proj_dim where it differs from hidden_size (project_in / project_out)."""
+    parallel_residual: bool = False
+    """GPT-NeoX: ``x + attn(ln1(x)) + mlp(ln2(x))``: both norms read the same x."""
+    sandwich_norms: bool = False
+    """Gemma 2: a norm after attention and after the MLP as well as before each."""
+    final_norm: bool = True
+    num_experts: int = 0
+    """Mixture-of-experts: experts per layer (0: dense MLP)."""
+    experts_per_token: int = 0
+    """Mixture-of-experts: top-k experts each token is routed to."""
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    """Dropout after attention and after the MLP (and on the embedding), as Megatron applies it."""
+    sliding_window: Optional[int] = None
+    """Keys each query sees at most, on the layers listed in ``sliding_layers``."""
+    sliding_layers: tuple[int, ...] = ()
+    logit_softcap: bool = False
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The config as read (recorded in the profile)."""
+    origin: str = field(default="", compare=False)
+    """Where it was read from: a path, or ``shipped:NAME``."""
+
+    def __post_init__(self) -> None:
+        where = f"{self.name}"
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                    "intermediate_size", "vocab_size", "max_positions"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise BadInputError(f"{where}: {key}: {value!r} must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise BadInputError(
+                f"{where}: num_key_value_heads: {self.num_kv_heads} does not divide "
+                f"num_attention_heads {self.num_heads}"
+            )
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise BadInputError(
+                f"{where}: num_experts_per_tok: {self.experts_per_token} must be between 1 and "
+                f"num_local_experts {self.num_experts}"
+            )
+
+    @property
+    def q_width(self) -> int:
+        """Width of the query projection's output (heads x head_dim)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the key (or value) projection's output."""
+        return self.num_kv_heads * self.head_dim
+
+    def block_name(self, index: int) -> str:
+        return f"{self.names.block_prefix}.{index}"
+
+    def summary(self) -> dict[str, Any]:
+        """The normalised shape, as recorded in the profile."""
+        out = asdict(self)
+        out.pop("raw")
+        out.pop("names")
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()
+                if v not in (None, (), 0, False) or k in ("num_kv_heads",)}
+
+
+def _config_dir():
+    return resources.files("pipeplan.analytic").joinpath("model_configs")
+
+
+def shipped_configs() -> list[str]:
+    """Names of the configs shipped with pipeplan, sorted.
+
+    Examples
+    --------
+    >>> "llama3-8b" in shipped_configs()
+    True
+    """
+    return sorted(p.name[:-5] for p in _config_dir().iterdir() if p.name.endswith(".json"))
+
+
+def read_config_json(config: str | Path) -> tuple[dict[str, Any], str, str]:
+    """The JSON object of ``config`` (a path or a shipped name), its name and where it came from.
+
+    Raises
+    ------
+    BadInputError
+        If it is neither an existing file nor a shipped name, or not a JSON object.
+    """
+    from pipeplan.formats.io import load_json
+
+    text = str(config)
+    path = Path(text)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if path.is_file():
+        data, origin = load_json(path), str(path)
+        name = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
+    elif text in shipped_configs():
+        data, origin, name = json.loads(_config_dir().joinpath(f"{text}.json").read_text()), f"shipped:{text}", text
+    else:
+        raise BadInputError(
+            f"{text}: no such config file, and not a shipped config; shipped: {', '.join(shipped_configs())}"
+        )
+    if not isinstance(data, dict):
+        raise BadInputError(f"{origin}: expected a JSON object (a HuggingFace config.json), found {type(data).__name__}")
+    data = dict(data)
+    name = str(data.pop("_pipeplan_name", name))
+    data.pop("_source", None)
+    return data, name, origin
+
+
+def load_model_config(config: str | Path) -> ModelConfig:
+    """Read a HuggingFace ``config.json`` (or a shipped config by name) into a :class:`ModelConfig`.
+
+    Parameters
+    ----------
+    config : str or Path
+        A ``config.json`` path, a folder holding one, or a name from :func:`shipped_configs`.
+
+    Raises
+    ------
+    BadInputError
+        Unknown ``model_type``, a missing or malformed field, heads that do not divide the hidden
+        size: the message names the file and the field.
+
+    Examples
+    --------
+    >>> cfg = load_model_config("llama3-8b")
+    >>> cfg.family, cfg.num_layers, cfg.num_kv_heads, cfg.names.embedding
+    ('llama', 32, 8, 'model.embed_tokens')
+    """
+    from pipeplan.analytic.families import parse_family
+
+    data, name, origin = read_config_json(config)
+    return replace(parse_family(data, name, origin), origin=origin)

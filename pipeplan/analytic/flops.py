@@ -1,0 +1,239 @@
+"""FLOPs and bytes moved per unit and micro-batch: the named parts that time is computed from.
+
+Each unit's forward, input-gradient (B) and weight-gradient (W) passes are lists of
+:class:`Part`: a GEMM, the attention core, or a memory-bound elementwise step (norms, residual
+adds, activations, rotary, dropout, softmax, cross-entropy). Their FLOPs and HBM bytes are one
+rank's at tensor-parallel degree t (docs/analytic.md, "FLOPs"):
+
+- a GEMM ``[T, k] @ [k, n]`` is ``2 T k n`` FLOPs forward, the same again for B (``dX = dY W^T``)
+  and for W (``dW = X^T dY``), divided by t when column-, row- or vocabulary-parallel;
+- causal attention is ``4 T d_head heads keys`` forward (scores and values), with ``keys`` the
+  mean number of keys a query sees (``(s + 1) / 2``; with a sliding window w on ``s > w``:
+  ``(w (w + 1) / 2 + (s - w) w) / s``); its backward is twice that, plus the forward's
+  QK^T again under flash attention (Dao 2023, FlashAttention-2, section 3.1.2: 2.5x forward);
+- elementwise steps do no FLOPs that matter; they move bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeplan.analytic.configs import ModelConfig
+from pipeplan.analytic.shapes import Gemm, block_gemms, head_gemm, kv_heads_per_rank
+
+__all__ = ["Part", "Shape", "UnitWork", "unit_work", "mean_keys_per_query", "model_flops_per_token"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one cost entry is computed at."""
+
+    seq_len: int
+    microbatch_size: int
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
+    flash_attention: bool = True
+    dtype_bytes: int = 2
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.microbatch_size
+
+    @property
+    def sp_share(self) -> int:
+        """What the replicated-in-Megatron parts (norms, dropouts, residuals) divide by."""
+        return self.tensor_parallel if self.sequence_parallel else 1
+
+
+@dataclass(frozen=True)
+class Part:
+    """One kernel's work on one rank."""
+
+    name: str
+    kind: str
+    """``gemm``, ``attention`` or ``memory`` (picks the efficiency that applies)."""
+    flops: float
+    bytes: float
+
+
+@dataclass
+class UnitWork:
+    """A unit's parts per pass, at one :class:`Shape`."""
+
+    forward: list[Part] = field(default_factory=list)
+    backward_input: list[Part] = field(default_factory=list)
+    backward_weight: list[Part] = field(default_factory=list)
+    attention_core: list[Part] = field(default_factory=list)
+    """The forward parts selective recomputation runs again (a subset of ``forward``)."""
+
+    def flops(self) -> float:
+        return sum(p.flops for p in self.forward + self.backward_input + self.backward_weight)
+
+
+def mean_keys_per_query(seq_len: int, window: int | None) -> float:
+    """Keys a causal query attends to, on average over the sequence.
+
+    Examples
+    --------
+    >>> mean_keys_per_query(4, None)
+    2.5
+    >>> mean_keys_per_query(4, 2)   # keys 1, 2, 2, 2
+    1.75
+    """
+    s = seq_len
+    if window is None or window >= s:
+        return (s + 1) / 2
+    w = window
+    return (w * (w + 1) / 2 + (s - w) * w) / s
+
+
+def _gemm_parts(gemm: Gemm, cfg: ModelConfig, shape: Shape) -> tuple[Part, Part, Part]:
+    t, e, tokens = shape.tensor_parallel, shape.dtype_bytes, shape.tokens
+    inp, out = gemm.in_features, gemm.out_features
+    if gemm.split == "column" or gemm.split == "vocab":
+        out = kv_heads_per_rank(cfg, t) * cfg.head_dim if gemm.kv else -(-out // t)
+    elif gemm.split == "row":
+        inp //= t
+    routed = tokens * gemm.route
+    weights = gemm.weight_count(cfg, t)
+    flops = 2.0 * routed * inp * out
+    moved = e * (routed * inp + weights + routed * out)
+    return (Part(gemm.name, "gemm", flops, moved), Part(gemm.name, "gemm", flops, moved),
+            Part(gemm.name, "gemm", flops, moved))
+
+
+def _memory(name: str, elements: float, passes: float, shape: Shape, extra_bytes: float = 0.0) -> Part:
+    return Part(name, "memory", 0.0, shape.dtype_bytes * elements * passes + extra_bytes)
+
+
+def _add_gemm(work: UnitWork, gemm: Gemm, cfg: ModelConfig, shape: Shape) -> None:
+    f, b, w = _gemm_parts(gemm, cfg, shape)
+    work.forward.append(f)
+    work.backward_input.append(b)
+    work.backward_weight.append(w)
+
+
+def _add_memory(work: UnitWork, name: str, elements: float, shape: Shape, reads_writes: float = 2.0,
+                extra_bytes: float = 0.0) -> None:
+    # Forward reads and writes the tensor; backward reads the gradient and the saved input and
+    # writes the input gradient: about twice the forward's traffic.
+    work.forward.append(_memory(name, elements, reads_writes, shape, extra_bytes))
+    work.backward_input.append(_memory(name, elements, 2 * reads_writes, shape, extra_bytes))
+
+
+def _block(cfg: ModelConfig, index: int, shape: Shape) -> UnitWork:
+    work = UnitWork()
+    t, tokens, h = shape.tensor_parallel, shape.tokens, cfg.hidden_size
+    replicated = tokens * h / shape.sp_share
+    gemms = {g.name: g for g in block_gemms(cfg)}
+    q_rank = cfg.num_heads // t * cfg.head_dim
+    kv_rank = kv_heads_per_rank(cfg, t) * cfg.head_dim
+    dropout_bytes = replicated if cfg.hidden_dropout else 0.0
+
+    _add_memory(work, "input_norm", replicated, shape)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        _add_gemm(work, gemms[name], cfg, shape)
+    if not cfg.learned_positions:
+        _add_memory(work, "rotary", tokens * (q_rank + kv_rank), shape)
+    window = cfg.sliding_window if index in cfg.sliding_layers else None
+    keys = mean_keys_per_query(shape.seq_len, window)
+    core_flops = 4.0 * tokens * q_rank * keys
+    e = shape.dtype_bytes
+    core_bytes = e * tokens * (2 * q_rank + 2 * kv_rank)
+    core = [Part("attention_core", "attention", core_flops, core_bytes)]
+    if not shape.flash_attention:
+        scores = cfg.num_heads // t * shape.microbatch_size * shape.seq_len ** 2
+        # Write the scores, read and write the softmax, read the probabilities into P @ V;
+        # dropout reads and writes them again and writes a one-byte mask.
+        passes = 4 + (2 if cfg.attention_dropout else 0)
+        core.append(Part("softmax", "memory", 0.0, e * scores * passes + (scores if cfg.attention_dropout else 0)))
+    work.forward += core
+    work.attention_core = list(core)
+    backward_factor = 2.5 if shape.flash_attention else 2.0
+    work.backward_input += [Part(p.name, p.kind, p.flops * backward_factor, p.bytes * 2) for p in core]
+    _add_gemm(work, gemms["o_proj"], cfg, shape)
+    if cfg.sandwich_norms:
+        _add_memory(work, "post_attention_norm", replicated, shape)
+    if not cfg.parallel_residual:
+        _add_memory(work, "attention_residual", replicated, shape, 1.5, dropout_bytes)
+    _add_memory(work, "mlp_norm", replicated, shape)
+    if cfg.num_experts:
+        _add_gemm(work, gemms["router"], cfg, shape)
+    up = ("gate_proj", "up_proj") if cfg.gated_mlp else ("fc1",)
+    for name in up:
+        _add_gemm(work, gemms[name], cfg, shape)
+    routed = tokens * (cfg.experts_per_token if cfg.num_experts else 1)
+    inner = cfg.intermediate_size // t
+    _add_memory(work, "activation", routed * inner, shape, 3.0 if cfg.gated_mlp else 2.0)
+    _add_gemm(work, gemms["down_proj" if cfg.gated_mlp else "fc2"], cfg, shape)
+    if cfg.sandwich_norms:
+        _add_memory(work, "post_feedforward_norm", replicated, shape)
+    _add_memory(work, "mlp_residual", replicated, shape, 2.0 if cfg.parallel_residual else 1.5, dropout_bytes)
+    return work
+
+
+def _embedding(cfg: ModelConfig, shape: Shape) -> UnitWork:
+    work = UnitWork()
+    tokens, h = shape.tokens, cfg.hidden_size
+    width = cfg.embed_proj_dim or h
+    # Gather the rows (read + write), add the position rows (learned tables), dropout.
+    passes = 2.0 + (2.0 if cfg.learned_positions else 0.0)
+    work.forward.append(_memory("embedding_lookup", tokens * width, passes, shape, 8.0 * tokens))
+    # The weight gradient is dense (torch's embedding backward): the whole table's shard is
+    # written (zero-filled, then the output gradient scatter-added into it), every micro-batch.
+    tables = -(-cfg.vocab_size // shape.tensor_parallel) * width + cfg.learned_positions * h
+    work.backward_weight.append(_memory("embedding_grad", tables + tokens * width * (2.0 if cfg.learned_positions else 1.0),
+                                        1.0, shape, 8.0 * tokens))
+    if cfg.embed_proj_dim:
+        _add_gemm(work, Gemm("project_in", cfg.embed_proj_dim, h, False, "none"), cfg, shape)
+    if cfg.hidden_dropout:
+        _add_memory(work, "embedding_dropout", tokens * h / shape.sp_share, shape, 2.0, tokens * h / shape.sp_share)
+    return work
+
+
+def _norm(cfg: ModelConfig, shape: Shape) -> UnitWork:
+    work = UnitWork()
+    if cfg.final_norm:
+        _add_memory(work, "final_norm", shape.tokens * cfg.hidden_size / shape.sp_share, shape)
+    if cfg.embed_proj_dim:
+        _add_gemm(work, Gemm("project_out", cfg.hidden_size, cfg.embed_proj_dim, False, "none"), cfg, shape)
+    return work
+
+
+def _head(cfg: ModelConfig, shape: Shape) -> UnitWork:
+    work = UnitWork()
+    _add_gemm(work, head_gemm(cfg), cfg, shape)
+    logits = shape.tokens * -(-cfg.vocab_size // shape.tensor_parallel)
+    # Cross-entropy in fp32 (as Megatron's vocab-parallel loss): read the logits, write and read
+    # the fp32 probabilities; backward reads them and writes the logits' gradient.
+    e = shape.dtype_bytes
+    softcap = 2 * e * logits if cfg.logit_softcap else 0.0
+    work.forward.append(Part("cross_entropy", "memory", 0.0, logits * (e + 8) + softcap))
+    work.backward_input.append(Part("cross_entropy", "memory", 0.0, logits * (e + 4) + softcap))
+    return work
+
+
+def unit_work(cfg: ModelConfig, kind: str, index: int, shape: Shape) -> UnitWork:
+    """The parts of one unit (``embedding``, ``block`` number ``index``, ``norm``, ``head``)."""
+    if kind == "block":
+        return _block(cfg, index, shape)
+    return {"embedding": _embedding, "norm": _norm, "head": _head}[kind](cfg, shape)
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int, flash_attention: bool = False) -> float:
+    """Training FLOPs per token of the whole model (forward + B + W, degree 1).
+
+    Without flash attention this is the standard accounting: 6 N (N: the parameters that enter a
+    GEMM, counting each token's top-k experts) plus the causal attention's
+    ``12 x layers x heads x head_dim x mean keys``.
+    """
+    shape = Shape(seq_len, 1, flash_attention=flash_attention)
+    total = unit_work(cfg, "embedding", 0, shape).flops() + unit_work(cfg, "norm", 0, shape).flops()
+    total += unit_work(cfg, "head", 0, shape).flops()
+    cache: dict = {}
+    for i in range(cfg.num_layers):
+        key = i in cfg.sliding_layers
+        if key not in cache:
+            cache[key] = unit_work(cfg, "block", i, shape).flops()
+        total += cache[key]
+    return total / seq_len

@@ -1,0 +1,136 @@
+"""Activation memory per unit (Korthikanti et al. 2022), parameters and training state.
+
+Korthikanti, Casper, Lym, McAfee, Andersch, Shoeybi, Catanzaro, "Reducing Activation
+Recomputation in Large Transformer Models", MLSys 2023 (arXiv:2205.05198), section 4: a GPT-3
+block stores ``s b h (34 + 5 a s / h)`` bytes in 16-bit training: 11 s b h + 5 a s^2 b for
+attention, 19 s b h for the MLP, 4 s b h for the two layer norms. With tensor parallelism t the
+attention and MLP insides divide by t (``s b h (10 + 24 / t + 5 a s / (h t))``); with sequence
+parallelism as well, everything does (``s b h / t (34 + 5 a s / h)``); selective recomputation of
+the attention core drops the ``5 a s^2 b`` term (``34 s b h / t``).
+
+:func:`block_activation_terms` writes that sum as named tensors so that it extends to what the
+paper's GPT-3 block lacks: grouped KV heads, gated MLPs (Megatron's fused SwiGLU keeps the
+up/gate output and the product: ``3 s b f``), RMSNorm, Gemma 2's extra norms, GPT-NeoX's parallel
+residual (both norms read one tensor), no dropout (modern configs: no masks), flash attention
+(no ``s^2`` tensors; the softmax statistics ``4 a s b`` bytes in fp32 instead) and
+mixture-of-experts (each token's k expert copies).
+"""
+
+from __future__ import annotations
+
+from pipeplan.analytic.configs import ModelConfig
+from pipeplan.analytic.flops import Shape
+from pipeplan.analytic.shapes import kv_heads_per_rank
+
+__all__ = ["block_activation_terms", "unit_activation_bytes", "unit_output_bytes",
+           "MEGATRON_ADAM_BYTES_PER_PARAM", "training_state_bytes", "ATTENTION_CORE_TERMS"]
+
+#: Megatron's mixed-precision Adam: 16-bit weight 2 + fp32 gradient 4 + fp32 master weight 4 +
+#: two fp32 moments 8 (Korthikanti et al. 2022 and the Megatron-LM distributed optimizer docs).
+MEGATRON_ADAM_BYTES_PER_PARAM = 18
+
+#: The terms selective recomputation frees (recomputed in backward from Q, K and V).
+ATTENTION_CORE_TERMS = ("softmax_output", "softmax_dropout_mask", "softmax_dropout_output", "softmax_stats")
+
+
+def block_activation_terms(cfg: ModelConfig, shape: Shape) -> dict[str, float]:
+    """Bytes one rank keeps for one block's backward, per tensor, at ``shape``.
+
+    Examples
+    --------
+    A GPT-3-style block without flash attention gives Korthikanti's ``34 s b h + 5 a s^2 b``:
+
+    >>> from pipeplan.analytic.configs import load_model_config
+    >>> cfg = load_model_config("gpt3-175b")
+    >>> s, b, h, a = 2048, 1, 12288, 96
+    >>> sum(block_activation_terms(cfg, Shape(s, b, flash_attention=False)).values()) == 34*s*b*h + 5*a*s*s*b
+    True
+    """
+    t, e, tokens, h = shape.tensor_parallel, shape.dtype_bytes, shape.tokens, cfg.hidden_size
+    replicated = tokens * h / shape.sp_share
+    q_rank = cfg.num_heads // t * cfg.head_dim
+    kv_rank = kv_heads_per_rank(cfg, t) * cfg.head_dim
+    mask = 1.0 if cfg.hidden_dropout else 0.0
+    terms = {
+        "input_norm_input": e * replicated,
+        "qkv_input": e * replicated,
+        "query": e * tokens * q_rank,
+        "key": e * tokens * kv_rank,
+        "value": e * tokens * kv_rank,
+    }
+    heads_rank = cfg.num_heads // t
+    if shape.flash_attention:
+        terms["softmax_stats"] = 4.0 * heads_rank * tokens
+    else:
+        scores = heads_rank * shape.microbatch_size * shape.seq_len ** 2
+        terms["softmax_output"] = e * scores
+        if cfg.attention_dropout:
+            terms["softmax_dropout_mask"] = 1.0 * scores
+            terms["softmax_dropout_output"] = e * scores
+    terms["out_proj_input"] = e * tokens * q_rank
+    terms["attention_dropout_mask"] = mask * replicated
+    if cfg.sandwich_norms:
+        terms["post_attention_norm_input"] = e * replicated
+    if not cfg.parallel_residual:
+        terms["mlp_norm_input"] = e * replicated
+    routed = cfg.experts_per_token if cfg.num_experts else 1
+    terms["mlp_input"] = e * replicated * routed
+    if cfg.num_experts:
+        terms["router_probs"] = e * tokens * cfg.num_experts
+    inner = tokens * routed * cfg.intermediate_size // t
+    if cfg.gated_mlp:
+        terms["gate_up_output"] = 2 * e * inner
+        terms["down_proj_input"] = e * inner
+    else:
+        terms["activation_input"] = e * inner
+        terms["fc2_input"] = e * inner
+    if cfg.sandwich_norms:
+        terms["post_feedforward_norm_input"] = e * replicated
+    terms["mlp_dropout_mask"] = mask * replicated
+    return {k: v for k, v in terms.items() if v}
+
+
+def unit_activation_bytes(cfg: ModelConfig, kind: str, index: int, shape: Shape,
+                          selective: bool = False) -> int:
+    """Bytes one rank keeps for backward of one unit, per micro-batch in flight.
+
+    ``selective``: the attention core is recomputed in backward (its terms are not kept).
+    The embedding keeps the token ids (int64) and its dropout mask; the final norm its input; the
+    head its input and the fp32 softmax of the vocabulary-parallel cross-entropy (4 s b V / t).
+    """
+    tokens, h, e = shape.tokens, cfg.hidden_size, shape.dtype_bytes
+    if kind == "block":
+        terms = block_activation_terms(cfg, shape)
+        if selective:
+            terms = {k: v for k, v in terms.items() if k not in ATTENTION_CORE_TERMS}
+        return int(round(sum(terms.values())))
+    replicated = tokens * h / shape.sp_share
+    if kind == "embedding":
+        total = 8.0 * tokens + (replicated if cfg.hidden_dropout else 0.0)
+        if cfg.embed_proj_dim:
+            total += e * tokens * cfg.embed_proj_dim
+        return int(round(total))
+    if kind == "norm":
+        total = e * replicated if cfg.final_norm else 0.0
+        if cfg.embed_proj_dim:
+            total += e * tokens * h
+        return int(round(total))
+    if kind == "head":
+        width = cfg.embed_proj_dim or h
+        vocab_rank = -(-cfg.vocab_size // shape.tensor_parallel)
+        return int(round(e * tokens * width / shape.sp_share + 4.0 * tokens * vocab_rank))
+    raise ValueError(kind)
+
+
+def unit_output_bytes(cfg: ModelConfig, kind: str, shape: Shape) -> int:
+    """Bytes one rank sends to the next pipeline stage: the hidden states (its sequence shard
+    with sequence parallelism); the head's output is the loss (4 bytes)."""
+    if kind == "head":
+        return 4
+    width = cfg.embed_proj_dim if (kind == "norm" and cfg.embed_proj_dim) else cfg.hidden_size
+    return int(shape.dtype_bytes * shape.tokens * width // shape.sp_share)
+
+
+def training_state_bytes(params: int, bytes_per_param: int = MEGATRON_ADAM_BYTES_PER_PARAM) -> int:
+    """Weights, gradients and optimizer state of ``params`` parameters (Megatron's 18 B each)."""
+    return params * bytes_per_param

@@ -1,0 +1,45 @@
+"""Rich tables for ``pipeplan profile --analytic`` and ``pipeplan gpus``."""
+
+from __future__ import annotations
+
+from pipeplan.formats.profile import Profile
+from pipeplan.quantities import format_bytes
+
+__all__ = ["analytic_summary_table", "gpu_table"]
+
+
+def analytic_summary_table(profile: Profile):
+    """Per tensor-parallel degree and micro-batch size: one rank's whole-model time and memory."""
+    from rich.table import Table
+
+    from pipeplan.analytic.api import summary_rows
+
+    table = Table(title=f"{profile.model} on {profile.device.name}, sequence {profile.sequence_length}, "
+                        f"{profile.dtype} (one rank, all units)")
+    for column in ("t", "b", "forward", "backward", "params", "activations", "selective", "TP bytes"):
+        table.add_column(column, justify="right")
+    for row in summary_rows(profile):
+        table.add_row(
+            str(row["tensor_parallel"]), str(row["microbatch_size"]), f"{row['forward_ms']:.1f} ms",
+            f"{row['backward_ms']:.1f} ms", format_bytes(row["param_bytes"]), format_bytes(row["activation_bytes"]),
+            format_bytes(row["selective_activation_bytes"]), format_bytes(row["tp_bytes"]),
+        )
+    return table
+
+
+def gpu_table():
+    """The shipped GPU specifications."""
+    from rich.table import Table
+
+    from pipeplan.analytic.gpus import gpu_rows
+
+    table = Table(title="GPU specifications (dense peaks; link: one direction)")
+    for column in ("name", "GPU", "memory", "bf16", "fp8", "HBM", "link", "source"):
+        table.add_column(column, justify="left" if column in ("name", "GPU", "source") else "right")
+    for row in gpu_rows():
+        table.add_row(
+            row["name"], row["description"], f"{row['memory_gib']:.0f} GiB", f"{row['bf16_tflops']:.1f} TF/s",
+            f"{row['fp8_tflops']:.1f} TF/s" if row["fp8_tflops"] else "-", f"{row['hbm_tb_per_s']:.2f} TB/s",
+            f"{row['link_gb_per_s']:.0f} GB/s", row["source"],
+        )
+    return table

@@ -54,6 +54,8 @@ SKIP = {
     "source plan.sh": "needs Megatron-LM's pretrain_gpt.py and GPUs",
     "torchrun --nproc-per-node 4 pretrain_gpt.py": "needs Megatron-LM's pretrain_gpt.py and GPUs",
     "pip install --no-deps megatron-core": "installs packages (the test extras have them)",
+    "pipeplan profile my/config.json --analytic --gpu-spec my-gpu.toml": "placeholder files (a config and a GPU spec)",
+    "pipeplan calibrate llama3-8b-h100.json --measured measured.json": "placeholder files (a measured profile)",
     "pytest tests/test_export.py -q": "the test suite runs it",
 }
 
@@ -79,10 +81,11 @@ SKIP_BLOCK = {
 
 #: (pattern, replacement, why): the same commands at sizes that take seconds.
 SMALL = [
+    (r"path/to/config\.json", "llama3-70b", "a placeholder path: the shipped config of the same model"),
     (r"(pipeplan profile gpt2) (?!-)", r"\1 --layers 2 --hidden 64 --heads 2 --vocab 256 ",
      "the full GPT-2 takes minutes to profile on a CPU"),
     (r"(pipeplan profile .*?)--seq-len 128", r"\1--seq-len 32", "shorter sequences"),
-    (r"(pipeplan profile [^\n]*?)( -o )", r"\1 --repeats 1 --warmup 0\2", "one timed repeat"),
+    (r"(pipeplan profile (?![^\n]*--analytic)[^\n]*?)( -o )", r"\1 --repeats 1 --warmup 0\2", "one timed repeat"),
     (r"(pipeplan profile [^\n]*?)--layers \d+", r"\1--layers 2", "two blocks"),
     (r"(pipeplan profile [^\n]*?)--microbatch-sizes 1,2,4", r"\1--microbatch-sizes 1,2", "two sizes"),
     (r"(pipeplan run [^\n]*?)--steps \d+", r"\1--steps 2 --alone-repeats 0", "two steps, no re-timing"),
@@ -176,7 +179,8 @@ def _run(kind: str, text: str, work: Path, env: dict) -> subprocess.CompletedPro
 
 
 def _needs_torch(text: str) -> bool:
-    return bool(re.search(r"pipeplan (profile|run)\b|run_plans|import torch", text))
+    measured = [line for line in text.splitlines() if re.search(r"pipeplan profile\b", line) and "--analytic" not in line]
+    return bool(measured or re.search(r"pipeplan run\b|run_plans|import torch", text))
 
 
 #: Set-up the prose asks for before a document's commands.

@@ -74,6 +74,15 @@ def test_times_beyond_the_finite_range_are_refused(tmp_path, value, recwarn):
     assert not [w for w in recwarn if "overflow" in str(w.message)]
 
 
+@pytest.mark.parametrize("value", [5e-324, 1e-300, 1e-7])
+def test_times_too_small_to_measure_are_refused(tmp_path, value):
+    # Such times made samples_per_second overflow to a value no plan may hold (exit 1 before).
+    data = make_profile_dict(n_layers=1, sizes=(1,))
+    data["layers"][0]["costs"][0].update(forward_ms=0, backward_ms=value)
+    path = write(tmp_path, data)
+    one_line_error(invoke("plan", path, "--stages", 1), 2, "backward_ms", "1 ns")
+
+
 def test_the_largest_allowed_values_plan_to_finite_numbers(tmp_path):
     from pipeplan.formats.limits import MAX_BYTES, MAX_MS
 

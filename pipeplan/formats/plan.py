@@ -11,7 +11,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeplan.formats.limits import (MAX_MICROBATCHES, Bandwidth, Count, FiniteFloat, Ms, Name, PlanBytes, PlanMs,
-                                     PositiveBytes, PositiveCount, Text)
+                                     PositiveBytes, PositiveCount, Rate, Text)
 
 __all__ = [
     "SCHEDULES",
@@ -95,7 +95,7 @@ class Predicted(_Strict):
 
     iteration_ms: PlanMs
     bubble_fraction: FiniteFloat = Field(ge=0, le=1, description="Idle share of all ranks' time.")
-    samples_per_second: FiniteFloat = Field(ge=0)
+    samples_per_second: Rate
     bottleneck_stage: Count
     compute_ms: PlanMs = Field(default=0.0, description="Busy time of the bottleneck rank.")
     bubble_ms: PlanMs = Field(default=0.0, description="Idle time of the bottleneck rank.")

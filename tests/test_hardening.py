@@ -248,6 +248,18 @@ def test_profile_values_accepted_wrongly_before(tmp_path, change, needle):
     assert "\x1b" not in line and "\u202e" not in line and "\x00" not in line
 
 
+def test_control_characters_from_options_are_escaped_in_messages(profile_file):
+    line = one_line_error(invoke("plan", profile_file, "--stages", 2, "--optimizer", "\x1b[31madam\u202e"), 2,
+                          "--optimizer")
+    assert "\x1b" not in line and "\u202e" not in line
+
+
+def test_control_characters_never_reach_the_terminal_in_an_error():
+    from pipeplan.cli import _one_line
+
+    assert _one_line("bad name 'a\x1b[2Jb\u202e'") == "bad name 'a\\u001b[2Jb\\u202e'"
+
+
 def test_empty_memory_cap_is_not_taken_as_no_cap(profile_file):
     one_line_error(invoke("plan", profile_file, "--stages", 2, "--memory-cap", ""), 2, "--memory-cap", "not a size")
 

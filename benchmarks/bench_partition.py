@@ -18,8 +18,8 @@ import numpy as np
 from pipeplan.formats.plan import PlanSettings
 from pipeplan.importers import import_pipedream
 from pipeplan.plan.graph import LayerGraph
-from pipeplan.plan.partition import PartitionProblem, partition_chain
-from pipeplan.plan.planner import make_plan
+from pipeplan.plan import CostModel, PartitionProblem, partition_chain
+from pipeplan.plan import make_plan
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "pipedream"
 BATCH = {
@@ -72,7 +72,7 @@ def chain_rows(quick: bool):
         graph = synthetic_chain(n)
         for k in (4, 16, 64):
             problem = PartitionProblem(graph=graph, num_stages=k, in_flight=tuple(min(2 * k, k - s) for s in range(k)),
-                                       bandwidth_bytes_per_s=25e9, static_bytes_per_param_byte=4.0,
+                                       cost=CostModel(bandwidth_bytes_per_s=25e9, static_bytes_per_param_byte=4.0),
                                        memory_cap_bytes=math.inf)
             started = time.perf_counter()
             found = partition_chain(problem)

@@ -91,7 +91,7 @@ def _profile(num_blocks):
 def run(ranks=(8, 16), num_blocks: int = 80, global_batch: int = 128, caps_gib=(80, 40)) -> list[dict]:
     """Plan ``--schedule auto --recompute auto`` at each rank count and cap; wall time and choice."""
     from pipeplan.formats.plan import PlanSettings
-    from pipeplan.plan.planner import make_plan
+    from pipeplan.plan import make_plan
 
     profile = _profile(num_blocks)
     rows = []

@@ -173,8 +173,8 @@ def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer,
         raise BadInputError(f"--optimizer: {optimizer!r} is not one of adam, sgd, none")
     if solver not in ("auto", "dp", "ilp"):
         raise BadInputError(f"--solver: {solver!r} is not one of auto, dp, ilp")
-    if recompute not in ("auto", "none", "all"):
-        raise BadInputError(f"--recompute: {recompute!r} is not one of auto, none, all")
+    if recompute not in ("auto", "none", "selective", "all"):
+        raise BadInputError(f"--recompute: {recompute!r} is not one of auto, none, selective, all")
     bandwidth_value = parse_bandwidth(bandwidth)
     return _settings(
         stages=stages,
@@ -200,7 +200,7 @@ _OPTIMIZER = typer.Option("adam", "--optimizer", help="adam (16 B/param), sgd (1
 _BANDWIDTH = typer.Option("25GB/s", "--bandwidth", help="Point-to-point bandwidth, e.g. 25GB/s; inf ignores transfers.")
 _SCHEDULE = typer.Option("auto", "--schedule", help="auto, gpipe, 1f1b, interleaved, zb, zbv or dualpipev.")
 _VIRTUAL = typer.Option(None, "--virtual-stages", "-v", help="Stages per rank (interleaved/zero-bubble); default: search.")
-_RECOMPUTE = typer.Option("auto", "--recompute", help="Activation recomputation: auto, none or all.")
+_RECOMPUTE = typer.Option("auto", "--recompute", help="Activation recomputation: auto, none, selective (the attention core; analytic profiles) or all.")
 _SOLVER = typer.Option("auto", "--solver", help="auto, dp (chain / ideal-lattice DP) or ilp (PuLP + HiGHS).")
 _ACTION_OVERHEAD = typer.Option(
     None, "--action-overhead-ms",
@@ -431,6 +431,40 @@ def export(
         typer.echo(text, nl=False)
     for path in written:
         typer.echo(f"wrote {path}")
+
+
+@app.command()
+@_handled
+def doctor(
+    launcher: str = typer.Argument(..., metavar="LAUNCHER", help="megatron, torchtitan or deepspeed.", show_default=False),
+    config_file: Path = typer.Argument(..., metavar="CONFIG", help="Launch script / argument list, TOML job config, or ds_config JSON.", show_default=False),
+    profile: Path = typer.Option(..., "--profile", help="The model's profile (layers with their kind).", show_default=False),
+    memory_cap: Optional[str] = typer.Option(None, "--memory-cap", help="Per-GPU memory cap, e.g. 80GiB (default: the profile's device memory)."),
+    optimizer: str = _OPTIMIZER,
+    bandwidth: str = _BANDWIDTH,
+    world_size: Optional[int] = typer.Option(None, "--world-size", help="GPUs in the job (default: what the config says)."),
+    var: Optional[list[str]] = typer.Option(None, "--var", help="Megatron: NAME=VALUE for a variable the script reads but does not set (repeatable)."),
+    num_stages: Optional[int] = typer.Option(None, "--num-stages", help="DeepSpeed: PipelineModule num_stages."),
+    partition_method: Optional[str] = typer.Option(None, "--partition-method", help="DeepSpeed: uniform, parameters (default) or type:REGEX."),
+    parts: Optional[str] = typer.Option(None, "--parts", "--layers-per-part", help="DeepSpeed: stage boundaries, e.g. 0,20,40,60,83."),
+    checkpoint_interval: Optional[int] = typer.Option(None, "--activation-checkpoint-interval", help="DeepSpeed: PipelineModule activation_checkpoint_interval."),
+    fix: bool = typer.Option(False, "--fix", help="Write the same launcher's config with the best plan (needs -o)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where --fix writes."),
+    format: str = typer.Option("table", "--format", help="table, markdown or json."),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="Also write a JUnit XML report here."),
+):
+    """Read a launcher config, flag what is wrong (lost layers, refused schedules, memory), compare with the best plan; exit 1 on an error finding."""
+    from pipeplan.doctor import run_doctor_command
+
+    text, written, code = run_doctor_command(
+        launcher, config_file, profile, memory_cap=memory_cap, optimizer=optimizer, bandwidth=bandwidth,
+        world_size=world_size, variables=var or [], num_stages=num_stages, partition_method=partition_method,
+        parts=parts, checkpoint_interval=checkpoint_interval, fix_output=output if fix else None, fix=fix,
+        output_format=format, junit=junit)
+    typer.echo(text, nl=False)
+    for path in written:
+        typer.echo(f"wrote {path}")
+    raise typer.Exit(code)
 
 
 @app.command()

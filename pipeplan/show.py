@@ -57,7 +57,7 @@ def plan_tables(plan: Plan) -> Group:
         span = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
         stages.add_row(
             str(s.index), str(s.rank), str(len(s.layers)), span,
-            f"{s.forward_ms:.3f}", f"{s.backward_ms:.3f}" + (" (rc)" if s.recompute else ""),
+            f"{s.forward_ms:.3f}", f"{s.backward_ms:.3f}" + ((" (sel)" if s.recompute_granularity == "selective" else " (rc)") if s.recompute else ""),
             f"{s.transfer_ms:.3f}", format_bytes(s.send_bytes), format_bytes(s.param_bytes),
             str(s.in_flight), format_bytes(s.peak_memory_bytes),
         )
@@ -95,6 +95,6 @@ def comparison_table(rows, title: str, memory_cap_bytes: int | None = None) -> T
 
 def simulation_from_plan(plan: Plan):
     """Re-simulate a plan's schedule from its own numbers (for the timeline)."""
-    from pipeplan.plan.planner import plan_simulation
+    from pipeplan.plan import plan_simulation
 
     return plan_simulation(plan)

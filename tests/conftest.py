@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PIPEDREAM = REPO.parent / "shared" / "data" / "pipedream"
+#: The PipeDream graphs beside the checkout; PIPEPLAN_PIPEDREAM points elsewhere (e.g. from a worktree).
+PIPEDREAM = Path(os.environ.get("PIPEPLAN_PIPEDREAM", REPO.parent / "shared" / "data" / "pipedream"))
 
 #: Profiling batch of each PipeDream graph (from the data's README).
 PIPEDREAM_BATCH = {

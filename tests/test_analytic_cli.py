@@ -55,6 +55,12 @@ def test_analytic_8b_profile_plans_at_degree_1_and_is_byte_identical(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(plan.read_text())
     assert sum(len(s["layers"]) for s in data["stages"]) == 35
+    # Megatron's layout comes from the units' roles: embedding first, loss last.
+    megatron = tmp_path / "megatron-plan.json"
+    result = invoke("plan", out1, "--stages", 4, "--global-batch", 16, "--schedule", "1f1b", "-o", megatron, "-q")
+    assert result.exit_code == 0, result.output
+    result = invoke("export", megatron, "--format", "megatron", "--profile", out1)
+    assert result.exit_code == 0 and "--pipeline-model-parallel-layout 'E" in result.output and "L'" in result.output
     # The plan saw degree-1 costs: its stages' forward times add up to the degree-1 entries'.
     b = data["microbatch_size"]
     assert sum(s["forward_ms"] for s in data["stages"]) == pytest.approx(
@@ -152,7 +158,9 @@ def _v2(**cost):
     data = make_profile_dict(n_layers=2, sizes=(1,))
     data["schema_version"] = 2
     for layer in data["layers"]:
-        layer["costs"].append({**layer["costs"][0], "tensor_parallel": 2, "param_bytes": 500, **cost})
+        layer["costs"].append({**layer["costs"][0], "tensor_parallel": 2, "param_bytes": 500,
+                               "tensor_parallel_collective": "all_reduce", "tensor_parallel_forward_bytes": 20,
+                               "tensor_parallel_backward_bytes": 20, **cost})
     return data
 
 
@@ -180,6 +188,13 @@ def test_every_degree_has_the_same_sizes_and_degree_1_is_present():
     for layer in data["layers"]:
         layer["costs"] = layer["costs"][1:]
     with pytest.raises(ValueError, match="degree 1"):
+        Profile.model_validate(data)
+
+
+def test_entries_above_degree_1_give_their_share_and_traffic():
+    data = _v2()
+    del data["layers"][1]["costs"][1]["tensor_parallel_forward_bytes"]
+    with pytest.raises(ValueError, match=r"costs\[1\]\.tensor_parallel_forward_bytes: needed at tensor_parallel 2"):
         Profile.model_validate(data)
 
 

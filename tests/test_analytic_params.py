@@ -63,16 +63,20 @@ def _hf_model(data: dict):
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
+def _both(tmp_path, data):
+    """pipeplan's reading of a config file and transformers' model of the same dict."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    return load_model_config(path), _hf_model(data)
+
+
 def _module_params(model, names) -> int:
     return sum(p.numel() for name in names for p in model.get_submodule(name).parameters())
 
 
 @pytest.mark.parametrize("name,data", list(_cases()))
 def test_param_counts_per_unit_equal_transformers(tmp_path, name, data):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(data))
-    cfg = load_model_config(path)
-    model = _hf_model(data)
+    cfg, model = _both(tmp_path, data)
     names = cfg.names
     assert unit_param_count(cfg, "embedding") == _module_params(model, names.embedding_modules)
     for i in range(cfg.num_layers):
@@ -109,10 +113,7 @@ def _matmul_params(model, cfg) -> float:
 
 @pytest.mark.parametrize("name,data", list(_cases()))
 def test_flops_per_token_match_6n_plus_attention(tmp_path, name, data):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(data))
-    cfg = load_model_config(path)
-    model = _hf_model(data)
+    cfg, model = _both(tmp_path, data)
     seq = min(cfg.max_positions, 4096)
     n = _matmul_params(model, cfg)
     attention = 0.0

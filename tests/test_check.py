@@ -14,7 +14,7 @@ from pipeplan.errors import BadInputError
 from pipeplan.formats.io import dump_model, file_sha256, load_plan, load_profile
 from pipeplan.formats.plan import PlanSettings
 from pipeplan.formats.profile import Profile
-from pipeplan.plan.planner import make_plan
+from pipeplan.plan import make_plan
 
 from test_export_fixtures import llama_like_profile, profile_bytes
 

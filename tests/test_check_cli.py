@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from pipeplan.cli import app
 from pipeplan.formats.io import dump_model, file_sha256, load_profile
 from pipeplan.formats.plan import PlanSettings
-from pipeplan.plan.planner import make_plan
+from pipeplan.plan import make_plan
 
 from test_export_fixtures import llama_like_profile, profile_bytes
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,11 +11,13 @@ import pytest
 
 from pipeplan.errors import BadInputError
 from pipeplan.export import export_plan, run_export
+from pipeplan.export.common import TORCH_SCHEDULE_NAME
 from pipeplan.export.megatron import expand_layout, megatron_layout
+from pipeplan.export.torchtitan import TORCHTITAN_NAME, schedule_csv
 from pipeplan.formats.io import dump_model, write_text_atomic
 
 from test_export_fixtures import (
-    SCHEDULE_CASES, even_split, hand_plan, llama_like_profile, profile_bytes, profile_sha,
+    SCHEDULE_CASES, even_split, hand_plan, llama_like_profile, profile_bytes, profile_sha, torchtitan_config_manager,
 )
 
 tomllib = pytest.importorskip("tomllib")
@@ -44,25 +44,6 @@ def test_torchtitan_toml_keys(schedule, p, v, m):
     assert par["pipeline_parallel_microbatch_size"] == 2
     assert config["training"]["local_batch_size"] // par["pipeline_parallel_microbatch_size"] == m
     assert "pipeline_parallel_schedule_csv" not in par
-
-
-def _torchtitan_config_manager():
-    """torchtitan's real ConfigManager, loaded without torchtitan/__init__ (which pulls tokenizers)."""
-    pytest.importorskip("tyro")
-    import importlib.util
-
-    if "torchtitan" not in sys.modules:
-        spec = importlib.util.find_spec("torchtitan")
-        if spec is None or not spec.submodule_search_locations:
-            pytest.skip("torchtitan not installed")
-        package = types.ModuleType("torchtitan")
-        package.__path__ = list(spec.submodule_search_locations)
-        sys.modules["torchtitan"] = package
-    try:
-        from torchtitan.config import ConfigManager
-    except ImportError as exc:  # a torchtitan without the TOML config (>= 0.3)
-        pytest.skip(f"torchtitan's TOML ConfigManager is not importable: {exc}")
-    return ConfigManager
 
 
 def _fake_stage(p, num_stages, rank, index):
@@ -94,7 +75,7 @@ def test_torchtitan_accepted_by_torchtitan_and_torch(tmp_path, schedule, p, v, m
     assert list(files) == [".toml", ".schedule.csv"]
     for suffix, text in files.items():
         write_text_atomic(stem + suffix, text)
-    ConfigManager = _torchtitan_config_manager()
+    ConfigManager = torchtitan_config_manager()
     config = ConfigManager().parse_args(["--job.config_file", stem + ".toml"])
     par = config.parallelism
     assert par.module_fqns_per_model_part == [s.layers for s in plan.stages]
@@ -125,7 +106,7 @@ def test_torchtitan_accepted_by_torchtitan_and_torch(tmp_path, schedule, p, v, m
 
 
 def test_torchtitan_csv_rows_are_rank_actions():
-    from pipeplan.plan.schedules import rank_actions
+    from pipeplan.plan.actions import rank_actions
 
     _, plan = _case_plan("zb", 2, 2, 4)
     csv = export_plan(plan, None, "torchtitan", with_schedule_csv=True)[".schedule.csv"]
@@ -336,10 +317,27 @@ def test_shipped_baselines_export_to_every_launcher(baseline, tmp_path):
     profile_path = find_profile(baseline, plan, REPO / "profiles")
     profile = load_profile(profile_path)
     sha = file_sha256(profile_path)
-    files = export_plan(plan, profile, "torchtitan", profile_sha256=sha, stem=str(tmp_path / "t"),
-                        with_schedule_csv=True)
-    toml = tomllib.loads(files[".toml"])
-    assert toml["parallelism"]["module_fqns_per_model_part"] == [s.layers for s in sorted(plan.stages, key=lambda s: s.index)]
+    from pipeplan.export.torchtitan import torchtitan_module_names
+
+    try:
+        names = torchtitan_module_names(profile)
+    except BadInputError:  # not a decoder torchtitan has (convnet): the export must refuse it
+        with pytest.raises(BadInputError, match="torchtitan"):
+            export_plan(plan, profile, "torchtitan", profile_sha256=sha)
+        names = None
+    if names is not None:
+        files = export_plan(plan, profile, "torchtitan", profile_sha256=sha, stem=str(tmp_path / "t"),
+                            with_schedule_csv=True)
+        toml = tomllib.loads(files[".toml"])
+        # torchtitan's module names (tok_embeddings, layers.N, norm, output), never the profile's own
+        assert toml["parallelism"]["module_fqns_per_model_part"] == [
+            [names[n] for n in s.layers if names[n]] for s in sorted(plan.stages, key=lambda s: s.index)]
+        assert all(TORCHTITAN_NAME.fullmatch(n) for part in toml["parallelism"]["module_fqns_per_model_part"]
+                   for n in part)
+    else:
+        files = export_plan(plan, None, "torch", profile_sha256=sha)
+        toml = {"parallelism": {"pipeline_parallel_schedule": TORCH_SCHEDULE_NAME[plan.schedule]}}
+        files[".schedule.csv"] = schedule_csv(plan)
     torch = pytest.importorskip("torch")
     from torch.distributed.pipelining import schedules as S
 
@@ -366,3 +364,57 @@ def test_shipped_baselines_export_to_every_launcher(baseline, tmp_path):
             return
         layout = Layout(flags["--pipeline-model-parallel-layout"], p)
         layout.validate_layer_layout(int(flags["--num-layers"]), None)
+
+
+# --------------------------------------------------------------------------- the documented snippets
+
+
+def test_documented_torch_snippet_builds_every_schedule_with_one_stage_per_rank():
+    """docs/launchers.md's schedule line: multi-stage classes get a list even at one stage per rank."""
+    import re
+
+    torch = pytest.importorskip("torch")
+    from torch.distributed.pipelining import schedules as S
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "launchers.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "get_schedule_class" in b)
+    line = block[block.index("schedule_class = get_schedule_class"):]
+    for schedule, p, v, m in [("zb", 2, 1, 4), ("1f1b", 2, 1, 4), ("gpipe", 2, 1, 3), ("interleaved", 2, 2, 4)]:
+        _, plan = _case_plan(schedule, p, v, m)
+        exported = json.loads(export_plan(plan, None, "torch")[".json"])
+        stages = [_fake_stage(p, p * v, 0, s) for s, r in enumerate(exported["stage_to_rank"]) if r == 0]
+        namespace = {"exported": exported, "stages": stages, "loss_fn": torch.nn.MSELoss(),
+                     "get_schedule_class": S.get_schedule_class, "PipelineScheduleMulti": S.PipelineScheduleMulti}
+        exec(line, namespace)
+        assert type(namespace["schedule"]).__name__ == exported["schedule_class"]
+
+
+def test_torchtitan_export_maps_profile_names_or_refuses(tmp_path):
+    from pipeplan.formats.profile import Profile
+
+    profile = llama_like_profile(4)
+    data = profile.model_dump()
+    rename = {"tok_embeddings": "embed", "output": "head"}
+    for layer in data["layers"]:
+        layer["name"] = rename.get(layer["name"], layer["name"].replace("layers.", "blocks."))
+    ours = Profile.model_validate(data)
+    plan = hand_plan(ours, [3, 4], "1f1b", 2, 1, 1, 4)
+    with pytest.raises(BadInputError, match="not torchtitan module names"):
+        export_plan(plan, None, "torchtitan")
+    toml = tomllib.loads(export_plan(plan, ours, "torchtitan")[".toml"])
+    assert toml["parallelism"]["module_fqns_per_model_part"] == [
+        ["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]
+    for layer in data["layers"]:
+        layer["kind"] = "other" if layer["kind"] == "embedding" else layer["kind"]
+    with pytest.raises(BadInputError, match="cannot name these layers for torchtitan"):
+        export_plan(plan, Profile.model_validate(data), "torchtitan")
+
+
+@pytest.mark.parametrize("m,refused", [(2, True), (4, False), (6, True), (8, False)])
+def test_megatron_export_refuses_interleaved_counts_megatron_refuses(m, refused):
+    profile, plan = _case_plan("interleaved", 4, 2, m, blocks=3 * 8 + 1)
+    if refused:
+        with pytest.raises(BadInputError, match="interleaved schedule refuses"):
+            export_plan(plan, profile, "megatron")
+    else:
+        assert "--pipeline-model-parallel-layout" in export_plan(plan, profile, "megatron")[".sh"]

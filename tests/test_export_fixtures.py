@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import sys
+import types
+
+import pytest
 
 from pipeplan.formats.io import dump_model
 from pipeplan.formats.plan import Plan, PlanProfileRef, PlanSettings, PlanStage, Predicted, SolverInfo
@@ -92,3 +96,22 @@ SCHEDULE_CASES = [
 def even_split(num_layers: int, num_stages: int) -> list[int]:
     base, extra = divmod(num_layers, num_stages)
     return [base + (1 if i < extra else 0) for i in range(num_stages)]
+
+
+def torchtitan_config_manager():
+    """torchtitan's real ConfigManager, loaded without torchtitan/__init__ (which pulls tokenizers)."""
+    pytest.importorskip("tyro")
+    import importlib.util
+
+    if "torchtitan" not in sys.modules:
+        spec = importlib.util.find_spec("torchtitan")
+        if spec is None or not spec.submodule_search_locations:
+            pytest.skip("torchtitan not installed")
+        package = types.ModuleType("torchtitan")
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["torchtitan"] = package
+    try:
+        from torchtitan.config import ConfigManager
+    except ImportError as exc:  # a torchtitan without the TOML config (>= 0.3)
+        pytest.skip(f"torchtitan's TOML ConfigManager is not importable: {exc}")
+    return ConfigManager

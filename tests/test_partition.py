@@ -12,16 +12,24 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.plan.baselines import baseline_partition
 from pipeplan.plan.graph import LayerGraph, is_chain
-from pipeplan.plan.ilp import partition_ilp
-from pipeplan.plan.partition import (
+from bruteforce import partition_brute_force
+from pipeplan.plan import (
+    CostModel,
     PartitionProblem,
+    evaluate_split,
+    partition_ilp,
+    layer_sums,
     partition_along_orders,
-    partition_brute_force,
     partition_chain,
     partition_ideals,
     split_fits,
-    stage_memory_bytes,
 )
+from pipeplan.plan.orders import refine_split
+
+
+def stage_memory_bytes(problem, j, layers, in_bytes):
+    return problem.cost.stage_memory_bytes(layer_sums(problem.graph, layers), in_bytes, problem.in_flight[j],
+                                           problem.recompute[j])
 
 
 def make_graph(compute, edges, forward=None, params=None, acts=None, out=None) -> LayerGraph:
@@ -78,7 +86,7 @@ def chain_problems(draw, max_layers=7):
     graph = make_graph(compute, [(i, i + 1) for i in range(n - 1)], params=params, acts=acts, out=out)
     return PartitionProblem(
         graph=graph, num_stages=k, in_flight=tuple(range(k, 0, -1)), recompute=recompute,
-        bandwidth_bytes_per_s=bandwidth, static_bytes_per_param_byte=1.0, memory_cap_bytes=cap,
+        cost=CostModel(bandwidth_bytes_per_s=bandwidth, static_bytes_per_param_byte=1.0), memory_cap_bytes=cap,
     )
 
 
@@ -96,10 +104,12 @@ def dag_problems(draw, max_layers=7):
     acts = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
     bandwidth = draw(st.sampled_from([math.inf, 1000.0]))
     cap = draw(st.sampled_from([math.inf, 150.0, 90.0]))
+    # Recomputing stages keep only their input (docs/partitioning.md): the DAG solvers model it too.
+    recompute = tuple(draw(st.lists(st.booleans(), min_size=k, max_size=k)))
     graph = make_graph(compute, sorted(edges), acts=acts, out=out)
     return PartitionProblem(
-        graph=graph, num_stages=k, in_flight=tuple(range(k, 0, -1)),
-        bandwidth_bytes_per_s=bandwidth, static_bytes_per_param_byte=1.0, memory_cap_bytes=cap,
+        graph=graph, num_stages=k, in_flight=tuple(range(k, 0, -1)), recompute=recompute,
+        cost=CostModel(bandwidth_bytes_per_s=bandwidth, static_bytes_per_param_byte=1.0), memory_cap_bytes=cap,
     )
 
 
@@ -128,7 +138,7 @@ def test_chain_direct_dp_matches_brute_force(problem):
 @SETTINGS
 @given(chain_problems())
 def test_chain_bisection_matches_brute_force(problem):
-    problem = PartitionProblem(**{**problem.__dict__, "recompute": ()})
+    problem = problem.replace(recompute=())
     _same_optimum(problem, lambda p: partition_chain(p, method="bisect"))
 
 
@@ -136,6 +146,67 @@ def test_chain_bisection_matches_brute_force(problem):
 @given(dag_problems())
 def test_ideal_dp_matches_brute_force_on_dags(problem):
     _same_optimum(problem, partition_ideals)
+
+
+def test_the_dag_examples_cover_recomputation():
+    # The brute-force comparisons above must see recomputing stages on DAGs, not only chains.
+    seen = []
+
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True)
+    @given(dag_problems())
+    def sample(problem):
+        seen.append(problem.any_recompute and not problem.graph.chain)
+
+    sample()
+    assert sum(seen) >= len(seen) // 4
+
+
+def test_bisection_refuses_recomputation_instead_of_ignoring_it():
+    graph = make_graph([1.0] * 6, [(i, i + 1) for i in range(5)])
+    problem = PartitionProblem(graph=graph, num_stages=2, in_flight=(2, 1), recompute=(True, False))
+    with pytest.raises(ValueError, match="does not model recomputation"):
+        partition_chain(problem, method="bisect")
+    # fits_along_order takes the direct DP when a stage recomputes: with it, a cap that only
+    # recomputation meets fits.
+    from pipeplan.plan.chain import fits_along_order
+
+    tight = PartitionProblem(graph=make_graph([1.0] * 4, [(i, i + 1) for i in range(3)], acts=[100] * 4,
+                                              params=[0] * 4, out=[1] * 4),
+                             num_stages=2, in_flight=(2, 1), memory_cap_bytes=250)
+    assert not fits_along_order(tight)
+    assert fits_along_order(tight.replace(recompute=(True, True)))
+
+
+def test_a_failed_ilp_solve_is_recorded_not_swallowed(monkeypatch):
+    import pulp
+
+    from pipeplan.plan.ilp import SolverError
+
+    graph = make_graph([1.0, 2.0, 3.0, 1.0], [(0, 1), (0, 2), (1, 3), (2, 3)])
+    problem = PartitionProblem(graph=graph, num_stages=2, in_flight=(2, 1))
+    seed = partition_along_orders(problem)
+
+    def broken(self, lp, callback=None):
+        raise pulp.PulpSolverError("HiGHS: simulated failure")
+
+    monkeypatch.setattr(pulp.HiGHS, "actualSolve", broken)
+    kept = partition_ilp(problem, upper_bound=seed, solver="highs")
+    assert kept.stages == seed.stages and not kept.optimal
+    assert any("ILP solve failed" in note and "simulated failure" in note for note in kept.notes)
+    with pytest.raises(SolverError, match="simulated failure"):
+        partition_ilp(problem, solver="highs")
+
+
+def test_the_ilp_uses_pulps_current_api():
+    import warnings
+
+    graph = make_graph([1.0, 2.0, 3.0, 1.0], [(0, 1), (0, 2), (1, 3), (2, 3)], acts=[5, 5, 5, 5])
+    problem = PartitionProblem(graph=graph, num_stages=2, in_flight=(2, 1), memory_cap_bytes=40,
+                               recompute=(True, False), cost=CostModel(bandwidth_bytes_per_s=1000.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        found = partition_ilp(problem)
+    assert found.optimal
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -203,8 +274,7 @@ def test_more_stages_than_layers_is_bad_input():
 def test_residual_branch_cut_sends_both_tensors():
     # 0 -> 1 -> 2 and 0 -> 2 (a skip): cutting after 1 carries outputs of 0 and 1.
     graph = make_graph([1, 1, 1], [(0, 1), (1, 2), (0, 2)], out=[7, 5, 0])
-    problem = PartitionProblem(graph=graph, num_stages=2, in_flight=(1, 1), bandwidth_bytes_per_s=1000.0)
-    from pipeplan.plan.partition import evaluate_split
+    problem = PartitionProblem(graph=graph, num_stages=2, in_flight=(1, 1), cost=CostModel(bandwidth_bytes_per_s=1000.0))
 
     split = evaluate_split(problem, [(0, 1), (2,)])
     assert split.boundary_bytes == (12,)
@@ -227,7 +297,7 @@ def test_direct_and_bisection_agree_on_a_long_chain():
     n = 400
     graph = make_graph(rng.uniform(0.1, 3, n), [(i, i + 1) for i in range(n - 1)], out=rng.integers(0, 100, n))
     problem = PartitionProblem(graph=graph, num_stages=8, in_flight=tuple(range(8, 0, -1)),
-                               bandwidth_bytes_per_s=1e4)
+                               cost=CostModel(bandwidth_bytes_per_s=1e4))
     a = partition_chain(problem, method="direct")
     b = partition_chain(problem, method="bisect")
     assert a.bottleneck_ms == pytest.approx(b.bottleneck_ms, rel=1e-9)
@@ -236,8 +306,6 @@ def test_direct_and_bisection_agree_on_a_long_chain():
 @SETTINGS
 @given(dag_problems())
 def test_refine_keeps_a_valid_split_and_never_gets_worse(problem):
-    from pipeplan.plan.partition import partition_chain, refine_split
-
     try:
         seed = partition_chain(problem)  # along the profile's order
     except InfeasibleError:

@@ -7,7 +7,7 @@ import pytest
 from conftest import PIPEDREAM_BATCH, pipedream_path
 from pipeplan.formats.plan import PlanSettings
 from pipeplan.importers import import_pipedream
-from pipeplan.plan.planner import make_plan
+from pipeplan.plan import make_plan
 
 
 def _plan(name, stages, **kw):
@@ -61,13 +61,14 @@ def test_ilp_and_ideal_dp_agree_on_real_profiles(name, stages):
     from pipeplan.plan.graph import build_layer_graph
     from pipeplan.plan.ilp import partition_ilp
     from pipeplan.plan.memory import in_flight_microbatches
-    from pipeplan.plan.partition import PartitionProblem, partition_along_orders, partition_ideals
+    from pipeplan.plan import CostModel, PartitionProblem, partition_along_orders, partition_ideals
 
     batch = PIPEDREAM_BATCH[name]
     profile = import_pipedream(pipedream_path(name), batch)
     graph = build_layer_graph(profile, batch)
     problem = PartitionProblem(graph=graph, num_stages=stages, in_flight=in_flight_microbatches("1f1b", stages, 8),
-                               bandwidth_bytes_per_s=25e9, static_bytes_per_param_byte=4.0, memory_cap_bytes=math.inf)
+                               cost=CostModel(bandwidth_bytes_per_s=25e9, static_bytes_per_param_byte=4.0),
+                               memory_cap_bytes=math.inf)
     dp = partition_ideals(problem)
     ilp = partition_ilp(problem, upper_bound=partition_along_orders(problem))
     assert ilp.optimal and dp.optimal

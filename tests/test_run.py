@@ -253,7 +253,7 @@ def test_report_measures_the_schedules_own_time_per_action_and_calibrate_keeps_i
     assert calibrated.measurement["action_overhead_ms"] == pytest.approx(pooled, abs=1e-4)
     # The next plan made from the calibrated profile counts it before every action.
     from pipeplan.formats.plan import PlanSettings
-    from pipeplan.plan.planner import make_plan
+    from pipeplan.plan import make_plan
 
     again = make_plan(calibrated, PlanSettings(stages=2, global_batch=8, microbatch_size=2, schedule="1f1b"),
                       profile_sha256="0" * 64)

@@ -173,7 +173,7 @@ def test_two_nodes_on_one_rendezvous(tmp_path):
 
 def test_run_then_calibrate_carries_the_schedules_own_time_into_the_next_plan(tmp_path):
     from pipeplan.formats.plan import PlanSettings
-    from pipeplan.plan.planner import make_plan
+    from pipeplan.plan import make_plan
     from pipeplan.run.calibrate import calibrate_profile
 
     profile = _profile(2)

@@ -22,12 +22,11 @@ torch = pytest.importorskip("torch")
 S = pytest.importorskip("torch.distributed.pipelining.schedules")
 
 from pipeplan.errors import BadInputError  # noqa: E402
+from pipeplan.plan.actions import Action, rank_actions  # noqa: E402
 from pipeplan.plan.schedules import (  # noqa: E402
     SCHEDULES,
     TORCH_SCHEDULE_CLASS,
-    Action,
     check_schedule,
-    rank_actions,
     stage_ranks,
 )
 

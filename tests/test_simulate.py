@@ -10,12 +10,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pipeplan.errors import BadInputError
+from pipeplan.plan.actions import Action, rank_actions
 from pipeplan.plan.schedules import (
     SCHEDULES,
     TORCH_SCHEDULE_CLASS,
-    Action,
     check_schedule,
-    rank_actions,
     stage_ranks,
     valid_virtual_stages,
 )
@@ -304,6 +303,16 @@ def test_simulation_properties(case):
         assert sim.rank_busy_ms[r] + sim.rank_overhead_ms[r] + sim.rank_idle_ms[r] == pytest.approx(sim.iteration_ms)
     assert sim.compute_ms + sim.overhead_ms + sim.bubble_ms + sim.transfer_ms == pytest.approx(sim.iteration_ms)
     assert min(sim.bubble_ms, sim.transfer_ms) >= 0
+    # The bubble is the critical rank's waiting, measured on its events' idle intervals, which
+    # lie between its actions; with its compute and overhead they cover the iteration.
+    for r in range(p):
+        intervals = sim.rank_idle_intervals(r)
+        spans = sorted([(e.start_ms, e.end_ms) for e in by_rank[r]] + intervals)
+        assert all(a[1] <= b[0] + eps for a, b in zip(spans, spans[1:])), "idle overlaps compute"
+        waits = sum(end - start for start, end in intervals)
+        assert waits == pytest.approx(sim.rank_idle_ms[r], abs=1e-9)
+    waits = sum(end - start for start, end in sim.rank_idle_intervals(sim.critical_rank))
+    assert sim.bubble_ms == pytest.approx(max(0.0, waits - sim.transfer_ms), abs=1e-9)
     assert 0.0 <= sim.bubble_fraction < 1.0 or sim.iteration_ms == 0
     total = sum(c.forward_ms + c.backward_ms for c in costs) * m
     assert sum(sim.rank_busy_ms) == pytest.approx(total)
@@ -383,7 +392,7 @@ def test_full_backward_defaults_to_the_two_passes():
 def test_the_planners_pruning_bound_never_exceeds_the_simulation(case):
     """``--schedule auto`` skips configurations whose lower bound exceeds the best simulated
     time, so the bound must hold for every schedule, split backward and overhead."""
-    from pipeplan.plan.planner import _busy_lower_bound_ms
+    from pipeplan.plan.search import busy_lower_bound_ms as _busy_lower_bound_ms
 
     schedule, p, m, v, costs = case
     sim = simulate(costs, schedule, p, m, v)

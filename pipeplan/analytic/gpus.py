@@ -73,22 +73,27 @@ def _spec(name, description, memory_gib, hbm, link, flops, source) -> GpuSpec:
                    hbm_bytes_per_s=hbm, link_bytes_per_s=link, peak_flops=flops, source=source)
 
 
+# Hopper's dense peaks (H100 SXM data sheet; the H200 and GH200 data sheets give the same).
+_HOPPER = {"fp64": 34e12, "fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12}
+# A100 SXM's dense peaks (both memory sizes).
+_AMPERE = {"fp64": 19.5e12, "fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}
+
 GPUS: dict[str, GpuSpec] = {s.name: s for s in (
     # NVIDIA H100 Tensor Core GPU data sheet (H100 SXM column): FP64 34 TF, FP32 67 TF, TF32 989 TF*,
     # BF16/FP16 1,979 TF*, FP8 3,958 TF* (* with sparsity: dense is half), 80 GB HBM3 at 3.35 TB/s,
     # NVLink 900 GB/s.
     _spec("h100-sxm", "NVIDIA H100 SXM5 80GB", 80, 3.35e12, 450e9,
-          {"fp64": 34e12, "fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12},
+          _HOPPER,
           "NVIDIA H100 Tensor Core GPU data sheet, SXM column (dense = half the sparsity figures)"),
     # NVIDIA H200 Tensor Core GPU data sheet (H200 SXM): same Hopper compute as H100 SXM,
     # 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
     _spec("h200", "NVIDIA H200 SXM 141GB", 141, 4.8e12, 450e9,
-          {"fp64": 34e12, "fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12},
+          _HOPPER,
           "NVIDIA H200 Tensor Core GPU data sheet, SXM column"),
     # NVIDIA GH200 Grace Hopper Superchip data sheet (96 GB HBM3 version): H100 compute, 96 GB HBM3 at
     # 4 TB/s; GPU-to-GPU NVLink 900 GB/s (NVLink Switch systems).
     _spec("gh200", "NVIDIA GH200 Grace Hopper (96GB HBM3)", 96, 4.0e12, 450e9,
-          {"fp64": 34e12, "fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12},
+          _HOPPER,
           "NVIDIA GH200 Grace Hopper Superchip data sheet (96 GB HBM3)"),
     # NVIDIA DGX B200 / HGX B200 data sheet, per GPU: FP8 9 PF* and FP16/BF16 4.5 PF* (* sparse; dense
     # half), TF32 2.2 PF*, FP32 75 TF, 180 GB HBM3e (1,440 GB per 8 GPUs) at 8 TB/s (64 TB/s per 8),
@@ -99,11 +104,11 @@ GPUS: dict[str, GpuSpec] = {s.name: s for s in (
     # NVIDIA A100 Tensor Core GPU data sheet (A100 40GB SXM): FP32 19.5 TF, TF32 156 TF, BF16/FP16
     # 312 TF (dense), 1,555 GB/s HBM2, NVLink 600 GB/s.
     _spec("a100-40gb", "NVIDIA A100 SXM4 40GB", 40, 1.555e12, 300e9,
-          {"fp64": 19.5e12, "fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+          _AMPERE,
           "NVIDIA A100 Tensor Core GPU data sheet, 40GB SXM column"),
     # The same data sheet, A100 80GB SXM: 2,039 GB/s HBM2e.
     _spec("a100-80gb", "NVIDIA A100 SXM4 80GB", 80, 2.039e12, 300e9,
-          {"fp64": 19.5e12, "fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+          _AMPERE,
           "NVIDIA A100 Tensor Core GPU data sheet, 80GB SXM column"),
     # NVIDIA L4 Tensor Core GPU data sheet: FP32 30.3 TF, TF32 120 TF*, BF16/FP16 242 TF*, FP8 485 TF*
     # (* sparse), 24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16 (64 GB/s both ways), no NVLink.

@@ -152,7 +152,7 @@ def diff_profiles(a, b, *, microbatch_size: int | None = None, settings: PlanSet
     sha256 : (str, str)
         The files' sha256, recorded in the plans.
     planner : callable, optional
-        Defaults to :func:`pipeplan.plan.planner.make_plan`.
+        Defaults to :func:`pipeplan.plan.make_plan`.
 
     Returns
     -------
@@ -202,7 +202,7 @@ def diff_profiles(a, b, *, microbatch_size: int | None = None, settings: PlanSet
     result = ProfileDiff(model=(a.model, b.model), microbatch_size=size, changed=changed, unchanged=unchanged)
     if settings is not None:
         if planner is None:
-            from pipeplan.plan.planner import make_plan as planner
+            from pipeplan.plan import make_plan as planner
         from pipeplan.formats.limits import check_microbatch_count
 
         plans = []
@@ -238,7 +238,7 @@ def diff_files(path_a: str | Path, path_b: str | Path, *, settings: PlanSettings
     microbatch_size : int, optional
         For profiles: the micro-batch size whose costs to compare.
     planner : callable, optional
-        Defaults to :func:`pipeplan.plan.planner.make_plan`.
+        Defaults to :func:`pipeplan.plan.make_plan`.
 
     Returns
     -------

@@ -226,7 +226,7 @@ def check_baseline(
         Check against this cap (and re-plan under it) instead of the baseline's.
     planner : callable, optional
         ``planner(profile, settings, profile_sha256=...) -> Plan``; defaults to
-        :func:`pipeplan.plan.planner.make_plan`.
+        :func:`pipeplan.plan.make_plan`.
 
     Returns
     -------
@@ -245,7 +245,7 @@ def check_baseline(
     from pipeplan.formats.limits import check_microbatch_count
 
     if planner is None:
-        from pipeplan.plan.planner import make_plan as planner
+        from pipeplan.plan import make_plan as planner
     baseline_path, profile_path = Path(baseline_path), Path(profile_path)
     baseline = load_plan(baseline_path)
     profile = load_profile(profile_path)

@@ -77,7 +77,8 @@ def export_plan(
     suffix = FORMATS[format]
     if format == "torchtitan":
         csv = with_schedule_csv or plan.schedule not in TORCH_SCHEDULE_NAME
-        files = {suffix: export_torchtitan(plan, schedule_csv_path=stem + _CSV_SUFFIX if csv else None)}
+        files = {suffix: export_torchtitan(plan, schedule_csv_path=stem + _CSV_SUFFIX if csv else None,
+                                           profile=profile)}
         if csv:
             files[_CSV_SUFFIX] = schedule_csv(plan)
         return files

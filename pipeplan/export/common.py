@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import Plan, PlanStage
+from pipeplan.plan.schedules import SCHEDULE_INFO, SCHEDULES
 
 __all__ = [
     "TORCH_SCHEDULE_NAME",
@@ -23,19 +24,8 @@ __all__ = [
 ]
 
 #: The name ``torch.distributed.pipelining.schedules.get_schedule_class`` (and torchtitan's
-#: ``pipeline_parallel_schedule``) accepts for each pipeplan schedule.
-TORCH_SCHEDULE_NAME = {
-    "gpipe": "GPipe",
-    "1f1b": "1F1B",
-    "interleaved": "Interleaved1F1B",
-    "zb": "InterleavedZeroBubble",
-    "zbv": "ZBVZeroBubble",
-    "dualpipev": "DualPipeV",
-}
-
-# Schedules whose stage s of p*v stages sits on rank s % p (torch's "loop" placement);
-# the others use the V placement (rank r holds stages r and 2p-1-r).
-_V_SCHEDULES = ("zbv", "dualpipev")
+#: ``pipeline_parallel_schedule``) accepts for each pipeplan schedule (from the schedule records).
+TORCH_SCHEDULE_NAME = {name: SCHEDULE_INFO[name].torch_name for name in SCHEDULES}
 
 
 @dataclass(frozen=True)
@@ -103,7 +93,7 @@ def pipeline_shape(plan: Plan) -> PipelineShape:
                     f"each layer belongs to one stage"
                 )
             seen[name] = stage.index
-    v_placement = plan.schedule in _V_SCHEDULES
+    v_placement = plan.schedule in SCHEDULE_INFO and SCHEDULE_INFO[plan.schedule].v_placement
     if v_placement:
         expected = [s if s < p else 2 * p - 1 - s for s in range(p * v)]
     else:

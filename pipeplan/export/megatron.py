@@ -22,8 +22,9 @@ import shlex
 from pipeplan.errors import BadInputError
 from pipeplan.export.common import check_profile_matches, header_lines, pipeline_shape
 from pipeplan.formats.plan import Plan
+from pipeplan.plan.schedules import megatron_interleaved_refusal as interleaved_refusal
 
-__all__ = ["export_megatron", "megatron_layout", "expand_layout"]
+__all__ = ["export_megatron", "megatron_layout", "expand_layout", "interleaved_refusal"]
 
 
 def _compress_stage(symbols: list[str]) -> str:
@@ -199,13 +200,28 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
         notes.append(
             f"Megatron-LM runs {runs} with this split; the plan's numbers are for {plan.schedule}"
         )
-    if any(s.recompute for s in shape.stages):
+    full = [s.index for s in shape.stages if s.recompute and s.recompute_granularity != "selective"]
+    selective = [s.index for s in shape.stages if s.recompute and s.recompute_granularity == "selective"]
+    if full:
         notes.append(
-            "the plan recomputes activations on stages "
-            f"{[s.index for s in shape.stages if s.recompute]}: see --recompute-granularity full "
+            f"the plan recomputes activations on stages {full}: see --recompute-granularity full "
             "with --recompute-num-layers (Megatron-LM applies it per rank)"
         )
+    if selective:
+        notes.append(
+            f"the plan recomputes the attention core on stages {selective}: --recompute-granularity "
+            "selective (Megatron-LM applies it to every layer)"
+        )
     if shape.virtual_stages > 1:
+        why = interleaved_refusal(shape.num_ranks, plan.num_microbatches)
+        if why is not None:
+            good = next(k for k in range(plan.num_microbatches, 2 * plan.num_microbatches + shape.num_ranks)
+                        if interleaved_refusal(shape.num_ranks, k) is None)
+            raise BadInputError(
+                f"plan: Megatron-LM's interleaved schedule refuses {plan.num_microbatches} micro-batches on "
+                f"{shape.num_ranks} ranks ({why}): re-plan with a global batch of {good} x the micro-batch size "
+                f"(or any micro-batch count it accepts), or with --schedule 1f1b"
+            )
         notes.append(
             f"the layout sets {shape.virtual_stages} virtual stages per rank; Megatron-LM refuses "
             f"--num-virtual-stages-per-pipeline-rank beside it"

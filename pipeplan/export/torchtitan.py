@@ -12,12 +12,60 @@ receives). See docs/launchers.md.
 from __future__ import annotations
 
 import json
+import re
 
 from pipeplan.errors import BadInputError
 from pipeplan.export.common import TORCH_SCHEDULE_NAME, header_lines, pipeline_shape
 from pipeplan.formats.plan import Plan
 
-__all__ = ["export_torchtitan", "schedule_csv"]
+__all__ = ["export_torchtitan", "schedule_csv", "torchtitan_module_names", "TORCHTITAN_NAME"]
+
+#: torchtitan's decoder models (llama3, llama4, qwen3, deepseek_v3) name their modules this way.
+TORCHTITAN_NAME = re.compile(r"tok_embeddings|layers\.\d+|norm|output")
+_ROLE_NAMES = {"embedding": "tok_embeddings", "norm": "norm", "head": "output"}
+
+
+def torchtitan_module_names(profile) -> dict[str, str]:
+    """Each profile layer's torchtitan module name (``""`` for a layer torchtitan has no module for).
+
+    Profiles made from torchtitan's own model already use its names. Others map by role: the
+    embedding is ``tok_embeddings``, block ``i`` is ``layers.<i>``, the final norm ``norm``, the
+    head ``output``; layers of kind ``other`` (a rotary table) have no module and are dropped.
+
+    Raises
+    ------
+    BadInputError
+        If the profile's roles do not read embedding, blocks, [norm], head (torchtitan's decoder
+        models), so no honest mapping exists.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace as L
+    >>> prof = L(model="m", layers=[L(name="embed", kind="embedding"), L(name="blocks.0", kind="block"),
+    ...                             L(name="head", kind="head")])
+    >>> torchtitan_module_names(prof)
+    {'embed': 'tok_embeddings', 'blocks.0': 'layers.0', 'head': 'output'}
+    """
+    names = [layer.name for layer in profile.layers]
+    if all(TORCHTITAN_NAME.fullmatch(n) for n in names):
+        return {n: n for n in names}
+    kinds = [layer.kind for layer in profile.layers]
+    pattern = "".join({"embedding": "E", "block": "t", "norm": "n", "head": "h", "other": "o"}.get(k, "?")
+                      for k in kinds)
+    if not re.fullmatch(r"o*Eo*(t|o)*n?o*h", pattern):
+        raise BadInputError(
+            f"profile {profile.model!r}: layer roles read {pattern!r} (E embedding, t block, n norm, h head, "
+            f"o other, ? none); torchtitan's decoder models have tok_embeddings, layers.N, norm, output, so "
+            f"pipeplan cannot name these layers for torchtitan"
+        )
+    out, block = {}, 0
+    for layer in profile.layers:
+        if layer.kind == "block":
+            out[layer.name] = f"layers.{block}"
+            block += 1
+        else:
+            out[layer.name] = _ROLE_NAMES.get(layer.kind, "")
+    return out
 
 
 def _toml_string(text: str) -> str:
@@ -45,10 +93,11 @@ def schedule_csv(plan: Plan) -> str:
 
     Notes
     -----
-    The order is :func:`pipeplan.plan.schedules.rank_actions`, the one the simulator predicted;
+    The order is :func:`pipeplan.plan.actions.rank_actions`, the one the simulator predicted;
     ``_PipelineScheduleRuntime._load_csv(path, format="compute_only")`` reads it. O(p m v).
     """
-    from pipeplan.plan.schedules import SCHEDULES, rank_actions
+    from pipeplan.plan.actions import rank_actions
+    from pipeplan.plan.schedules import SCHEDULES
 
     if plan.schedule not in SCHEDULES:
         raise BadInputError(
@@ -60,12 +109,16 @@ def schedule_csv(plan: Plan) -> str:
     return "".join(",".join(str(action) for action in row) + "\n" for row in rows)
 
 
-def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None) -> str:
+def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profile=None) -> str:
     """The plan as torchtitan TOML (``[parallelism]`` and ``[training]`` keys).
 
     Parameters
     ----------
     plan : Plan
+    profile : Profile, optional
+        The plan's profile: maps its layer names to torchtitan's module names by role (see
+        :func:`torchtitan_module_names`). Without it, the plan's names must already be
+        torchtitan's (torchtitan silently builds empty stages from names its model lacks).
     schedule_csv_path : str, optional
         When given, the TOML points ``pipeline_parallel_schedule_csv`` at this path (write
         :func:`schedule_csv` there). Needed for schedules torchtitan has no name for.
@@ -78,8 +131,8 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None) -> st
     Raises
     ------
     BadInputError
-        If the plan's stages are inconsistent, or its schedule has no torchtitan name and no
-        CSV path was given.
+        If the plan's stages are inconsistent, its schedule has no torchtitan name and no
+        CSV path was given, or its layer names are not torchtitan's and cannot be mapped.
 
     Notes
     -----
@@ -93,13 +146,31 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None) -> st
             f"plan: torchtitan has no schedule named for {plan.schedule!r}; export with a "
             f"schedule CSV (`--schedule-csv`)"
         )
+    if profile is not None:
+        rename = torchtitan_module_names(profile)
+    else:
+        foreign = [n for n in shape.layer_order if not TORCHTITAN_NAME.fullmatch(n)]
+        if foreign:
+            raise BadInputError(
+                f"plan: layers {foreign[:3]} are not torchtitan module names (tok_embeddings, layers.N, norm, "
+                f"output), and torchtitan silently builds empty stages from names its model lacks: give the "
+                f"plan's --profile (layers with their kind) so the export can map them"
+            )
+        rename = {n: n for n in shape.layer_order}
     lines = ["# " + line for line in header_lines(plan, "torchtitan")]
+    dropped = [n for n in shape.layer_order if not rename.get(n)]
+    renamed = [n for n in shape.layer_order if rename.get(n) and rename[n] != n]
+    if renamed:
+        lines.append(f"# Layer names mapped to torchtitan's by role ({renamed[0]} -> {rename[renamed[0]]}, ...).")
+    if dropped:
+        lines.append(f"# No torchtitan module for {', '.join(dropped)} (kind 'other'): left out.")
     lines.append("# Merge into your torchtitan job config (TOML, --job.config_file); see docs/launchers.md.")
     recompute = [s.index for s in shape.stages if s.recompute]
     if recompute:
         lines.append(
-            f"# The plan recomputes activations on stages {recompute}; torchtitan's "
-            f"[activation_checkpoint] mode applies to every stage."
+            f"# The plan recomputes activations on stages {recompute}"
+            + (" (selective: the attention core)" if any(s.recompute_granularity == "selective" for s in shape.stages) else "")
+            + "; torchtitan's [activation_checkpoint] mode applies to every stage."
         )
     lines += ["", "[parallelism]", f"pipeline_parallel_degree = {shape.num_ranks}"]
     # With a CSV, torchtitan still reads the schedule name to place stages (loop or V).
@@ -110,7 +181,7 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None) -> st
     lines.append(f"pipeline_parallel_microbatch_size = {plan.microbatch_size}")
     lines.append("module_fqns_per_model_part = [")
     for stage in shape.stages:
-        names = ", ".join(_toml_string(n) for n in stage.layers)
+        names = ", ".join(_toml_string(rename[n]) for n in stage.layers if rename.get(n))
         lines.append(f"    [{names}],  # stage {stage.index}, rank {stage.rank}")
     lines.append("]")
     lines += [

@@ -6,15 +6,21 @@ See docs/formats.md.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from pipeplan.formats.limits import (MAX_MICROBATCHES, Bandwidth, Count, FiniteFloat, Ms, Name, PlanBytes, PlanMs,
                                      PositiveBytes, PositiveCount, Rate, Text)
+# Schedule names, one per torch.distributed.pipelining class; the records (torch class,
+# stages per rank, placement) are pipeplan.plan.schedules.SCHEDULE_INFO.
+from pipeplan.plan.schedules import SCHEDULES
 
 __all__ = [
     "SCHEDULES",
+    "SOLVER_METHODS",
+    "DEFAULT_BANDWIDTH_BYTES_PER_S",
+    "DEFAULT_GLOBAL_BATCH_PER_MICROBATCH",
     "PlanProfileRef",
     "PlanSettings",
     "PlanStage",
@@ -25,8 +31,33 @@ __all__ = [
     "Plan",
 ]
 
-#: Schedule names, one per torch.distributed.pipelining class.
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
+
+
+#: ``solver.method``: how a plan's split was found, one value per solver path.
+SOLVER_METHODS = {
+    "dp-chain-direct": "chain DP over (start, end) pairs with ties broken toward balance; optimal for a "
+                       "chain of layers (for a DAG: the best split along its layer order)",
+    "dp-chain-bisect": "bisection on the bottleneck with a windowed feasibility test, for long chains; "
+                       "optimal for a chain, no recomputation",
+    "dp-ideals": "DP over the DAG's lattice of ideals (down-closed layer sets); optimal",
+    "dp-orders": "best split along a few topological orders, refined by single-layer moves; optimal "
+                 "only when it meets the lower bound (solver.lower_bound_ms)",
+    "ilp-highs": "integer linear program solved by HiGHS; optimal when solver.optimal",
+    "ilp-cbc": "integer linear program solved by CBC (PuLP's COIN_CMD); optimal when solver.optimal",
+    "balanced": "near-equal compute per stage (pipeplan.run.plans.balanced_plan); not optimised for the "
+                "simulated iteration",
+    "given": "a split the caller chose (pipeplan.api.plan_split, compare's baselines), costed and "
+             "simulated like any plan",
+    "dp-chain": "older pipeplan's name for dp-chain-direct",
+}
+SolverMethod = Literal["dp-chain-direct", "dp-chain-bisect", "dp-ideals", "dp-orders", "ilp-highs", "ilp-cbc",
+                       "balanced", "given", "dp-chain"]
+assert set(SolverMethod.__args__) == set(SOLVER_METHODS)
+
+#: The CLI's ``--bandwidth`` default, and ``PlanSettings``'.
+DEFAULT_BANDWIDTH_BYTES_PER_S = 25e9
+#: With no global batch given, plans take this many x the largest profiled micro-batch size.
+DEFAULT_GLOBAL_BATCH_PER_MICROBATCH = 8
 
 
 class _Strict(BaseModel):
@@ -41,26 +72,58 @@ class PlanProfileRef(_Strict):
 
 
 class PlanSettings(_Strict):
-    """Every input that shaped the plan, so that it can be re-planned (``pipeplan check``)."""
+    """Every input that shaped the plan, so that it can be re-planned (``pipeplan check``).
+
+    The defaults are the CLI's, so ``pipeplan plan`` and :func:`pipeplan.api.plan_profile`
+    make the same plan from the same inputs. A plan records its settings with the defaults
+    that depend on the profile (``global_batch``, ``action_overhead_ms``) filled in.
+    """
 
     stages: PositiveCount = Field(description="Pipeline ranks (GPUs).")
-    global_batch: PositiveCount = Field(description="Samples per iteration.")
+    global_batch: Optional[PositiveCount] = Field(
+        default=None,
+        description="Samples per iteration; null (before planning) means 8 x the largest profiled "
+                    "micro-batch size. Plans record the value used.")
     microbatch_size: Optional[PositiveCount] = Field(default=None, description="Fixed micro-batch size, or null to search.")
     memory_cap_bytes: Optional[PositiveBytes] = Field(default=None, description="Per-GPU memory cap, or null for none.")
     optimizer: Literal["adam", "sgd", "none"] = "adam"
     bandwidth_bytes_per_s: Optional[Bandwidth] = Field(
-        default=None, description="Point-to-point bandwidth; null means infinite (transfers ignored)."
+        default=DEFAULT_BANDWIDTH_BYTES_PER_S,
+        description="Point-to-point bandwidth; null means infinite (transfers ignored). A plan file "
+                    "always writes it (null included); one without it, from before 25 GB/s became "
+                    "the default, means null."
     )
-    schedule: Literal["auto", "gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"] = Field(
-        default="1f1b", description="Requested schedule, or 'auto'.")
+    schedule: Literal[("auto", *SCHEDULES)] = Field(default="auto", description="Requested schedule, or 'auto' to search.")
     virtual_stages: Optional[PositiveCount] = Field(default=None, description="Requested stages per rank, or null to search.")
-    recompute: Literal["auto", "none", "all"] = "none"
+    recompute: Literal["auto", "none", "selective", "all"] = Field(
+        default="auto",
+        description="Activation recomputation: auto (searched: none, selective where the profile "
+                    "gives it, full, per stage), none, selective (every stage) or all (every stage, full).")
     solver: Literal["auto", "dp", "ilp"] = "auto"
     action_overhead_ms: Optional[Ms] = Field(
         default=None,
         description="The schedule's own time per compute action on a rank (posting transfers, "
                     "bookkeeping), outside compute; null means none. `pipeplan run` measures it.",
     )
+    launcher: Optional[Literal["megatron", "torchtitan", "deepspeed"]] = Field(
+        default=None,
+        description="The launcher the plan is for, or null for torch: the planner only picks schedules "
+                    "and micro-batch counts it runs (e.g. not the interleaved counts Megatron-LM refuses).",
+    )
+
+    @model_serializer(mode="wrap")
+    def _keep_null_bandwidth(self, handler) -> dict[str, Any]:
+        # Files drop nulls, but a null bandwidth (infinite) differs from the default: keep it.
+        data = handler(self)
+        if self.bandwidth_bytes_per_s is None and "bandwidth_bytes_per_s" not in data:
+            ordered = {}
+            for name in type(self).model_fields:
+                if name in data:
+                    ordered[name] = data[name]
+                elif name == "bandwidth_bytes_per_s":
+                    ordered[name] = None
+            data = ordered
+        return data
 
 
 class PlanStage(_Strict):
@@ -86,7 +149,16 @@ class PlanStage(_Strict):
     param_bytes: PlanBytes = Field(default=0, description="Bytes of the stage's parameters.")
     activation_bytes: PlanBytes = Field(default=0, description="Bytes kept for backward per micro-batch in flight.")
     in_flight: Count = Field(default=1, description="Micro-batches whose activations it holds at its peak.")
-    recompute: bool = Field(default=False, description="Keeps only its input and recomputes the forward.")
+    recompute: bool = Field(
+        default=False,
+        description="Recomputes in backward: its whole forward, keeping only its input, or with "
+                    "recompute_granularity selective each layer's attention core.")
+    recompute_granularity: Optional[Literal["full", "selective"]] = Field(
+        default=None,
+        description="With recompute: full (also when absent) or selective (Megatron's "
+                    "--recompute-granularity).")
+    selective_activation_bytes: Optional[PlanBytes] = Field(
+        default=None, description="Selective stages: bytes kept for backward per micro-batch in flight.")
     peak_memory_bytes: PlanBytes = Field(description="Predicted peak memory of the stage.")
 
 
@@ -132,12 +204,16 @@ class Alternative(_Strict):
 class SolverInfo(_Strict):
     """How the split was found."""
 
-    method: Name = Field(description="dp-chain, dp-ideals, ilp-highs, ilp-cbc.")
+    method: SolverMethod = Field(description="How the split was found: " + "; ".join(
+        f"{name}: {text}" for name, text in SOLVER_METHODS.items()) + ".")
     optimal: bool = Field(description="Whether the split is proven optimal.")
     lower_bound_ms: Optional[PlanMs] = Field(
         default=None, description="Proven lower bound on the slowest stage's time (equals it when optimal)."
     )
     seconds: FiniteFloat = Field(ge=0, description="Solver time; 0 unless recorded with --record-time, so plans are reproducible.")
+    failure: Optional[Text] = Field(
+        default=None, description="Why an exact solver gave up and the split came from another (e.g. the "
+                                  "ILP solve failed); also in the plan's notes. Null when none did.")
 
 
 class Plan(_Strict):
@@ -146,7 +222,7 @@ class Plan(_Strict):
     schema_version: Literal[1]
     profile: PlanProfileRef
     settings: PlanSettings
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"]
+    schedule: Literal[SCHEDULES]
     virtual_stages: PositiveCount = Field(default=1, description="Stages per rank.")
     microbatch_size: PositiveCount
     num_microbatches: PositiveCount = Field(le=MAX_MICROBATCHES)
@@ -191,3 +267,12 @@ class Plan(_Strict):
             if summary.rank >= ranks or any(i >= len(self.stages) for i in summary.stages):
                 raise ValueError(f"ranks[{index}]: rank {summary.rank} or its stages {summary.stages} are out of range")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _missing_bandwidth_is_infinite(cls, data: Any) -> Any:
+        # Plan files from before the 25 GB/s default dropped a null (infinite) bandwidth.
+        if isinstance(data, dict) and isinstance(data.get("settings"), dict) \
+                and "bandwidth_bytes_per_s" not in data["settings"]:
+            data = {**data, "settings": {**data["settings"], "bandwidth_bytes_per_s": None}}
+        return data

@@ -149,6 +149,10 @@ class LayerCost(_Strict):
         return any(getattr(self, name) is not None for name in V2_COST_FIELDS)
 
 
+#: Cost fields an entry above degree 1 must give.
+_NEEDED_ABOVE_DEGREE_1 = ("param_bytes", "tensor_parallel_collective", "tensor_parallel_forward_bytes",
+                          "tensor_parallel_backward_bytes")
+
 #: Cost fields that need schema_version 2.
 V2_COST_FIELDS = tuple(
     name for name in LayerCost.model_fields
@@ -186,6 +190,15 @@ class Layer(_Strict):
                     f"costs[{index}].param_bytes: {cost.param_bytes} at tensor_parallel 1 differs from the "
                     f"layer's param_bytes {self.param_bytes}; leave it out at degree 1"
                 )
+            if cost.degree > 1:
+                # A planner that reads degree t needs one rank's share and its traffic; absent
+                # would silently mean "unsharded" or "free", so they are required there.
+                for needed in _NEEDED_ABOVE_DEGREE_1:
+                    if getattr(cost, needed) is None:
+                        raise ValueError(
+                            f"costs[{index}].{needed}: needed at tensor_parallel {cost.degree} "
+                            f"(one rank's share, see docs/formats.md)"
+                        )
         return self
 
     def cost_at(self, microbatch_size: int, tensor_parallel: int = 1) -> LayerCost:

@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeplan.formats.limits import Count, Name, OptionalRatio, PlanMs, PositiveCount, Text
+from pipeplan.plan.schedules import SCHEDULES
 
 __all__ = ["REPORT_SCHEMA", "RankReport", "MeasuredTimes", "RunReport"]
 
@@ -73,7 +74,7 @@ class RunReport(_Open):
     schema_: Literal["pipeplan-run-report/1"] = Field(
         default=REPORT_SCHEMA, alias="schema", description="Format name and version.")
     model: Optional[Name] = Field(default=None, description="The model that ran.")
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"]
+    schedule: Literal[SCHEDULES]
     virtual_stages: Optional[PositiveCount] = None
     num_ranks: Optional[PositiveCount] = None
     microbatch_size: PositiveCount

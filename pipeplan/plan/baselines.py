@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeplan.plan.partition import Partition, PartitionProblem, evaluate_split
+from pipeplan.plan.problem import Partition, PartitionProblem, evaluate_split
 
-__all__ = ["BASELINES", "split_uniform", "split_by_weight", "split_greedy", "baseline_partition"]
+__all__ = ["BASELINES", "split_uniform", "split_by_weight", "split_greedy", "baseline_partition", "compare_baselines"]
 
 
 def _cuts_to_stages(cuts, n):
@@ -98,3 +98,52 @@ def baseline_partition(problem: PartitionProblem, name: str) -> Partition:
     else:
         raise ValueError(f"unknown baseline {name!r}")
     return evaluate_split(problem, stages, method=name, optimal=False)
+
+
+def compare_baselines(profile, settings, profile_sha256: str):
+    """The optimal plan and each baseline's, all at the same micro-batch size and schedule.
+
+    The optimal plan is made with ``settings`` less recomputation and with one stage per rank
+    (the baselines' terms); the baselines take its micro-batch size or, when nothing fits the
+    cap, the largest profiled size that divides the global batch. ``settings.schedule`` is
+    ``gpipe`` or ``1f1b`` (``auto`` means ``1f1b``).
+
+    Returns
+    -------
+    (Plan or None, list of (name, description, Plan))
+        The optimal plan (None when nothing fits), then one plan per :data:`BASELINES` entry
+        (``solver.method`` ``given``), each costed and simulated like any plan.
+
+    Raises
+    ------
+    BadInputError
+        Another schedule.
+    """
+    from pipeplan.errors import BadInputError, InfeasibleError
+    from pipeplan.plan.assemble import plan_given_split
+    from pipeplan.plan.graph import build_layer_graph
+    from pipeplan.plan.search import candidate_microbatch_sizes, make_plan, with_profile_defaults
+
+    schedule = "1f1b" if settings.schedule == "auto" else settings.schedule
+    if schedule not in ("1f1b", "gpipe"):
+        raise BadInputError(f"--schedule: compare takes gpipe or 1f1b (the schedules the baselines use), not {schedule!r}")
+    fixed = with_profile_defaults(profile, settings).model_copy(
+        update={"recompute": "none", "virtual_stages": 1, "schedule": schedule})
+    try:
+        optimal = make_plan(profile, fixed, profile_sha256=profile_sha256)
+        b = optimal.microbatch_size
+    except InfeasibleError:
+        optimal = None
+        b = max(candidate_microbatch_sizes(profile, fixed))
+    m = fixed.global_batch // b
+    graph = build_layer_graph(profile, b)
+    k = fixed.stages
+    splits = {"uniform": lambda: split_uniform(graph.num_layers, k),
+              "params": lambda: split_by_weight(graph.param_bytes, k),
+              "greedy": lambda: split_greedy(graph.compute_ms, k)}
+    rows = []
+    for name, description in BASELINES.items():
+        plan = plan_given_split(profile, fixed, graph, splits[name](), schedule=schedule, virtual_stages=1,
+                                microbatch_size=b, num_microbatches=m, profile_sha256=profile_sha256)
+        rows.append((name, description, plan))
+    return optimal, rows

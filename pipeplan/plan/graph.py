@@ -7,13 +7,20 @@ chain of *ideals* (down-closed node sets) and a boundary carries every tensor th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import networkx as nx
 import numpy as np
 
 from pipeplan.errors import BadInputError
 
-__all__ = ["LayerGraph", "build_layer_graph", "is_chain", "reorder"]
+__all__ = ["LAYER_ARRAYS", "LayerGraph", "build_layer_graph", "is_chain", "reorder"]
+
+#: The per-layer arrays of a :class:`LayerGraph`, each indexed by layer position. A stage's
+#: sums (:class:`pipeplan.plan.costmodel.LayerSums`) add these up, and :func:`reorder` permutes
+#: them, so a new per-layer quantity is one field here and one line in :func:`build_layer_graph`.
+LAYER_ARRAYS = ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms", "param_bytes",
+                "activation_bytes", "output_bytes", "selective_activation_bytes", "selective_recompute_ms")
 
 
 @dataclass(frozen=True)
@@ -45,12 +52,26 @@ class LayerGraph:
     """Edges between layer positions (ints)."""
     chain: bool
     """True when the graph is the path 0 -> 1 -> ... -> n-1."""
+    selective_activation_bytes: np.ndarray | None = None
+    """Bytes kept per micro-batch in flight under selective recomputation (the attention core
+    recomputed in backward). Default: ``activation_bytes`` (nothing to recompute)."""
+    selective_recompute_ms: np.ndarray | None = None
+    """Extra forward time of the selective recomputation per micro-batch. Default: 0."""
+    selective_known: bool = False
+    """Whether every layer's profile entry gave the selective fields (else ``selective`` is not
+    searched: it would save nothing)."""
+
+    def __post_init__(self):
+        if self.selective_activation_bytes is None:
+            object.__setattr__(self, "selective_activation_bytes", self.activation_bytes.copy())
+        if self.selective_recompute_ms is None:
+            object.__setattr__(self, "selective_recompute_ms", np.zeros_like(self.forward_ms))
 
     @property
     def num_layers(self) -> int:
         return len(self.names)
 
-    @property
+    @cached_property
     def compute_ms(self) -> np.ndarray:
         """Forward plus backward time of each layer."""
         return self.forward_ms + self.backward_ms
@@ -110,6 +131,7 @@ def build_layer_graph(profile, microbatch_size: int) -> LayerGraph:
     else:
         b_input = backward * _ESTIMATED_INPUT_GRAD_SHARE
         b_weight = backward - b_input
+    selective = all(c.selective_activation_bytes is not None for c in costs)
     graph = nx.DiGraph()
     graph.add_nodes_from(range(len(profile.layers)))
     graph.add_edges_from((index[a], index[b]) for a, b in profile.edge_list())
@@ -126,6 +148,10 @@ def build_layer_graph(profile, microbatch_size: int) -> LayerGraph:
         output_bytes=np.array([c.output_bytes for c in costs], dtype=float),
         graph=graph,
         chain=is_chain(graph, n),
+        selective_activation_bytes=np.array([c.selective_activation_bytes for c in costs], dtype=float)
+        if selective else None,
+        selective_recompute_ms=np.array([c.selective_recompute_ms for c in costs], dtype=float) if selective else None,
+        selective_known=selective,
     )
 
 
@@ -142,14 +168,9 @@ def reorder(graph: LayerGraph, order) -> LayerGraph:
     pick = np.array(order)
     return LayerGraph(
         names=tuple(graph.names[i] for i in order),
-        forward_ms=graph.forward_ms[pick],
-        backward_ms=graph.backward_ms[pick],
-        backward_input_ms=graph.backward_input_ms[pick],
-        backward_weight_ms=graph.backward_weight_ms[pick],
         backward_split_measured=graph.backward_split_measured,
-        param_bytes=graph.param_bytes[pick],
-        activation_bytes=graph.activation_bytes[pick],
-        output_bytes=graph.output_bytes[pick],
         graph=edges,
         chain=is_chain(edges, len(order)),
+        selective_known=graph.selective_known,
+        **{name: getattr(graph, name)[pick] for name in LAYER_ARRAYS},
     )

@@ -3,7 +3,14 @@
 Variables ``y[v, s] = 1`` when layer ``v`` is in stage ``s`` or earlier; monotone in ``s`` and
 along edges (``y[v, s] <= y[u, s]`` for an edge ``u -> v``), so each stage is the difference of
 two ideals. ``z[u, s] = 1`` when ``u``'s output crosses boundary ``s``. The bottleneck ``T``
-bounds every stage's compute plus transfers; memory is linear per stage.
+bounds every stage's time; memory is linear per stage. Both are the cost model's terms
+(:class:`pipeplan.plan.costmodel.CostModel`) evaluated on linear expressions: each stage's
+layer sums are sums of its layers' shares ``y[v, s] - y[v, s - 1]``, its boundary bytes sums
+of ``z``.
+
+A solve that fails (the backend raises, or stops without a solution) keeps the upper bound
+split when one was given and says so in the result's ``notes`` (and so in the plan's notes
+and ``solver.failure``); without one it raises :class:`SolverError`.
 
 Before solving, each layer's possible stages are narrowed with an upper bound ``U`` (any
 feasible split, e.g. the best split along the profile's topological order): a layer whose
@@ -21,8 +28,9 @@ import sys
 import networkx as nx
 import numpy as np
 
-from pipeplan.errors import InfeasibleError
-from pipeplan.plan.partition import Partition, PartitionProblem, evaluate_split, trivial_lower_bound_ms
+from pipeplan.errors import InfeasibleError, PipeplanError
+from pipeplan.plan.costmodel import LayerSums
+from pipeplan.plan.problem import Partition, PartitionProblem, evaluate_split, trivial_lower_bound_ms
 
 
 @contextlib.contextmanager
@@ -40,7 +48,12 @@ def _quiet_stdout():
         os.close(saved)
         os.close(devnull)
 
-__all__ = ["partition_ilp", "count_binaries", "ILP_TIME_LIMIT_SECONDS", "ILP_RELATIVE_GAP", "ILP_AUTO_MAX_BINARIES"]
+__all__ = ["partition_ilp", "count_binaries", "SolverError", "ILP_TIME_LIMIT_SECONDS", "ILP_RELATIVE_GAP",
+           "ILP_AUTO_MAX_BINARIES", "ILP_AUTO_MAX_LAYERS"]
+
+
+class SolverError(PipeplanError):
+    """The ILP solver could not run or ended without a split, and there was no split to fall back on."""
 
 #: Wall-clock limit per solve; past it the best split found is returned with optimal=False.
 ILP_TIME_LIMIT_SECONDS = 120.0
@@ -93,25 +106,29 @@ def partition_ilp(
     problem : PartitionProblem
     upper_bound : Partition, optional
         A feasible split; its bottleneck narrows each layer's stage window and is returned
-        if the solver finds nothing better in time.
+        if the solver finds nothing better in time, or fails (with a note saying so).
     time_limit_seconds : float
     solver : {"auto", "highs", "cbc"}
+        ``cbc`` needs PuLP's ``COIN_CMD`` (``pip install pulp[cbc]``).
 
     Returns
     -------
     Partition
-        ``optimal`` is True only when the solver proved optimality (within ``ILP_RELATIVE_GAP``).
+        ``method`` is ``ilp-highs`` or ``ilp-cbc``; ``optimal`` is True only when the solver
+        proved optimality (within ``ILP_RELATIVE_GAP``). A kept upper bound carries a note.
 
     Raises
     ------
     InfeasibleError
         If the solver proves no split fits the memory cap.
+    SolverError
+        If no backend runs, or the solve fails, and there is no upper bound to keep.
     """
     import pulp
 
     g = problem.graph
     n, k = g.num_layers, problem.num_stages
-    spb = problem.seconds_per_byte_ms
+    cost = problem.cost
     lo, hi = _stage_windows(problem, upper_bound.bottleneck_ms if upper_bound else None)
     if (lo > hi).any():
         # The bound is tighter than any split allows: it is optimal as it stands.
@@ -119,7 +136,7 @@ def partition_ilp(
 
     prob = pulp.LpProblem("pipeline_partition", pulp.LpMinimize)
     ub = upper_bound.bottleneck_ms * (1 + 1e-9) if upper_bound else None
-    bottleneck = pulp.LpVariable("bottleneck_ms", lowBound=0, upBound=ub)
+    bottleneck = prob.add_variable("bottleneck_ms", lowBound=0, upBound=ub)
     y: dict[tuple[int, int], pulp.LpVariable] = {}
 
     def Y(v: int, s: int):
@@ -130,7 +147,7 @@ def partition_ilp(
             return 1
         key = (v, s)
         if key not in y:
-            y[key] = pulp.LpVariable(f"y_{v}_{s}", cat="Binary")
+            y[key] = prob.add_variable(f"y_{v}_{s}", cat="Binary")
         return y[key]
 
     def add(constraint):
@@ -151,7 +168,7 @@ def partition_ilp(
     crossing = []
     for s in range(k - 1):
         terms = []
-        if spb > 0 or any(problem.recompute):
+        if cost.needs_boundary_bytes(problem.recompute):
             for u in range(n):
                 succ = list(g.graph.successors(u))
                 if not succ or g.output_bytes[u] == 0:
@@ -159,7 +176,7 @@ def partition_ilp(
                 exprs = [Y(u, s) - Y(v, s) for v in succ]
                 if all(isinstance(e, int) and e <= 0 for e in exprs):
                     continue
-                z = pulp.LpVariable(f"z_{u}_{s}", lowBound=0, upBound=1)
+                z = prob.add_variable(f"z_{u}_{s}", lowBound=0, upBound=1)
                 for e in exprs:
                     if not (isinstance(e, int) and e <= 0):
                         add(z >= e)
@@ -167,67 +184,47 @@ def partition_ilp(
         crossing.append(pulp.lpSum(terms))
 
     cap = problem.memory_cap_bytes
+    transfers = cost.ms_per_byte > 0
     for s in range(k):
         members = [v for v in range(n) if lo[v] <= s <= hi[v]]
         share = {v: Y(v, s) - Y(v, s - 1) for v in members}
-        compute = pulp.lpSum(float(g.compute_ms[v]) * share[v] for v in members)
-        if problem.recompute[s]:
-            compute += pulp.lpSum(float(g.forward_ms[v]) * share[v] for v in members)
-        transfer = 0
-        if spb > 0:
-            if s > 0:
-                transfer += spb * crossing[s - 1]
-            if s < k - 1:
-                transfer += spb * crossing[s]
-        add(compute + transfer <= bottleneck)
+        sums = LayerSums(lambda name, members=members, share=share: pulp.lpSum(
+            float(getattr(g, name)[v]) * share[v] for v in members))
+        in_bytes = crossing[s - 1] if s > 0 else 0
+        out_bytes = crossing[s] if s < k - 1 else 0
+        mode = problem.recompute[s]
+        if transfers:
+            time = cost.stage_time_ms(sums, in_bytes, out_bytes, mode)
+        else:  # no zero-coefficient boundary terms in the rows
+            time = cost.load_ms(sums, mode)
+        add(time <= bottleneck)
         add(pulp.lpSum(share.values()) >= 1)
         if math.isfinite(cap):
-            static = pulp.lpSum(
-                problem.static_bytes_per_param_byte * float(g.param_bytes[v]) * share[v] for v in members
-            )
-            acts = pulp.lpSum(float(g.activation_bytes[v]) * share[v] for v in members)
-            if problem.recompute[s]:
-                held = acts + (problem.in_flight[s] * crossing[s - 1] if s > 0 else 0)
-            else:
-                held = problem.in_flight[s] * acts
-            add(static + held <= cap)
+            add(cost.stage_memory_bytes(sums, in_bytes, problem.in_flight[s], mode) <= cap)
     prob += bottleneck
 
-    backends = []
-    if solver in ("auto", "highs"):
-        backends.append(("ilp-highs", lambda: pulp.HiGHS(
-            msg=False, timeLimit=time_limit_seconds, gapRel=ILP_RELATIVE_GAP, threads=1,
-            random_seed=0)))
-    if solver in ("auto", "cbc"):
-        backends.append(("ilp-cbc", lambda: pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_seconds, gapRel=ILP_RELATIVE_GAP, threads=1)))
-    last_error = None
-    for name, make in backends:
+    failures = []
+    for name, make in _backends(solver, time_limit_seconds):
+        backend = make()
+        if not backend.available():
+            failures.append(f"{name}: not installed")
+            continue
         try:
-            backend = make()
-            if not backend.available():
-                continue
             with _quiet_stdout():
                 prob.solve(backend)
-        except Exception as exc:
-            # A solver that ran but ended oddly (pulp cannot map every HiGHS status) keeps
-            # the seed; only a backend that cannot run at all falls through to the next.
-            last_error = exc
-            if upper_bound is not None and name == "ilp-highs" and getattr(prob, "solverModel", None) is not None:
-                return Partition(**{**upper_bound.__dict__, "optimal": False})
-            continue
+        except (pulp.PulpSolverError, KeyError) as exc:
+            # The backend failed to run, or ended with a status pulp cannot map (KeyError).
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+            break
         status = pulp.LpStatus[prob.status]
         if status == "Infeasible":
             raise InfeasibleError("no split into the requested stages fits the memory cap")
-        if status not in ("Optimal",) or bottleneck.varValue is None:
-            if upper_bound is not None:
-                return upper_bound
-            raise InfeasibleError("the ILP solver found no split within its time limit")
+        if status != "Optimal" or bottleneck.varValue is None:
+            failures.append(f"{name}: stopped with status {status!r} and no split "
+                            f"(time limit {time_limit_seconds:g} s)")
+            break
         optimal = prob.sol_status == pulp.LpSolutionOptimal
-        bound = None
-        try:
-            bound = float(prob.solverModel.getInfo().mip_dual_bound)
-        except Exception:  # CBC, or an older highspy: fall back to the trivial bound
-            pass
+        bound = _dual_bound(prob)
         stage_of = np.zeros(n, dtype=int)
         for v in range(n):
             for s in range(k):
@@ -240,7 +237,31 @@ def partition_ilp(
         lower = max(trivial_lower_bound_ms(problem), bound or 0.0)
         found = evaluate_split(problem, stages, method=name, optimal=optimal, lower_bound_ms=lower)
         if upper_bound is not None and upper_bound.bottleneck_ms < found.bottleneck_ms:
-            return Partition(**{**upper_bound.__dict__, "method": name, "optimal": optimal,
-                                "lower_bound_ms": upper_bound.bottleneck_ms if optimal else lower})
+            return upper_bound.replace(method=name, optimal=optimal,
+                                       lower_bound_ms=upper_bound.bottleneck_ms if optimal else lower)
         return found
-    raise RuntimeError(f"no ILP backend available ({last_error})")
+    reason = "; ".join(failures) or f"no ILP backend for solver {solver!r}"
+    if upper_bound is None:
+        raise SolverError(f"the ILP solve failed ({reason}); install highspy, or use --solver dp")
+    note = (f"the ILP solve failed ({reason}); kept the best split along the layer orders "
+            f"({upper_bound.method}), not proven optimal")
+    return upper_bound.replace(optimal=False, notes=upper_bound.notes + (note,))
+
+
+def _backends(solver: str, time_limit_seconds: float):
+    import pulp
+
+    if solver in ("auto", "highs"):
+        yield "ilp-highs", lambda: pulp.HiGHS(msg=False, timeLimit=time_limit_seconds, gapRel=ILP_RELATIVE_GAP,
+                                              threads=1, random_seed=0)
+    if solver in ("auto", "cbc"):
+        yield "ilp-cbc", lambda: pulp.COIN_CMD(msg=False, timeLimit=time_limit_seconds, gapRel=ILP_RELATIVE_GAP,
+                                               threads=1)
+
+
+def _dual_bound(prob) -> float | None:
+    """HiGHS' proven bound on the objective; None for backends that report none (CBC)."""
+    model = getattr(prob, "solverModel", None)
+    if model is None or not hasattr(model, "getInfo"):
+        return None
+    return float(model.getInfo().mip_dual_bound)

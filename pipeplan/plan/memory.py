@@ -1,10 +1,9 @@
-"""The memory model: what a stage holds at its peak.
+"""Memory over a schedule: micro-batches in flight per stage, and each rank's peak.
 
-    peak_memory_bytes = static_bytes_per_param_byte x param_bytes      (weights, grads, optimizer)
-                      + in_flight x activation_bytes                  (or, recomputing: in_flight x
-                                                                       input bytes + one micro-batch)
-
-See docs/cost-model.md for the derivation and what is left out.
+What one stage holds per micro-batch is the cost model's (:mod:`pipeplan.plan.costmodel`);
+how many micro-batches it holds at once, and how a rank's stages add up, follows the order of
+the schedule's actions (:mod:`pipeplan.plan.actions`), not their times. See
+docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -12,34 +11,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 __all__ = [
-    "BYTES_PER_PARAMETER",
-    "static_bytes_per_param_byte",
     "in_flight_microbatches",
     "stage_in_flight",
     "rank_peak_bytes",
 ]
-
-#: Bytes of training state per parameter. Adam with 16-bit weights: 2 (weights) + 2 (grads)
-#: + 4 (fp32 master) + 4 + 4 (moments) = 16; in fp32 it is 4 + 4 + 4 + 4 = 16 too.
-#: SGD with momentum: 12 either way (16-bit: 2 + 2 + 4 master + 4 momentum).
-BYTES_PER_PARAMETER = {"adam": 16, "sgd": 12}
-
-
-def static_bytes_per_param_byte(optimizer: str, dtype_bytes: int) -> float:
-    """Training state per byte of parameters.
-
-    Examples
-    --------
-    >>> static_bytes_per_param_byte("adam", 2)
-    8.0
-    >>> static_bytes_per_param_byte("adam", 4)
-    4.0
-    >>> static_bytes_per_param_byte("none", 2)  # weights and gradients only
-    2.0
-    """
-    if optimizer == "none":
-        return 2.0
-    return BYTES_PER_PARAMETER[optimizer] / float(dtype_bytes)
 
 
 def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int) -> tuple[int, ...]:
@@ -64,7 +39,7 @@ def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int
 def stage_in_flight(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> tuple[int, ...]:
     """Per stage, the most micro-batches whose activations it holds at once under ``schedule``.
 
-    Read off the action order that torch runs (:func:`pipeplan.plan.schedules.rank_actions`):
+    Read off the action order that torch runs (:func:`pipeplan.plan.actions.rank_actions`):
     a forward adds one micro-batch, the action that frees it (the whole backward, or the
     weight gradient where the backward is split) removes one. It depends on the order only,
     not on the stage times, so the simulator reports the same counts for any costs.
@@ -97,13 +72,14 @@ def stage_in_flight(schedule: str, num_ranks: int, num_microbatches: int, virtua
     -----
     O(p m v), cached per ``(schedule, p, m, v)``.
     """
-    from pipeplan.plan.schedules import _rank_actions_cached, check_schedule
+    from pipeplan.plan.actions import cached_rank_actions
+    from pipeplan.plan.schedules import check_schedule
 
     check_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
 
     held = [0] * (num_ranks * virtual_stages)
     peak = [0] * (num_ranks * virtual_stages)
-    for actions in _rank_actions_cached(schedule, num_ranks, num_microbatches, virtual_stages):
+    for actions in cached_rank_actions(schedule, num_ranks, num_microbatches, virtual_stages):
         for action in actions:
             if action.kind == "F":
                 held[action.stage] += 1
@@ -123,11 +99,12 @@ def _live_count_rows(schedule: str, p: int, m: int, v: int):
     """
     import numpy as np
 
-    from pipeplan.plan.schedules import _rank_actions_cached, stage_ranks
+    from pipeplan.plan.actions import cached_rank_actions
+    from pipeplan.plan.schedules import stage_ranks
 
     placement = stage_ranks(schedule, p, v)
     out = []
-    for rank, actions in enumerate(_rank_actions_cached(schedule, p, m, v)):
+    for rank, actions in enumerate(cached_rank_actions(schedule, p, m, v)):
         stages = tuple(s for s in range(p * v) if placement[s] == rank)
         position = {s: i for i, s in enumerate(stages)}
         live = [0] * len(stages)

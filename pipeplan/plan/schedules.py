@@ -1,11 +1,9 @@
-"""Pipeline schedules: the per-rank order of compute actions of each torch schedule class.
+"""Pipeline schedules: one record per schedule, and the rules torch's classes enforce.
 
-Each schedule name maps to one class of ``torch.distributed.pipelining``
-(:data:`TORCH_SCHEDULE_CLASS`). :func:`rank_actions` gives, per rank, the
-ordered compute actions that the class *executes* in torch 2.13, computed here
-in pure Python so that planning needs no torch. ``tests/test_schedules_torch.py``
-checks the orders against the classes' own action lists for many
-``(ranks, micro-batches, virtual stages)``.
+Every fact about a schedule (its torch class and ``get_schedule_class`` name, the stages per
+rank it takes, whether it splits the backward, its placement) lives in :data:`SCHEDULE_INFO`;
+every other module (the planner, the simulator, the exporters, the runner) reads it there.
+The per-rank action orders are in :mod:`pipeplan.plan.actions`.
 
 Vocabulary
 ----------
@@ -13,114 +11,110 @@ Vocabulary
 - *stage*: a run of layers; there are ``p * v`` stages, ``v`` per rank
   (*virtual stages*). Stage ``s`` feeds stage ``s + 1``.
 - *micro-batch*: one of the ``m`` slices of the batch.
-- *action kinds*: ``"F"`` forward, ``"B"`` input gradient, ``"W"`` weight
-  gradient, ``"FULL_B"`` the whole backward (input and weight gradients at once).
-  torch spells them ``F``, ``I``, ``W`` and ``B``; ``str(action)`` uses torch's
-  spelling, so ``Action(1, 0, "FULL_B")`` prints as ``1B0`` and
-  ``Action(1, 0, "B")`` as ``1I0``.
 
 See docs/schedules.md.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Literal
 
 from pipeplan.errors import BadInputError
 
 __all__ = [
+    "ScheduleInfo",
+    "SCHEDULE_INFO",
     "SCHEDULES",
+    "PLANNER_SCHEDULES",
+    "SPLIT_BACKWARD_SCHEDULES",
     "TORCH_SCHEDULE_CLASS",
-    "ACTION_KINDS",
-    "Action",
+    "schedule_info",
     "check_schedule",
     "valid_virtual_stages",
     "stage_ranks",
-    "rank_actions",
     "num_rounds",
+    "LAUNCHER_SCHEDULES",
+    "megatron_interleaved_refusal",
+    "check_launcher",
 ]
 
-#: Schedule names, one per torch.distributed.pipelining class (same as
-#: ``pipeplan.formats.plan.SCHEDULES``).
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """What pipeplan knows about one schedule."""
+
+    name: str
+    """pipeplan's name (``--schedule``, ``plan.schedule``)."""
+    torch_class: str
+    """The ``torch.distributed.pipelining.schedules`` class that runs it."""
+    torch_name: str
+    """The name ``get_schedule_class`` (and torchtitan's ``pipeline_parallel_schedule``) accepts."""
+    virtual_stages: tuple[int, ...]
+    """Stages per rank it takes. torch's interleaved classes take any ``v``, but beyond 4 the
+    extra transfers outweigh the smaller bubble on real links."""
+    split_backward: bool
+    """Runs input and weight gradients as separate actions, so its prediction depends on the
+    profile's B/W split."""
+    v_placement: bool
+    """V placement (rank ``r`` holds stages ``r`` and ``2p - 1 - r``) rather than the loop
+    placement (stage ``s`` on rank ``s % p``)."""
+    description: str
+    """One line for documentation."""
+
+
+#: One record per schedule, in the order ``--schedule auto`` prefers on ties (1F1B before
+#: GPipe: same time, less memory).
+SCHEDULE_INFO: dict[str, ScheduleInfo] = {
+    info.name: info
+    for info in (
+        ScheduleInfo("1f1b", "Schedule1F1B", "1F1B", (1,), False, False,
+                     "one forward, one backward after a warm-up of p - s forwards"),
+        ScheduleInfo("gpipe", "ScheduleGPipe", "GPipe", (1,), False, False,
+                     "every forward, then every backward"),
+        ScheduleInfo("interleaved", "ScheduleInterleaved1F1B", "Interleaved1F1B", (2, 3, 4), False, False,
+                     "1F1B over v stages per rank (Megatron's interleaving)"),
+        ScheduleInfo("zb", "ScheduleInterleavedZeroBubble", "InterleavedZeroBubble", (1, 2, 3, 4), True, False,
+                     "zero-bubble (ZB-H1 when v = 1): weight gradients delayed into the bubble"),
+        ScheduleInfo("zbv", "ScheduleZBVZeroBubble", "ZBVZeroBubble", (2,), True, True,
+                     "zero-bubble on the V placement"),
+        ScheduleInfo("dualpipev", "ScheduleDualPipeV", "DualPipeV", (2,), True, True,
+                     "DeepSeek's DualPipe on the V placement"),
+    )
+}
+
+#: Schedule names, one per torch.distributed.pipelining class, in the plan format's order.
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
+assert set(SCHEDULES) == set(SCHEDULE_INFO)
+
+#: The order ``--schedule auto`` searches and prefers on ties.
+PLANNER_SCHEDULES = tuple(SCHEDULE_INFO)
+
+#: Schedules that run the input and weight gradients as separate actions.
+SPLIT_BACKWARD_SCHEDULES = tuple(name for name, info in SCHEDULE_INFO.items() if info.split_backward)
 
 #: The torch.distributed.pipelining class that runs each schedule.
-TORCH_SCHEDULE_CLASS = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved": "ScheduleInterleaved1F1B",
-    "zb": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
-
-#: Action kinds: forward, input gradient, weight gradient, whole backward.
-ACTION_KINDS = ("F", "B", "W", "FULL_B")
-
-# torch's one-letter spelling of each kind (torch.distributed.pipelining.schedules._ComputationType).
-_TORCH_LETTER = {"F": "F", "B": "I", "W": "W", "FULL_B": "B"}
-_KIND_OF_TORCH_LETTER = {letter: kind for kind, letter in _TORCH_LETTER.items()}
-
-# Stages per rank each schedule accepts; torch's interleaved classes take any v,
-# but beyond 4 the extra transfers outweigh the smaller bubble on real links.
-_VIRTUAL_STAGES = {
-    "gpipe": (1,),
-    "1f1b": (1,),
-    "interleaved": (2, 3, 4),
-    "zb": (1, 2, 3, 4),
-    "zbv": (2,),
-    "dualpipev": (2,),
-}
-
-Kind = Literal["F", "B", "W", "FULL_B"]
+TORCH_SCHEDULE_CLASS = {name: SCHEDULE_INFO[name].torch_class for name in SCHEDULES}
 
 
-@dataclass(frozen=True, order=True)
-class Action:
-    """One compute action of a schedule: a kind of work on one stage for one micro-batch."""
+def schedule_info(schedule: str) -> ScheduleInfo:
+    """The record of ``schedule``.
 
-    stage: int
-    """Global stage index, ``0 <= stage < ranks * virtual_stages``."""
-    microbatch: int
-    """Micro-batch index, ``0 <= microbatch < num_microbatches``."""
-    kind: Kind
-    """``"F"`` forward, ``"B"`` input gradient, ``"W"`` weight gradient, ``"FULL_B"`` whole backward."""
+    Raises
+    ------
+    BadInputError
+        If the name is unknown.
 
-    def __post_init__(self) -> None:
-        if self.kind not in ACTION_KINDS:
-            raise BadInputError(f"action kind {self.kind!r} is not one of {ACTION_KINDS}")
-        if self.stage < 0 or self.microbatch < 0:
-            raise BadInputError(
-                f"action stage {self.stage} and micro-batch {self.microbatch} must be >= 0"
-            )
-
-    def __str__(self) -> str:
-        return f"{self.stage}{_TORCH_LETTER[self.kind]}{self.microbatch}"
-
-    @classmethod
-    def from_str(cls, text: str) -> "Action":
-        """Parse torch's compact form, e.g. ``"0F0"``, ``"1B0"`` (whole backward), ``"2I1"``, ``"2W1"``.
-
-        Examples
-        --------
-        >>> Action.from_str("1B0")
-        Action(stage=1, microbatch=0, kind='FULL_B')
-        >>> str(Action(2, 1, "B"))
-        '2I1'
-        """
-        text = text.strip()
-        for index, char in enumerate(text):
-            if not char.isdigit():
-                letter, stage, microbatch = char, text[:index], text[index + 1 :]
-                if letter in _KIND_OF_TORCH_LETTER and stage.isdigit() and microbatch.isdigit():
-                    return cls(int(stage), int(microbatch), _KIND_OF_TORCH_LETTER[letter])
-                break
+    Examples
+    --------
+    >>> schedule_info("zbv").torch_class
+    'ScheduleZBVZeroBubble'
+    """
+    try:
+        return SCHEDULE_INFO[schedule]
+    except (KeyError, TypeError):
         raise BadInputError(
-            f"action {text!r} is not of the form <stage><F|I|W|B><micro-batch>, e.g. '0F0' or '1B0'"
-        )
+            f"schedule {schedule!r} is unknown; use one of {', '.join(SCHEDULES)}"
+        ) from None
 
 
 def num_rounds(num_ranks: int, num_microbatches: int) -> int:
@@ -138,15 +132,7 @@ def valid_virtual_stages(schedule: str) -> tuple[int, ...]:
     >>> valid_virtual_stages("zbv")
     (2,)
     """
-    _check_name(schedule)
-    return _VIRTUAL_STAGES[schedule]
-
-
-def _check_name(schedule: str) -> None:
-    if schedule not in SCHEDULES:
-        raise BadInputError(
-            f"schedule {schedule!r} is unknown; use one of {', '.join(SCHEDULES)}"
-        )
+    return schedule_info(schedule).virtual_stages
 
 
 def check_schedule(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
@@ -179,16 +165,16 @@ def check_schedule(schedule: str, num_ranks: int, num_microbatches: int, virtual
     ...
     pipeplan.errors.BadInputError: schedule 1f1b: 2 micro-batches < 4 ranks; Schedule1F1B needs micro-batches >= ranks: use at least 4 micro-batches or the gpipe schedule
     """
-    _check_name(schedule)
+    info = schedule_info(schedule)
     p, m, v = num_ranks, num_microbatches, virtual_stages
     for name, value in (("ranks", p), ("micro-batches", m), ("virtual stages", v)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise BadInputError(f"schedule {schedule}: {name} = {value!r} must be an integer >= 1")
-    allowed = _VIRTUAL_STAGES[schedule]
+    allowed = info.virtual_stages
     if v not in allowed:
         raise BadInputError(
             f"schedule {schedule}: virtual stages = {v} is not allowed; "
-            f"{TORCH_SCHEDULE_CLASS[schedule]} takes {' or '.join(map(str, allowed))} stages per rank: "
+            f"{info.torch_class} takes {' or '.join(map(str, allowed))} stages per rank: "
             f"use --virtual-stages {allowed[0]}"
         )
     if schedule == "1f1b" and m < p:
@@ -202,7 +188,7 @@ def check_schedule(schedule: str, num_ranks: int, num_microbatches: int, virtual
             lower = (m // rounds) * rounds
             raise BadInputError(
                 f"schedule {schedule}: {m} micro-batches is not a multiple of the {rounds} rounds "
-                f"(max(1, micro-batches // ranks) with {p} ranks); {TORCH_SCHEDULE_CLASS[schedule]} "
+                f"(max(1, micro-batches // ranks) with {p} ranks); {info.torch_class} "
                 f"needs it: use {lower} or a multiple of {p} micro-batches"
             )
     if schedule == "dualpipev" and m < 2 * p:
@@ -226,11 +212,11 @@ def stage_ranks(schedule: str, num_ranks: int, virtual_stages: int) -> list[int]
     >>> stage_ranks("zbv", 2, 2)
     [0, 1, 1, 0]
     """
-    _check_name(schedule)
+    info = schedule_info(schedule)
     p, v = num_ranks, virtual_stages
     if p < 1 or v < 1:
         raise BadInputError(f"ranks = {p} and virtual stages = {v} must both be >= 1")
-    if schedule in ("zbv", "dualpipev"):
+    if info.v_placement:
         if v != 2:
             raise BadInputError(
                 f"schedule {schedule}: virtual stages = {v}; the V placement needs exactly 2: use 2"
@@ -239,248 +225,63 @@ def stage_ranks(schedule: str, num_ranks: int, virtual_stages: int) -> list[int]
     return [s % p for s in range(p * v)]
 
 
-def rank_actions(
-    schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
-) -> list[list[Action]]:
-    """Per rank, the ordered compute actions that torch's class runs.
+#: The schedules each launcher runs (Megatron-LM: 1F1B, interleaved when the layout has virtual
+#: stages; DeepSpeed: its 1F1B-like TrainSchedule, one stage per rank; torchtitan: torch's classes).
+LAUNCHER_SCHEDULES = {
+    "megatron": ("1f1b", "interleaved"),
+    "torchtitan": ("1f1b", "gpipe", "interleaved", "zb", "zbv", "dualpipev"),
+    "deepspeed": ("1f1b",),
+}
 
-    Parameters
-    ----------
-    schedule : str
-        One of :data:`SCHEDULES`.
-    num_ranks, num_microbatches, virtual_stages : int
-        ``p``, ``m`` and ``v``; checked with :func:`check_schedule`.
 
-    Returns
-    -------
-    list of list of Action
-        ``result[r]`` is rank ``r``'s actions in execution order. Every
-        ``(stage, micro-batch)`` appears once as ``F`` and either once as
-        ``FULL_B`` or once as ``B`` and once as ``W``.
+def megatron_interleaved_refusal(num_ranks: int, num_microbatches: int, group_size: int | None = None) -> str | None:
+    """Why Megatron's interleaved schedule refuses ``num_microbatches``, or None if it runs.
+
+    megatron-core's ``forward_backward_pipelining_with_interleaving`` raises unless the group of
+    contiguous micro-batches per virtual stage ``N`` (``--microbatch-group-size-per-virtual-
+    pipeline-stage``, default ``p``) lies in ``[p, M]`` and ``M % N`` is 0 or at least ``p``.
+
+    Examples
+    --------
+    >>> megatron_interleaved_refusal(4, 8) is None
+    True
+    >>> megatron_interleaved_refusal(4, 6)[:30]
+    'The remainder of M (the total '
+    """
+    p, m = num_ranks, num_microbatches
+    n = p if group_size is None else group_size
+    if n > m or n < p:
+        return (f"The number of contiguous micro-batches in a virtual pipeline stage should range in "
+                f"[PP={p}, M={m}] (N = {n})")
+    remainder = m % n
+    if 0 < remainder < p:
+        return (f"The remainder of M (the total micro-batches, {m}) divided by N (contiguous micro-batches "
+                f"in a virtual pipeline stage, {n}) should be 0, or larger than or equal to the "
+                f"pipeline-parallel size ({p}), but it is {remainder}")
+    return None
+
+
+def check_launcher(launcher: str | None, schedule: str, num_ranks: int, num_microbatches: int,
+                   virtual_stages: int) -> None:
+    """Raise if ``launcher`` cannot run these numbers (beyond what torch's classes refuse).
 
     Raises
     ------
     BadInputError
-        If :func:`check_schedule` refuses the numbers.
-
-    Notes
-    -----
-    The orders follow torch 2.13's ``torch/distributed/pipelining/schedules.py``:
-    the ``_step_microbatches`` loops of ``ScheduleGPipe`` and ``Schedule1F1B``
-    (whose own ``pipeline_order`` listing is off by one on the last rank), and
-    the ``pipeline_order`` of the runtime classes with idle steps dropped and
-    ``OVERLAP_F_B`` pairs expanded in their execution order (forward first).
-    Time and memory are ``O(p * m * v)``.
+        A schedule the launcher does not run, or Megatron's interleaved micro-batch rule.
 
     Examples
     --------
-    >>> [" ".join(map(str, actions)) for actions in rank_actions("1f1b", 2, 3, 1)]
-    ['0F0 0F1 0B0 0F2 0B1 0B2', '1F0 1B0 1F1 1B1 1F2 1B2']
+    >>> check_launcher("megatron", "interleaved", 4, 8, 2)
+    >>> check_launcher(None, "interleaved", 4, 6, 2)
     """
-    check_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
-    return [list(actions) for actions in _rank_actions_cached(schedule, num_ranks, num_microbatches, virtual_stages)]
-
-
-@lru_cache(maxsize=256)
-def _rank_actions_cached(schedule: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
-    # The planner simulates the same (schedule, p, m, v) for many splits; Actions are immutable.
-    builder = {
-        "gpipe": _gpipe,
-        "1f1b": _one_f_one_b,
-        "interleaved": lambda r: _interleaved(r, p, m, v, zero_bubble=False),
-        "zb": lambda r: _interleaved(r, p, m, v, zero_bubble=True),
-        "zbv": lambda r: _zbv(r, p, m),
-        "dualpipev": lambda r: _dualpipev(r, p, m),
-    }[schedule]
-    if schedule in ("gpipe", "1f1b"):
-        return tuple(tuple(builder(r, p, m)) for r in range(p))
-    return tuple(tuple(builder(r)) for r in range(p))
-
-
-def _gpipe(rank: int, p: int, m: int) -> list[Action]:
-    return [Action(rank, i, "F") for i in range(m)] + [Action(rank, i, "FULL_B") for i in range(m)]
-
-
-def _one_f_one_b(rank: int, p: int, m: int) -> list[Action]:
-    # Schedule1F1B._step_microbatches: min(m, p - s) warm-up forwards, then
-    # backward-forward pairs, then the remaining backwards.
-    warmup = min(m, p - rank)
-    actions = [Action(rank, i, "F") for i in range(warmup)]
-    forward, backward = warmup, 0
-    while backward < m:
-        actions.append(Action(rank, backward, "FULL_B"))
-        backward += 1
-        if forward < m:
-            actions.append(Action(rank, forward, "F"))
-            forward += 1
-    return actions
-
-
-def _interleaved(rank: int, p: int, m: int, v: int, zero_bubble: bool) -> list[Action]:
-    # ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble via _get_warmup_ops
-    # and _get_1f1b_rank_ops (torch 2.13), without the idle (None) steps.
-    per_round = m // num_rounds(p, m)
-    factor = 1 if zero_bubble else 2
-    warmup_ops = min((v - 1) * per_round + factor * (p - 1 - rank), m * v)
-    microbatch_ops = v * m
-    fwd_bwd_ops = microbatch_ops - warmup_ops
-    cooldown_ops = microbatch_ops - fwd_bwd_ops
-    total_ops = warmup_ops + fwd_bwd_ops + cooldown_ops
-    # ZB-H1 delays each rank's weight gradients by its rank index.
-    num_1f1b = rank
-
-    def forward_stage(step: int) -> int:
-        return ((step // per_round) % v) * p + rank
-
-    def backward_stage(step: int) -> int:
-        return (v - 1 - ((step - warmup_ops) // per_round) % v) * p + rank
-
-    next_f: dict[int, int] = defaultdict(int)
-    next_b: dict[int, int] = defaultdict(int)
-    next_w: dict[int, int] = defaultdict(int)
-    backward_ops: list[int] = []
-    weights_done = 0
-    backward_kind: Kind = "B" if zero_bubble else "FULL_B"
-    actions: list[Action] = []
-
-    def take(counter: dict[int, int], stage: int) -> int:
-        index = counter[stage]
-        counter[stage] = index + 1
-        return index
-
-    def add_weight() -> None:
-        nonlocal weights_done
-        stage = backward_stage(backward_ops[weights_done])
-        actions.append(Action(stage, take(next_w, stage), "W"))
-        weights_done += 1
-
-    for op in range(total_ops):
-        if op < warmup_ops + fwd_bwd_ops:
-            stage = forward_stage(op)
-            actions.append(Action(stage, take(next_f, stage), "F"))
-        if op >= warmup_ops:
-            stage = backward_stage(op)
-            actions.append(Action(stage, take(next_b, stage), backward_kind))
-            backward_ops.append(op)
-            if zero_bubble and op - warmup_ops >= num_1f1b:
-                add_weight()
-    while zero_bubble and weights_done < len(backward_ops):
-        add_weight()
-    return actions
-
-
-def _zbv(rank: int, p: int, m: int) -> list[Action]:
-    # ScheduleZBVZeroBubble._calculate_single_rank_operations (torch 2.13): built
-    # for max(2p - 1, m) micro-batches, then the surplus ones are dropped.
-    n_micro = max(2 * p - 1, m)
-    chunk0, chunk1 = rank, 2 * p - 1 - rank
-    f0 = f1 = b0 = b1 = 0
-    out: list[Action] = []
-    for _ in range(2 * (p - rank) - 1):
-        out.append(Action(chunk0, f0, "F"))
-        f0 += 1
-    for _ in range(rank):
-        out.append(Action(chunk1, f1, "F"))
-        f1 += 1
-        out.append(Action(chunk0, f0, "F"))
-        f0 += 1
-    for _ in range(p - rank):
-        out.append(Action(chunk1, f1, "F"))
-        f1 += 1
-        out.append(Action(chunk1, b1, "B"))
-        out.append(Action(chunk1, b1, "W"))
-        b1 += 1
-    while f1 < f0 or f0 < n_micro:
-        if f0 < n_micro:
-            out.append(Action(chunk0, f0, "F"))
-            f0 += 1
-        out.append(Action(chunk0, b0, "B"))
-        out.append(Action(chunk0, b0, "W"))
-        b0 += 1
-        out.append(Action(chunk1, f1, "F"))
-        f1 += 1
-        out.append(Action(chunk1, b1, "B"))
-        out.append(Action(chunk1, b1, "W"))
-        b1 += 1
-    w0, w1 = b0, b1
-    for _ in range(rank):
-        out.append(Action(chunk0, b0, "B"))
-        b0 += 1
-        out.append(Action(chunk1, b1, "B"))
-        b1 += 1
-    for _ in range(p - rank):
-        out.append(Action(chunk0, b0, "B"))
-        b0 += 1
-        out.append(Action(chunk0, w0, "W"))
-        w0 += 1
-    while w1 < b1:
-        out.append(Action(chunk1, w1, "W"))
-        w1 += 1
-    while w0 < b0:
-        out.append(Action(chunk0, w0, "W"))
-        w0 += 1
-    return [action for action in out if action.microbatch < m]
-
-
-def _dualpipev(rank: int, p: int, m: int) -> list[Action]:
-    # ScheduleDualPipeV._calculate_single_rank_operations (torch 2.13), with each
-    # OVERLAP_F_B pair run as its forward then its whole backward, as the runtime does.
-    stage0, stage1 = rank, 2 * p - 1 - rank
-    next_f: dict[int, int] = defaultdict(int)
-    next_b: dict[int, int] = defaultdict(int)  # shared by B (input) and FULL_B, as in torch
-    pending_weights: list[tuple[int, int]] = []
-    out: list[Action] = []
-
-    def forward(stage: int) -> None:
-        out.append(Action(stage, next_f[stage], "F"))
-        next_f[stage] += 1
-
-    def full_backward(stage: int) -> None:
-        out.append(Action(stage, next_b[stage], "FULL_B"))
-        next_b[stage] += 1
-
-    def input_backward(stage: int) -> None:
-        out.append(Action(stage, next_b[stage], "B"))
-        pending_weights.append((stage, next_b[stage]))
-        next_b[stage] += 1
-
-    def weight_if_pending() -> None:
-        if pending_weights:
-            stage, microbatch = pending_weights.pop(0)
-            out.append(Action(stage, microbatch, "W"))
-
-    def overlap(forward_stage: int, backward_stage: int) -> None:
-        forward(forward_stage)
-        full_backward(backward_stage)
-
-    for _ in range((p - rank - 1) * 2):
-        forward(stage0)
-    for _ in range(rank + 1):
-        forward(stage0)
-        forward(stage1)
-    for _ in range(p - rank - 1):
-        input_backward(stage1)
-        weight_if_pending()
-        forward(stage1)
-    for i in range(m - 2 * p + rank + 1):
-        # torch keeps the last rank's first pair apart to shorten the bubble.
-        overlap(stage0, stage1)
-        overlap(stage1, stage0)
-    for _ in range(p - rank - 1):
-        full_backward(stage1)
-        overlap(stage1, stage0)
-    step_6 = rank + 1
-    zero_bubble = False
-    for i in range(step_6):
-        if i == step_6 // 2 and rank % 2 == 1:
-            zero_bubble = True
-        (input_backward if zero_bubble else full_backward)(stage1)
-        if i == step_6 // 2 and rank % 2 == 0:
-            zero_bubble = True
-        (input_backward if zero_bubble else full_backward)(stage0)
-    for _ in range(p - rank - 1):
-        weight_if_pending()
-        (input_backward if zero_bubble else full_backward)(stage0)
-    for _ in range(rank + 1):
-        weight_if_pending()
-    return out
+    if launcher is None:
+        return
+    allowed = LAUNCHER_SCHEDULES[launcher]
+    if schedule not in allowed:
+        raise BadInputError(f"launcher {launcher}: runs {', '.join(allowed)}, not {schedule}")
+    if launcher == "megatron" and schedule == "interleaved":
+        why = megatron_interleaved_refusal(num_ranks, num_microbatches)
+        if why is not None:
+            raise BadInputError(f"launcher megatron: its interleaved schedule refuses {num_microbatches} "
+                                f"micro-batches on {num_ranks} ranks: {why}")

@@ -1,7 +1,7 @@
 """Event-level simulation of one training iteration under a pipeline schedule.
 
 The single source of truth for a plan's predicted time and memory: every
-compute action of :func:`pipeplan.plan.schedules.rank_actions` gets a start
+compute action of :func:`pipeplan.plan.actions.rank_actions` gets a start
 and an end, and every rank's memory is followed through the actual order of
 work. Closed-form bubble formulas only hold for equal stages and free
 transfers; this holds for any per-stage costs.
@@ -44,7 +44,8 @@ from functools import lru_cache
 from typing import NamedTuple, Optional, Sequence
 
 from pipeplan.errors import BadInputError
-from pipeplan.plan.schedules import _rank_actions_cached, check_schedule, stage_ranks
+from pipeplan.plan.actions import cached_rank_actions
+from pipeplan.plan.schedules import check_schedule, stage_ranks
 
 __all__ = ["StageCost", "Event", "Simulation", "simulate"]
 
@@ -152,7 +153,8 @@ class Simulation:
     """Busy time of the critical rank."""
     bubble_ms: float
     """Idle time of the critical rank that free transfers would not remove: fill,
-    drain and waiting on slower stages."""
+    drain and waiting on slower stages. The sum of its idle intervals
+    (:meth:`rank_idle_intervals`) less ``transfer_ms``."""
     transfer_ms: float
     """Exposed transfer: how much longer the iteration is than with free transfers
     (transfers on the critical path that no compute hides); part of the critical
@@ -161,11 +163,34 @@ class Simulation:
     """The schedule's own time of each rank: its actions' ``action_overhead_ms``."""
     overhead_ms: float = 0.0
     """The schedule's own time on the critical rank."""
+    stage_action_overhead_ms: tuple[float, ...] = ()
+    """Per stage, the schedule's own time before each of its actions."""
 
     @property
     def peak_memory_bytes(self) -> int:
         """The largest per-rank peak."""
         return max(self.rank_peak_memory_bytes)
+
+    def rank_idle_intervals(self, rank: int) -> list[tuple[float, float]]:
+        """When ``rank`` waits: ``(start_ms, end_ms)`` from the events, in order.
+
+        Before each action the rank first spends its stage's own time per action, then waits
+        for the action's input; the wait is the interval. The time after its last action to
+        the end of the iteration is one more.
+        """
+        overhead = self.stage_action_overhead_ms or (0.0,) * len(self.stage_ranks)
+        intervals = []
+        free = 0.0
+        for event in self.events:
+            if event.rank != rank:
+                continue
+            ready = free + overhead[event.stage]
+            if event.start_ms > ready:
+                intervals.append((ready, event.start_ms))
+            free = event.end_ms
+        if self.iteration_ms > free:
+            intervals.append((free, self.iteration_ms))
+        return intervals
 
 
 def simulate(
@@ -267,6 +292,12 @@ def simulate(
         transfer_ms = min(max(0.0, iteration_ms - free_iteration_ms), idle[critical])
 
     peaks, timelines, in_flight_peak = _memory(rank_events, costs, placement, p, num_stages)
+    critical_waits = 0.0
+    free = 0.0
+    for event in rank_events[critical]:
+        critical_waits += max(0.0, event.start_ms - (free + overhead_ms[event.stage]))
+        free = event.end_ms
+    critical_waits += max(0.0, iteration_ms - free)
 
     return Simulation(
         schedule=schedule,
@@ -284,10 +315,11 @@ def simulate(
         stage_peak_in_flight=in_flight_peak,
         critical_rank=critical,
         compute_ms=busy[critical],
-        bubble_ms=max(0.0, iteration_ms - busy[critical] - overhead[critical] - transfer_ms),
+        bubble_ms=max(0.0, critical_waits - transfer_ms),
         transfer_ms=transfer_ms,
         rank_overhead_ms=overhead,
         overhead_ms=overhead[critical],
+        stage_action_overhead_ms=tuple(overhead_ms),
     )
 
 
@@ -304,7 +336,7 @@ def _compiled(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, i
     """
     last = p * v - 1
     out = []
-    for actions in _rank_actions_cached(schedule, p, m, v):
+    for actions in cached_rank_actions(schedule, p, m, v):
         row = []
         for action in actions:
             s, i, code = action.stage, action.microbatch, _KIND_CODE[action.kind]

@@ -11,8 +11,6 @@ See docs/schedules.md.
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 from pathlib import Path
 
 from rich.text import Text
@@ -229,20 +227,3 @@ def _memory_unit(peak_bytes: int) -> tuple[float, str]:
         if peak_bytes >= scale:
             return float(scale), unit
     return 1.0, "bytes"
-
-
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise

@@ -1,11 +1,12 @@
 """Plans for any schedule, split evenly and predicted by the simulator (for runs and tests).
 
-The planner (:func:`pipeplan.plan.planner.make_plan`) searches splits for the schedules it
+The planner (:func:`pipeplan.plan.make_plan`) searches splits for the schedules it
 supports. To run every schedule the simulator knows (interleaved, zero-bubble, V-shapes) on a
 real model, :func:`balanced_plan` builds a plan directly: it cuts the profile's layer chain into
-``ranks * virtual_stages`` contiguous stages of near-equal compute and hands the split to the
-planner's own costing and simulation (:func:`pipeplan.plan.planner.plan_from_partition`).
-:func:`simulate_plan` predicts any plan the same way. No torch needed.
+``ranks * virtual_stages`` contiguous stages of near-equal compute (the chain DP on compute
+alone) and hands the split to the planner's own costing and simulation
+(:func:`pipeplan.plan.plan_given_split`). :func:`simulate_plan` predicts any plan with the same
+cost model. No torch needed.
 """
 
 from __future__ import annotations
@@ -20,19 +21,14 @@ from pipeplan.formats.plan import Plan, PlanSettings
 __all__ = ["balanced_plan", "simulate_plan", "stage_costs"]
 
 
-def _split(profile: Any, graph: Any, stages: Sequence[Sequence[str]], settings: PlanSettings,
-           in_flight: Sequence[int], method: str = "given") -> tuple[Any, Any]:
-    """The planner's ``(problem, partition)`` for a split given by layer names, on the profile's
-    layer graph at one micro-batch size (:func:`pipeplan.plan.graph.build_layer_graph`).
+def _positions(profile: Any, graph: Any, stages: Sequence[Sequence[str]]) -> list[list[int]]:
+    """Layer positions of a split given by layer names.
 
     Raises
     ------
     BadInputError
         A layer name the profile does not have.
     """
-    from pipeplan.plan.partition import evaluate_split
-    from pipeplan.plan.planner import _problem
-
     index = {name: i for i, name in enumerate(graph.names)}
     for number, layers in enumerate(stages):
         unknown = [name for name in layers if name not in index]
@@ -41,16 +37,14 @@ def _split(profile: Any, graph: Any, stages: Sequence[Sequence[str]], settings: 
                 f"stage {number}: layer {unknown[0]!r} is not in the profile of {profile.model}; "
                 f"its layers are {', '.join(graph.names)}"
             )
-    problem = _problem(profile, graph, settings, in_flight)
-    partition = evaluate_split(problem, [[index[name] for name in layers] for layers in stages], method=method)
-    return problem, partition
+    return [[index[name] for name in layers] for layers in stages]
 
 
 def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: int,
                 optimizer: str = "adam", bandwidth_bytes_per_s: Optional[float] = None,
                 latency_ms: float = 0.0, action_overhead_ms: Optional[float] = None) -> list:
-    """One :class:`pipeplan.plan.simulate.StageCost` per stage, from the profile's layers, as
-    the planner costs them (:func:`pipeplan.plan.planner.stage_costs`).
+    """One :class:`pipeplan.plan.simulate.StageCost` per stage, from the profile's layers, by
+    the cost model (:class:`pipeplan.plan.costmodel.CostModel`), as the planner costs them.
 
     Parameters
     ----------
@@ -60,7 +54,7 @@ def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: 
     microbatch_size : int
         A profiled size.
     optimizer : {'adam', 'sgd', 'none'}
-        Sets the static bytes per parameter byte (:mod:`pipeplan.plan.memory`).
+        Sets the static bytes per parameter byte.
     bandwidth_bytes_per_s : float, optional
         Point-to-point bandwidth; None means transfers are free.
     latency_ms : float
@@ -73,41 +67,20 @@ def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: 
     BadInputError
         A layer name the profile does not have.
     """
-    from pipeplan.plan import planner
-    from pipeplan.plan.graph import build_layer_graph
+    from pipeplan.plan import PartitionProblem, build_layer_graph, evaluate_split
+    from pipeplan.plan.costmodel import CostModel, static_bytes_per_param_byte
+    from pipeplan.plan.problem import stage_costs as split_stage_costs
 
-    settings = PlanSettings(stages=1, global_batch=microbatch_size, optimizer=optimizer,
-                            bandwidth_bytes_per_s=bandwidth_bytes_per_s, action_overhead_ms=action_overhead_ms)
     graph = build_layer_graph(profile, microbatch_size)
-    problem, partition = _split(profile, graph, stages, settings, [1] * len(stages))
+    positions = _positions(profile, graph, stages)
+    cost = CostModel(bandwidth_bytes_per_s=math.inf if bandwidth_bytes_per_s is None else float(bandwidth_bytes_per_s),
+                     static_bytes_per_param_byte=static_bytes_per_param_byte(optimizer, profile.dtype_bytes),
+                     action_overhead_ms=float(action_overhead_ms or 0.0))
+    problem = PartitionProblem(graph=graph, num_stages=len(stages), in_flight=(1,) * len(stages), cost=cost)
+    partition = evaluate_split(problem, positions)
     last = len(stages) - 1
-    return [replace(cost, send_ms=cost.send_ms + latency_ms) if j < last else cost
-            for j, cost in enumerate(planner.stage_costs(problem, partition))]
-
-
-def _balanced_cuts(weights: Sequence[float], parts: int) -> list[int]:
-    """Contiguous split of ``weights`` into ``parts`` non-empty runs minimising the largest sum.
-
-    Exact DP, ``O(parts * n^2)``; returns the end index (exclusive) of each run.
-    """
-    n = len(weights)
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    best = [[math.inf] * (n + 1) for _ in range(parts + 1)]
-    back = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for j in range(k, n - (parts - k) + 1):
-            for i in range(k - 1, j):
-                value = max(best[k - 1][i], prefix[j] - prefix[i])
-                if value < best[k][j]:
-                    best[k][j], back[k][j] = value, i
-    cuts, j = [], n
-    for k in range(parts, 0, -1):
-        cuts.append(j)
-        j = back[k][j]
-    return cuts[::-1]
+    return [replace(c, send_ms=c.send_ms + latency_ms) if j < last else c
+            for j, c in enumerate(split_stage_costs(problem, partition))]
 
 
 def simulate_plan(plan: Plan, profile: Any, *, bandwidth_bytes_per_s: Optional[float] = None,
@@ -161,7 +134,7 @@ def balanced_plan(profile: Any, *, schedule: str, ranks: int, microbatch_size: i
     -------
     Plan
         ``solver.method`` is ``balanced`` and ``solver.optimal`` False: the split minimises the
-        largest stage's compute, not the simulated iteration.
+        largest stage's compute (ties toward balance), not the simulated iteration.
 
     Raises
     ------
@@ -179,11 +152,8 @@ def balanced_plan(profile: Any, *, schedule: str, ranks: int, microbatch_size: i
     >>> [(s.rank, s.layers) for s in plan.stages]
     [(0, ['l0']), (1, ['l1']), (1, ['l2']), (0, ['l3'])]
     """
-    from pipeplan.plan.graph import build_layer_graph
-    from pipeplan.plan.planner import plan_from_partition
-    from pipeplan.plan.planner import stage_costs as planner_stage_costs
+    from pipeplan.plan import PartitionProblem, build_layer_graph, partition_chain, plan_given_split
     from pipeplan.plan.schedules import check_schedule, valid_virtual_stages
-    from pipeplan.plan.simulate import simulate
 
     if virtual_stages is None:
         virtual_stages = valid_virtual_stages(schedule)[0]
@@ -196,18 +166,15 @@ def balanced_plan(profile: Any, *, schedule: str, ranks: int, microbatch_size: i
             f"but the profile has only {len(names)} layers; use fewer ranks or a deeper model"
         )
     graph = build_layer_graph(profile, microbatch_size)
-    cuts = _balanced_cuts(list(graph.forward_ms + graph.backward_ms), num_stages)
-    groups = [names[start:end] for start, end in zip([0, *cuts[:-1]], cuts)]
+    # Compute alone (the default cost model: free transfers, no memory), split by the chain DP.
+    compute_only = PartitionProblem(graph=graph, num_stages=num_stages, in_flight=(1,) * num_stages)
+    split = partition_chain(compute_only, method="direct").stages
     settings = PlanSettings(stages=ranks, global_batch=microbatch_size * num_microbatches,
                             microbatch_size=microbatch_size, optimizer=optimizer, schedule=schedule,
-                            virtual_stages=virtual_stages)
-    # The schedule decides how many micro-batches each stage holds: simulate once to learn it,
-    # then cost the split with those counts.
-    problem, partition = _split(profile, graph, groups, settings, [1] * num_stages)
-    sim = simulate(planner_stage_costs(problem, partition), schedule, ranks, num_microbatches, virtual_stages)
-    problem, partition = _split(profile, graph, groups, settings, sim.stage_peak_in_flight, method="balanced")
-    return plan_from_partition(
-        profile, settings, graph, problem, partition, schedule, microbatch_size, num_microbatches,
-        profile_sha256, 0.0, virtual_stages=virtual_stages, simulation=sim,
+                            virtual_stages=virtual_stages, bandwidth_bytes_per_s=None, recompute="none")
+    return plan_given_split(
+        profile, settings, graph, split, schedule=schedule, virtual_stages=virtual_stages,
+        microbatch_size=microbatch_size, num_microbatches=num_microbatches, profile_sha256=profile_sha256,
+        method="balanced",
         notes=["split by pipeplan.run.plans.balanced_plan: near-equal compute per stage, "
                "predicted by the event simulator"])

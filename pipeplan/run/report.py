@@ -129,7 +129,7 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
     iteration_ms = _median([iteration_steps[i] for i in timed])
 
     predicted_rank = {summary.rank: summary for summary in plan.ranks}
-    from pipeplan.plan.schedules import rank_actions
+    from pipeplan.plan.actions import rank_actions
 
     actions_per_rank = [len(actions) for actions in rank_actions(
         plan.schedule, plan.settings.stages, plan.num_microbatches, plan.virtual_stages)]
@@ -263,7 +263,7 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
     if all(row.get("overhead_per_action_ms") is not None for row in ranks):
         report["measured"]["action_overhead_ms"] = _r(
             sum(row["post_ms"] + row["overhead_ms"] for row in ranks) / sum(row["actions"] for row in ranks))
-    from pipeplan.plan.planner import plan_simulation
+    from pipeplan.plan import plan_simulation
 
     planned_busy_ms = plan_simulation(plan).rank_busy_ms
     if all(row["busy_ms"] is not None and planned_busy_ms[row["rank"]] > 0 for row in ranks):
@@ -338,7 +338,7 @@ def _scaled_iteration_ms(plan: Any, factors: dict[int, float]) -> float:
     """The plan's schedule simulated again with each rank's compute times multiplied by its factor."""
     from dataclasses import replace
 
-    from pipeplan.plan.planner import plan_stage_costs
+    from pipeplan.plan import plan_stage_costs
     from pipeplan.plan.simulate import simulate
 
     rank_of = {s.index: s.rank for s in plan.stages}

@@ -1,0 +1,187 @@
+"""``pipeplan doctor``: read a launcher config people already have, say what is wrong, and fix it.
+
+    launcher config --parse--> LauncherConfig + Layout (the launcher's own rounding)
+                    --diagnose--> findings, the layout costed, the best plan for the same ranks
+                    --fix--> the same launcher's config with the best plan, other settings kept
+
+One module per step: ``megatron.py`` / ``torchtitan.py`` / ``deepspeed.py`` (parse and layout),
+``units.py`` (launcher units to profile layers), ``evaluate.py`` (the planner), ``diagnose.py``
+(findings), ``fix.py`` (rewrite the config), ``report.py`` (text, markdown, JSON, JUnit).
+See docs/doctor.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeplan.doctor.config import LAUNCHERS, LauncherConfig, Layout
+from pipeplan.doctor.diagnose import Diagnosis, Finding, diagnose
+from pipeplan.errors import BadInputError
+
+__all__ = ["LAUNCHERS", "DoctorOptions", "read_config", "doctor_file", "run_doctor_command", "Diagnosis", "Finding"]
+
+
+@dataclass(frozen=True)
+class DoctorOptions:
+    """What the launcher file itself does not say."""
+
+    world_size: int | None = None
+    """GPUs in the job (data-parallel size = world / (t x p x cp))."""
+    variables: tuple[tuple[str, str], ...] = ()
+    """Megatron: values for variables the script reads but does not set."""
+    num_stages: int | None = None
+    """DeepSpeed: ``PipelineModule(num_stages=...)``."""
+    partition_method: str | None = None
+    """DeepSpeed: ``PipelineModule(partition_method=...)``."""
+    parts: tuple[int, ...] | None = None
+    """DeepSpeed: explicit stage boundaries."""
+    activation_checkpoint_interval: int | None = None
+    """DeepSpeed: ``PipelineModule(activation_checkpoint_interval=...)``."""
+    tensor_degree: int = 1
+    """DeepSpeed: the tensor-parallel size (its config does not carry it)."""
+
+
+def read_config(launcher: str, path: str | Path, profile, options: DoctorOptions = DoctorOptions()
+                ) -> tuple[LauncherConfig, Layout]:
+    """Parse a launcher file and build the layout the launcher would build.
+
+    Raises
+    ------
+    BadInputError
+        Unknown launcher, unreadable or unparseable file, or a setting of the wrong type
+        (the message names the file and the setting).
+    """
+    if launcher not in LAUNCHERS:
+        raise BadInputError(f"doctor: launcher {launcher!r} is not one of {', '.join(LAUNCHERS)}")
+    path = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInputError(f"{path}: cannot read it: {exc}") from None
+    if launcher == "megatron":
+        from pipeplan.doctor.megatron import megatron_layout_of, parse_megatron
+
+        config = parse_megatron(path, text, variables=dict(options.variables), world_size=options.world_size)
+        return config, megatron_layout_of(config)
+    if launcher == "torchtitan":
+        from pipeplan.doctor.torchtitan import load_toml, parse_torchtitan, torchtitan_layout_of
+        from pipeplan.doctor.units import unit_positions
+
+        blocks = sum(layer.kind == "block" for layer in profile.layers)
+        config = parse_torchtitan(path, text)
+        if config.num_layers is None:
+            config = parse_torchtitan(path, text, num_layers=blocks, validate_with_torchtitan=False)
+        units, _ = unit_positions("torchtitan", profile, config.num_layers)
+        raw = load_toml(path, text).get("parallelism", {}).get("module_fqns_per_model_part")
+        return config, torchtitan_layout_of(config, units, raw)
+    from pipeplan.doctor.deepspeed import deepspeed_layout_of, parse_deepspeed
+
+    config = parse_deepspeed(path, text, num_stages=options.num_stages, partition_method=options.partition_method,
+                             parts=list(options.parts) if options.parts else None,
+                             activation_checkpoint_interval=options.activation_checkpoint_interval,
+                             world_size=options.world_size, tensor_degree=options.tensor_degree)
+    layers = profile.layers
+    types = [" ".join(filter(None, (layer.name, layer.kind, layer.description))) for layer in layers]
+    params = [layer.param_bytes // profile.dtype_bytes for layer in layers]
+    return config, deepspeed_layout_of(config, [layer.name for layer in layers], params, types)
+
+
+def doctor_file(launcher: str, path: str | Path, profile_path: str | Path, settings, *,
+                options: DoctorOptions = DoctorOptions(), fix_output: str | Path | None = None,
+                output_format: str = "table", junit_path: str | Path | None = None) -> tuple[Diagnosis, str, list[Path]]:
+    """What ``pipeplan doctor`` does: read, diagnose, report, and optionally fix.
+
+    Parameters
+    ----------
+    launcher : {"megatron", "torchtitan", "deepspeed"}
+    path : path
+        The launcher's file (launch script, TOML, ds_config).
+    profile_path : path
+        The model's profile (layers with their ``kind``).
+    settings : PlanSettings
+        Memory cap, optimizer, bandwidth; ``stages`` and ``global_batch`` come from the config.
+    fix_output : path, optional
+        Write the same launcher's config with the best plan here.
+    output_format : {"table", "markdown", "json"}
+    junit_path : path, optional
+
+    Returns
+    -------
+    diagnosis : Diagnosis
+    text : str
+        The report.
+    written : list of Path
+
+    Raises
+    ------
+    BadInputError
+        Bad files or settings (exit 2).
+    """
+    from pipeplan.doctor.report import render, write_junit
+    from pipeplan.formats.io import file_sha256, load_profile, write_text_atomic
+
+    if output_format not in ("table", "markdown", "json"):
+        raise BadInputError(f"--format: {output_format!r} is not one of table, markdown, json")
+    profile = load_profile(profile_path)
+    config, layout = read_config(launcher, path, profile, options)
+    result = diagnose(config, layout, profile, settings, profile_sha256=file_sha256(profile_path))
+    written: list[Path] = []
+    if fix_output is not None:
+        from pipeplan.doctor.fix import fix_config
+
+        if result.best is None:
+            raise BadInputError("--fix: no plan fits, so there is nothing to write (see the findings)")
+        files = fix_config(config, Path(path).read_text(encoding="utf-8"), result.best, profile, str(fix_output))
+        for name, text in files.items():
+            write_text_atomic(name, text)
+            written.append(Path(name))
+    text = render(result, output_format)
+    if junit_path is not None:
+        write_junit(result, junit_path)
+        written.append(Path(junit_path))
+    return result, text, written
+
+
+def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: str | None = None,
+                       optimizer: str = "adam", bandwidth: str = "25GB/s", world_size: int | None = None,
+                       variables=(), num_stages: int | None = None, partition_method: str | None = None,
+                       parts: str | None = None, checkpoint_interval: int | None = None, fix: bool = False,
+                       fix_output=None, output_format: str = "table", junit=None) -> tuple[str, list[Path], int]:
+    """``pipeplan doctor`` with the command line's strings: returns (report, files written, exit code).
+
+    Raises
+    ------
+    BadInputError
+        Bad options or files (exit 2).
+    """
+    from pipeplan.formats.io import load_profile
+    from pipeplan.formats.plan import PlanSettings
+    from pipeplan.quantities import parse_bandwidth, parse_bytes
+
+    if optimizer not in ("adam", "sgd", "none"):
+        raise BadInputError(f"--optimizer: {optimizer!r} is not one of adam, sgd, none")
+    if fix and fix_output is None:
+        raise BadInputError("--fix: give -o FILE for the fixed config")
+    pairs = []
+    for item in variables:
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise BadInputError(f"--var: {item!r} is not NAME=VALUE")
+        pairs.append((name, value))
+    boundaries = None
+    if parts is not None:
+        try:
+            boundaries = tuple(int(x) for x in parts.split(","))
+        except ValueError:
+            raise BadInputError(f"--parts: {parts!r} is not a comma-separated list of integers") from None
+    cap = parse_bytes(memory_cap) if memory_cap else load_profile(profile_path).device.memory_bytes
+    rate = parse_bandwidth(bandwidth)
+    settings = PlanSettings(stages=1, global_batch=1, memory_cap_bytes=cap, optimizer=optimizer,
+                            bandwidth_bytes_per_s=None if rate == float("inf") else rate)
+    options = DoctorOptions(world_size=world_size, variables=tuple(pairs), num_stages=num_stages,
+                            partition_method=partition_method, parts=boundaries,
+                            activation_checkpoint_interval=checkpoint_interval)
+    result, text, written = doctor_file(launcher, config_path, profile_path, settings, options=options,
+                                        fix_output=fix_output, output_format=output_format, junit_path=junit)
+    return text, written, result.exit_code

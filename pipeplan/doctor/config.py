@@ -1,0 +1,111 @@
+"""What doctor reads from a launcher config, and the layout the launcher would build from it.
+
+Each launcher parser (``megatron.py``, ``torchtitan.py``, ``deepspeed.py``) turns the user's file
+into a :class:`LauncherConfig` (the settings, in pipeplan's words, each tied to the launcher
+setting it came from) and a :class:`Layout` (which of the launcher's units sit on which rank and
+virtual stage, after the launcher's own rounding). ``evaluate.py`` costs the layout with the
+planner's model; ``findings.py`` says what is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["LauncherConfig", "LayoutStage", "Layout", "Problem", "LAUNCHERS"]
+
+from pipeplan.plan.schedules import LAUNCHER_SCHEDULES
+
+#: Launchers doctor reads, and the pipeplan schedules each can run.
+LAUNCHERS = LAUNCHER_SCHEDULES
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """A launcher's pipeline-relevant settings, in pipeplan's terms."""
+
+    launcher: str
+    """``megatron``, ``torchtitan`` or ``deepspeed``."""
+    path: str
+    """The file they were read from (named in every message)."""
+    pipeline_degree: int
+    """Pipeline ranks ``p``."""
+    virtual_stages: int
+    """Stages per rank ``v`` (1 without interleaving)."""
+    schedule: str
+    """The pipeplan schedule the launcher runs (``1f1b``, ``interleaved``, ...)."""
+    microbatch_size: int
+    """Samples per micro-batch."""
+    num_microbatches: int | None
+    """Micro-batches per iteration on one pipeline (one data-parallel replica); None if unknown."""
+    tensor_degree: int = 1
+    """Tensor-parallel size ``t``: parsed and carried; the cost model is at ``t = 1`` (issue 13)."""
+    data_degree: int | None = None
+    """Data-parallel size ``d``, where the file (or ``--world-size``) gives it."""
+    context_degree: int = 1
+    """Context-parallel size (Megatron ``--context-parallel-size``)."""
+    num_layers: int | None = None
+    """Transformer blocks the config declares (Megatron ``--num-layers``, torchtitan's model)."""
+    recompute: str = "none"
+    """``none``, ``full`` or ``selective``: what the launcher recomputes."""
+    sharded_optimizer: bool = False
+    """ZeRO / distributed optimizer (``--use-distributed-optimizer``, ``zero_optimization.stage``)."""
+    sequence_parallel: bool = False
+    settings: dict[str, str] = field(default_factory=dict)
+    """Launcher setting name to the value as written, for the ones doctor read."""
+
+    @property
+    def samples_per_replica(self) -> int | None:
+        """Samples one pipeline runs per iteration (micro-batch size x micro-batches)."""
+        if self.num_microbatches is None:
+            return None
+        return self.microbatch_size * self.num_microbatches
+
+    def setting(self, name: str) -> str:
+        """``name`` with its value as written, e.g. ``--micro-batch-size 1``."""
+        value = self.settings.get(name)
+        return name if value is None else f"{name} {value}" if name.startswith("-") else f"{name} = {value}"
+
+
+@dataclass(frozen=True)
+class LayoutStage:
+    """One (virtual) stage as the launcher builds it."""
+
+    index: int
+    """Pipeline order (virtual-stage-major: ``vstage * p + rank`` for the loop placement)."""
+    rank: int
+    vstage: int
+    units: tuple[str, ...]
+    """The launcher's own unit names, in order (``decoder.3``, ``layers.3``, layer index ``3``)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something the launcher itself refuses or silently gets wrong (a finding before costing)."""
+
+    code: str
+    """``layers-lost``, ``layers-duplicated``, ``unknown-unit``, ``empty-stage``, ``refused``."""
+    severity: str
+    """``error``, ``warning`` or ``info``."""
+    setting: str
+    """The launcher setting at fault, as written."""
+    message: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The stages a launcher builds from a config, and what it drops, repeats or refuses."""
+
+    stages: tuple[LayoutStage, ...]
+    """Every (virtual) stage in pipeline order; empty when the launcher refuses the config."""
+    all_units: tuple[str, ...]
+    """Every unit the model has, in model order (the ones the layout should cover once each)."""
+    problems: tuple[Problem, ...] = ()
+
+    @property
+    def built_units(self) -> list[str]:
+        return [u for s in self.stages for u in s.units]
+
+    @property
+    def units_per_stage(self) -> list[int]:
+        return [len(s.units) for s in self.stages]

@@ -1,0 +1,338 @@
+"""Findings: what is wrong with a launcher config, how bad, which setting, and the fix.
+
+``diagnose`` takes a parsed config and its layout, costs the layout with the planner's model
+(``evaluate.py``), finds the best plan the same launcher can run on the same GPUs, and turns
+the differences into :class:`Finding` s. Severities: ``error`` (the launcher refuses it at start
+or run time, layers are lost or repeated, a rank is over the memory cap), ``warning`` (runs, but
+wastes a rank or leaves a large gap to the best plan), ``info`` (numbers worth knowing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeplan.doctor.config import LAUNCHERS, LauncherConfig, Layout
+from pipeplan.doctor.evaluate import best_plan, cost_split
+from pipeplan.export.megatron import interleaved_refusal
+from pipeplan.doctor.units import stage_positions, unit_positions
+from pipeplan.errors import BadInputError
+from pipeplan.formats.plan import Plan, PlanSettings
+from pipeplan.quantities import format_bytes
+
+__all__ = ["Finding", "Diagnosis", "diagnose", "GAP_WARNING", "launcher_refusal"]
+
+#: The best plan must be predicted at least this much faster for the gap to be a warning.
+GAP_WARNING = 1.10
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing doctor has to say."""
+
+    code: str
+    severity: str
+    setting: str
+    message: str
+    fix: str = ""
+
+
+@dataclass
+class Diagnosis:
+    """Everything ``doctor`` found about one config."""
+
+    config: LauncherConfig
+    layout: Layout
+    findings: list[Finding] = field(default_factory=list)
+    plan: Plan | None = None
+    """The config's own layout, costed (None where it cannot be: refused, empty stages...)."""
+    best: Plan | None = None
+    """The best plan the same launcher can run on the same ranks."""
+    stage_layers: list[list[str]] = field(default_factory=list)
+    """Profile layer names of each stage of the config's layout."""
+    notes: list[str] = field(default_factory=list)
+    memory_checked: bool = True
+    """Whether peaks were checked against a cap (not with t > 1 or ZeRO: issue 13)."""
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if any(f.severity == "error" for f in self.findings) else 0
+
+    @property
+    def speedup(self) -> float | None:
+        if self.plan is None or self.best is None or self.best.predicted.iteration_ms <= 0:
+            return None
+        return self.plan.predicted.iteration_ms / self.best.predicted.iteration_ms
+
+
+def launcher_refusal(launcher: str, schedule: str, p: int, m: int, v: int, group_size: int | None = None) -> str | None:
+    """Why ``launcher`` refuses ``schedule`` with ``m`` micro-batches on ``p`` ranks x ``v``, or None."""
+    from pipeplan.plan import check_schedule
+
+    if launcher == "megatron":
+        if schedule == "interleaved":
+            return interleaved_refusal(p, m, group_size)
+        return None  # Megatron's own 1F1B warms up min(p - rank - 1, m): any m runs
+    if launcher == "deepspeed":
+        return None
+    try:
+        check_schedule(schedule, p, m, v)
+    except BadInputError as exc:
+        return str(exc)
+    return None
+
+
+def _layout_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:
+    out = [Finding(pr.code, pr.severity, pr.setting, pr.message, pr.fix) for pr in layout.problems]
+    if not layout.stages:
+        return out
+    built = layout.built_units
+    counts: dict[str, int] = {}
+    for unit in built:
+        counts[unit] = counts.get(unit, 0) + 1
+    split_setting = {"megatron": "--num-layers / --pipeline-model-parallel-size / virtual stages",
+                     "torchtitan": "parallelism.module_fqns_per_model_part",
+                     "deepspeed": "PipelineModule partition (parts / partition_method)"}[config.launcher]
+    lost = [u for u in layout.all_units if u not in counts]
+    if lost:
+        # Count transformer layers where the launcher has them apart from embedding and loss.
+        special = ("embedding", "loss", "mtp", "tok_embeddings", "norm", "output")
+        layers = [u for u in layout.all_units if u not in special] if config.launcher != "deepspeed" \
+            else list(layout.all_units)
+        lost_layers = [u for u in lost if u in layers]
+        what = "transformer layers" if config.launcher != "deepspeed" else "PipelineModule layers"
+        out.append(Finding(
+            "layers-lost", "error", split_setting,
+            f"{len(lost_layers)} of {len(layers)} {what} are on no stage ({_ranges(lost)}): only "
+            f"{len(layers) - len(lost_layers)} are trained" + (" (what Megatron-LM versions without the divisibility checks built)"
+                              if config.launcher == "megatron" else ""),
+            "use the layout of pipeplan's plan (--fix writes it)"))
+    repeated = [u for u, c in counts.items() if c > 1]
+    if repeated:
+        out.append(Finding("layers-duplicated", "error", split_setting,
+                           f"{len(repeated)} units are on more than one stage ({_ranges(repeated)})",
+                           "list each module in one model part"))
+    empty = [s for s in layout.stages if not s.units]
+    if empty:
+        where = ", ".join(f"rank {s.rank}" + (f" virtual stage {s.vstage}" if config.virtual_stages > 1 else "")
+                          for s in empty)
+        out.append(Finding("empty-stage", "error" if config.launcher == "deepspeed" else "warning", split_setting,
+                           f"{len(empty)} stage(s) hold no layers ({where}): the GPU only forwards activations",
+                           "give every stage layers (--fix writes a split that does)"))
+    return out
+
+
+def _ranges(units: list[str]) -> str:
+    text = ", ".join(units[:6])
+    return text + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
+
+
+def _batch_findings(config: LauncherConfig) -> list[Finding]:
+    s, out = config.settings, []
+    d = config.data_degree
+    if config.launcher == "megatron":
+        world = int(s["world size"]) if "world size" in s else None
+        model = config.tensor_degree * config.pipeline_degree * config.context_degree
+        if world and world % model:
+            out.append(Finding("world-size", "info", f"world size {world}",
+                               f"the script starts {world} processes, not a multiple of t x p x cp = {model}; "
+                               f"the data-parallel size is taken as 1", "give --world-size for the real job"))
+        gbs = s.get("--global-batch-size")
+        if gbs is not None and config.num_microbatches is None:
+            out.append(Finding("refused", "error", f"--global-batch-size {gbs}",
+                               f"{gbs} is not divisible by --micro-batch-size {config.microbatch_size} x data-parallel "
+                               f"size {d or 1}; Megatron-LM refuses it",
+                               f"use a multiple of {config.microbatch_size * (d or 1)}"))
+    if config.launcher == "deepspeed":
+        total = s.get("train_batch_size")
+        if total is not None and d is not None:
+            expected = config.microbatch_size * config.num_microbatches * d
+            if int(total) != expected:
+                out.append(Finding(
+                    "refused", "error", f"train_batch_size {total}",
+                    f"DeepSpeed asserts train_batch_size == micro-batch {config.microbatch_size} x gradient "
+                    f"accumulation {config.num_microbatches} x data-parallel {d} = {expected}",
+                    f"set train_batch_size to {expected}"))
+    if config.launcher == "torchtitan" and config.num_microbatches is None:
+        out.append(Finding("refused", "error", "training.local_batch_size",
+                           f"not divisible by parallelism.pipeline_parallel_microbatch_size {config.microbatch_size}; "
+                           f"torchtitan refuses it", "use a multiple of the micro-batch size"))
+    return out
+
+
+def _schedule_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:
+    m, p, v = config.num_microbatches, config.pipeline_degree, config.virtual_stages
+    if m is None or not layout.stages or p == 1:
+        return []
+    group = config.settings.get("--microbatch-group-size-per-virtual-pipeline-stage")
+    why = launcher_refusal(config.launcher, config.schedule, p, m, v, int(group) if group else None)
+    if why is None:
+        return []
+    setting = {"megatron": "--global-batch-size / --micro-batch-size",
+               "torchtitan": "training.local_batch_size / parallelism.pipeline_parallel_microbatch_size"}.get(
+        config.launcher, "gradient_accumulation_steps")
+    good = next((k for k in range(m, 4 * m + 4 * p) if launcher_refusal(config.launcher, config.schedule, p, k, v,
+                                                                        int(group) if group else None) is None), None)
+    return [Finding("schedule-refuses", "error", setting,
+                    f"{m} micro-batches on {p} ranks x {v} virtual stages: the {config.schedule} schedule refuses it "
+                    f"at run time ({why})",
+                    f"use {good} micro-batches per replica" if good else "change the micro-batch count")]
+
+
+def _settings_for(config: LauncherConfig, base: PlanSettings) -> PlanSettings:
+    return base.model_copy(update={"stages": config.pipeline_degree, "launcher": config.launcher,
+                                   "global_batch": config.samples_per_replica})
+
+
+def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: PlanSettings, *,
+             profile_sha256: str) -> Diagnosis:
+    """Findings about ``config``, its layout costed, and the best plan for the same ranks.
+
+    Parameters
+    ----------
+    base_settings : PlanSettings
+        Memory cap, optimizer, bandwidth (its ``stages`` and ``global_batch`` are replaced by the
+        config's ranks and one replica's samples).
+
+    Raises
+    ------
+    BadInputError
+        When the profile is not the config's model (block count, missing roles).
+    """
+    result = Diagnosis(config, layout)
+    result.findings += _layout_findings(config, layout)
+    result.findings += _batch_findings(config)
+    result.findings += _schedule_findings(config, layout)
+    if config.tensor_degree > 1 or (config.data_degree or 1) > 1 or config.sharded_optimizer:
+        result.notes.append(
+            f"tensor-parallel {config.tensor_degree}, data-parallel {config.data_degree or 'unknown'}"
+            f"{', sharded optimizer' if config.sharded_optimizer else ''}: parsed, but time and memory here are "
+            f"for one pipeline at tensor-parallel 1 without sharding (cluster planning, issue 13)")
+    if config.recompute == "selective":
+        result.notes.append("selective recomputation is not in the cost model: costed as no recomputation")
+    if config.samples_per_replica is None:
+        return result
+    units, mapping = unit_positions(config.launcher, profile, config.num_layers)
+    if config.launcher == "deepspeed" and len(layout.all_units) != len(units):
+        raise BadInputError(f"--profile: {len(units)} layers but the PipelineModule has {len(layout.all_units)}")
+    settings = _settings_for(config, base_settings)
+    sharded = config.sharded_optimizer and (config.data_degree or 1) > 1
+    if settings.memory_cap_bytes is not None and (config.tensor_degree > 1 or sharded):
+        # The cost model is per pipeline rank at t = 1 without sharding: against the cap it would
+        # flag every rank of a tensor-parallel or ZeRO job. Memory with t and ZeRO is issue 13.
+        settings = settings.model_copy(update={"memory_cap_bytes": None})
+        result.notes.append("memory is not checked against the cap: the cost model has no tensor parallelism "
+                            "or optimizer sharding yet (issue 13); per-rank peaks shown are at t = 1, unsharded")
+    if layout.stages:
+        positions = stage_positions(profile, [s.units for s in layout.stages], mapping)
+        result.stage_layers = [[profile.layers[i].name for i in pos] for pos in positions]
+        costable = all(positions) and not any(f.code in ("refused", "schedule-refuses", "layers-duplicated", "layers-lost")
+                                              for f in result.findings)
+        if config.microbatch_size not in profile.microbatch_sizes:
+            result.notes.append(f"micro-batch size {config.microbatch_size} was not profiled "
+                                f"({profile.microbatch_sizes}): the config's own layout is not costed")
+            costable = False
+        if costable:
+            result.plan = cost_split(profile, settings, positions, schedule=config.schedule,
+                                     virtual_stages=config.virtual_stages, microbatch_size=config.microbatch_size,
+                                     num_microbatches=config.num_microbatches,
+                                     recompute=config.recompute == "full", profile_sha256=profile_sha256)
+            result.findings += _cost_findings(config, result.plan, settings)
+    refuse = (lambda schedule, p, m, v: launcher_refusal(config.launcher, schedule, p, m, v))
+    memory_checked = settings.memory_cap_bytes is not None
+    # Without a memory check, dropping recomputation always looks faster: keep the user's.
+    recompute = ("none", "all") if memory_checked else (("all",) if config.recompute == "full" else ("none",))
+    result.best, skipped = best_plan(profile, settings, LAUNCHERS[config.launcher], refuse=refuse,
+                                     recompute_options=recompute, profile_sha256=profile_sha256)
+    result.memory_checked = memory_checked
+    if skipped:
+        result.notes.append(f"{len(skipped)} schedule / micro-batch combination(s) left out of the best plan because "
+                            f"{config.launcher} refuses them, e.g. {skipped[0]}")
+    result.findings += _gap_findings(result)
+    return result
+
+
+def _rank_layers(plan: Plan, rank: int) -> list[str]:
+    return [name for stage in plan.stages if stage.rank == rank for name in stage.layers]
+
+
+def _cost_findings(config: LauncherConfig, plan: Plan, settings: PlanSettings) -> list[Finding]:
+    out = []
+    cap = settings.memory_cap_bytes
+    if cap is not None:
+        for rank in plan.ranks:
+            if rank.peak_memory_bytes > cap:
+                heavy = [n for n in _rank_layers(plan, rank.rank)
+                         if not n.split(".")[-1].isdigit()][:3]
+                out.append(Finding(
+                    "over-memory", "error", _split_setting(config),
+                    f"rank {rank.rank} is predicted to peak at {format_bytes(rank.peak_memory_bytes)}, "
+                    f"{format_bytes(rank.peak_memory_bytes - cap)} over the {format_bytes(cap)} cap"
+                    + (f" ({', '.join(heavy)} sit there)" if heavy else ""),
+                    "move layers off this rank or recompute (--fix writes a plan that fits)"))
+    times = [s.forward_ms + s.backward_ms for s in plan.stages]
+    if times and min(times) >= 0 and sum(times) > 0:
+        ratio = max(times) / (sum(times) / len(times))
+        slow = max(range(len(times)), key=lambda i: times[i])
+        out.append(Finding("imbalance", "info", _split_setting(config),
+                           f"slowest stage {slow} (rank {plan.stages[slow].rank}) takes {ratio:.2f}x the mean "
+                           f"stage time ({max(times):.4g} ms vs {sum(times) / len(times):.4g} ms per micro-batch)"))
+    out.append(Finding("bubble", "info", "schedule / micro-batches",
+                       f"predicted iteration {plan.predicted.iteration_ms:.6g} ms: compute "
+                       f"{plan.predicted.compute_ms:.6g} + bubble {plan.predicted.bubble_ms:.6g} + transfer "
+                       f"{plan.predicted.transfer_ms:.6g} ms ({100 * plan.predicted.bubble_fraction:.3g}% idle)"))
+    return out
+
+
+def _split_setting(config: LauncherConfig) -> str:
+    return {"megatron": "--pipeline-model-parallel-layout (or the even split)",
+            "torchtitan": "parallelism.module_fqns_per_model_part",
+            "deepspeed": "PipelineModule parts / partition_method"}[config.launcher]
+
+
+def _recipe(result: Diagnosis) -> str:
+    best, plan, config = result.best, result.plan, result.config
+    steps = []
+    if plan is not None:
+        mine = {}
+        for stage in plan.stages:
+            mine.setdefault(stage.rank, 0)
+            mine[stage.rank] += len(stage.layers)
+        theirs = {}
+        for stage in best.stages:
+            theirs.setdefault(stage.rank, 0)
+            theirs[stage.rank] += len(stage.layers)
+        moves = [(r, mine.get(r, 0) - theirs.get(r, 0)) for r in sorted(mine)]
+        for r, delta in moves:
+            if delta > 0:
+                steps.append(f"move {delta} layer{'s' * (delta > 1)} off rank {r}")
+    if best.schedule != config.schedule or best.virtual_stages != config.virtual_stages:
+        steps.append(f"use {best.schedule}" + (f" with v = {best.virtual_stages}" if best.virtual_stages > 1 else ""))
+    if best.microbatch_size != config.microbatch_size:
+        steps.append(f"micro-batch size {best.microbatch_size} ({best.num_microbatches} micro-batches)")
+    recompute = [s.index for s in best.stages if s.recompute]
+    if bool(recompute) != (config.recompute == "full"):
+        steps.append("recompute on every stage" if recompute else "drop recomputation")
+    return ", ".join(steps) or "same schedule, different split"
+
+
+def _gap_findings(result: Diagnosis) -> list[Finding]:
+    best, config = result.best, result.config
+    if best is None:
+        return [Finding("no-plan", "warning", "memory cap",
+                        "no plan of this launcher fits the memory cap on these ranks", "add ranks or memory")]
+    if result.plan is None:
+        return [Finding("best-plan", "info", "",
+                        f"pipeplan's best plan for {config.pipeline_degree} ranks: {best.schedule}, "
+                        f"{len(best.stages)} stages, {best.num_microbatches} x {best.microbatch_size}, predicted "
+                        f"{best.predicted.iteration_ms:.6g} ms per iteration", "--fix writes it")]
+    speedup = result.speedup
+    if speedup <= 1 + 1e-3:
+        return [Finding("gap-to-best", "info", "",
+                        f"the config is as fast as pipeplan's best plan for these ranks "
+                        f"({result.plan.predicted.iteration_ms:.6g} ms per iteration)")]
+    # A gap found without checking memory may not fit: report it, do not flag it.
+    severity = "warning" if speedup >= GAP_WARNING and result.memory_checked else "info"
+    return [Finding("gap-to-best", severity, _split_setting(config),
+                    f"pipeplan's plan is predicted {speedup:.2f}x faster "
+                    f"({best.predicted.iteration_ms:.6g} vs {result.plan.predicted.iteration_ms:.6g} ms): "
+                    f"{_recipe(result)}", "--fix writes it" if speedup > 1 + 1e-9 else "")]

@@ -1,0 +1,141 @@
+"""doctor's report: plain text, markdown (a pull-request comment), JSON, and JUnit XML for CI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from xml.sax.saxutils import escape, quoteattr
+
+from pipeplan.doctor.diagnose import Diagnosis
+from pipeplan.quantities import format_bytes
+
+__all__ = ["render", "write_junit", "as_dict"]
+
+_ORDER = {"error": 0, "warning": 1, "info": 2}
+
+
+def _stage_rows(result: Diagnosis) -> list[tuple[str, ...]]:
+    rows = []
+    plan = result.plan
+    for i, stage in enumerate(result.layout.stages):
+        names = result.stage_layers[i] if i < len(result.stage_layers) else list(stage.units)
+        span = f"{names[0]} .. {names[-1]}" if len(names) > 1 else (names[0] if names else "(empty)")
+        peak = ""
+        ms = ""
+        if plan is not None:
+            ps = plan.stages[i]
+            ms = f"{ps.forward_ms + ps.backward_ms:.4g}"
+            peak = format_bytes(next(r.peak_memory_bytes for r in plan.ranks if r.rank == ps.rank))
+        rows.append((str(stage.index), str(stage.rank), str(stage.vstage), str(len(names)), span, ms, peak))
+    return rows
+
+
+def _summary(result: Diagnosis) -> list[str]:
+    c = result.config
+    lines = [f"{c.path}: {c.launcher}, {c.pipeline_degree} pipeline ranks x {c.virtual_stages} virtual stages, "
+             f"{c.schedule}, tensor {c.tensor_degree}, data {c.data_degree or '?'}, micro-batch {c.microbatch_size} "
+             f"x {c.num_microbatches if c.num_microbatches is not None else '?'} per replica, recompute {c.recompute}"]
+    if result.plan is not None:
+        pr = result.plan.predicted
+        lines.append(f"predicted: {pr.iteration_ms:.6g} ms per iteration = compute {pr.compute_ms:.6g} + bubble "
+                     f"{pr.bubble_ms:.6g} + transfer {pr.transfer_ms:.6g}"
+                     + (f" + overhead {pr.overhead_ms:.6g}" if pr.overhead_ms else "")
+                     + f" ms; {pr.samples_per_second:.6g} samples/s per replica")
+    if result.best is not None:
+        b = result.best
+        lines.append(f"best plan ({c.launcher} can run it): {b.schedule}, v = {b.virtual_stages}, "
+                     f"{b.num_microbatches} x {b.microbatch_size}, layers per stage "
+                     f"{[len(s.layers) for s in sorted(b.stages, key=lambda s: s.index)]}, predicted "
+                     f"{b.predicted.iteration_ms:.6g} ms")
+    return lines
+
+
+def _findings(result: Diagnosis):
+    return sorted(result.findings, key=lambda f: _ORDER.get(f.severity, 3))
+
+
+def as_dict(result: Diagnosis) -> dict:
+    """The report as plain data (``--format json``)."""
+    def plan_data(plan):
+        if plan is None:
+            return None
+        return {"schedule": plan.schedule, "virtual_stages": plan.virtual_stages,
+                "microbatch_size": plan.microbatch_size, "num_microbatches": plan.num_microbatches,
+                "layers_per_stage": [len(s.layers) for s in sorted(plan.stages, key=lambda s: s.index)],
+                "predicted": plan.predicted.model_dump(),
+                "rank_peak_memory_bytes": [r.peak_memory_bytes for r in plan.ranks]}
+
+    c = result.config
+    return {
+        "config": {"launcher": c.launcher, "path": c.path, "pipeline_degree": c.pipeline_degree,
+                   "virtual_stages": c.virtual_stages, "schedule": c.schedule, "tensor_degree": c.tensor_degree,
+                   "data_degree": c.data_degree, "microbatch_size": c.microbatch_size,
+                   "num_microbatches": c.num_microbatches, "recompute": c.recompute},
+        "layout": [{"index": s.index, "rank": s.rank, "vstage": s.vstage, "units": list(s.units)}
+                   for s in result.layout.stages],
+        "findings": [f.__dict__ for f in _findings(result)],
+        "plan": plan_data(result.plan),
+        "best": plan_data(result.best),
+        "speedup": result.speedup,
+        "notes": result.notes,
+        "exit_code": result.exit_code,
+    }
+
+
+def render(result: Diagnosis, output_format: str = "table") -> str:
+    """The report in ``table`` (plain text), ``markdown`` or ``json``."""
+    if output_format == "json":
+        return json.dumps(as_dict(result), indent=2) + "\n"
+    findings = _findings(result)
+    header = ("stage", "rank", "vstage", "layers", "span", "ms/mb", "rank peak")
+    rows = _stage_rows(result)
+    if output_format == "markdown":
+        out = [f"### pipeplan doctor: `{result.config.path}`", ""]
+        out += [f"- {line}" for line in _summary(result)]
+        out += ["", "| severity | finding | setting | message | fix |", "|---|---|---|---|---|"]
+        for f in findings:
+            out.append(f"| {f.severity} | {f.code} | `{f.setting}` | {f.message} | {f.fix} |")
+        out += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        out += ["| " + " | ".join(r) + " |" for r in rows]
+        out += [""] + [f"> note: {n}" for n in result.notes]
+        return "\n".join(out).rstrip() + "\n"
+    out = list(_summary(result))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    out.append("")
+    out.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    out += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    out.append("")
+    for f in findings:
+        out.append(f"{f.severity}: [{f.code}] {f.message}")
+        if f.setting:
+            out.append(f"    setting: {f.setting}")
+        if f.fix:
+            out.append(f"    fix: {f.fix}")
+    out += [f"note: {n}" for n in result.notes]
+    errors = sum(f.severity == "error" for f in findings)
+    warnings = sum(f.severity == "warning" for f in findings)
+    out.append(f"{errors} error(s), {warnings} warning(s)")
+    return "\n".join(out) + "\n"
+
+
+def write_junit(result: Diagnosis, path: str | Path) -> None:
+    """One test case per finding; errors fail, the rest pass (warnings as system-out)."""
+    from pipeplan.formats.io import write_text_atomic
+
+    findings = _findings(result)
+    name = quoteattr(f"pipeplan doctor {result.config.path}")
+    failures = sum(f.severity == "error" for f in findings)
+    lines = ['<?xml version="1.0" encoding="utf-8"?>',
+             f'<testsuite name={name} tests="{max(1, len(findings))}" failures="{failures}">']
+    if not findings:
+        lines.append(f'  <testcase classname="doctor" name={quoteattr(result.config.path)}/>')
+    for f in findings:
+        case = quoteattr(f"{f.code}: {f.setting}")
+        if f.severity == "error":
+            lines.append(f'  <testcase classname="doctor.{f.code}" name={case}>'
+                         f'<failure message={quoteattr(f.message)}>{escape(f.fix)}</failure></testcase>')
+        else:
+            lines.append(f'  <testcase classname="doctor.{f.code}" name={case}>'
+                         f'<system-out>{escape(f.severity + ": " + f.message)}</system-out></testcase>')
+    lines.append("</testsuite>")
+    write_text_atomic(path, "\n".join(lines) + "\n")

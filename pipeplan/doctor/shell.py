@@ -1,0 +1,468 @@
+"""Read the command line out of a launch script without running it.
+
+A small evaluator for the subset of bash that training scripts use: scalar and array assignments
+(``NAME=value``, ``NAME=( ... )``, ``NAME+=( ... )``, ``export``), ``$NAME``, ``${NAME}``,
+``${NAME:-default}``, ``${NAME[@]}``, ``$((arithmetic))``, quoting and line continuations.
+Commands are never run: ``if``/``for`` bodies are read in order as if every branch ran (later
+assignments win), and ``$(command)`` expands to nothing (recorded in ``unresolved``).
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+from dataclasses import dataclass, field
+
+from pipeplan.errors import BadInputError
+
+__all__ = ["ShellScript", "read_script", "split_words"]
+
+_KEYWORDS = {"if", "then", "else", "elif", "fi", "for", "do", "done", "while", "until", "case", "esac",
+             "function", "{", "}", "!", "[[", "]]", "time"}
+_ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\+?)=(.*)$", re.S)
+
+
+@dataclass
+class ShellScript:
+    """What the script defines and runs."""
+
+    path: str
+    scalars: dict[str, str] = field(default_factory=dict)
+    arrays: dict[str, list[str]] = field(default_factory=dict)
+    commands: list[tuple[int, list[str]]] = field(default_factory=list)
+    """(line number, words) of every command, in order, expanded."""
+    unresolved: list[str] = field(default_factory=list)
+    """Expansions the reader could not evaluate (``$1``, ``$(...)``)."""
+
+
+class _Reader:
+    def __init__(self, path: str, text: str, variables: dict[str, str]):
+        self.path = path
+        self.text = text
+        self.script = ShellScript(path)
+        self.script.scalars.update(variables)
+        self.pos = 0
+        self.line = 1
+
+    def error(self, message: str):
+        raise BadInputError(f"{self.path}: line {self.line}: {message}")
+
+    # ---------------------------------------------------------------- expansion
+    def lookup(self, name: str) -> list[str] | str | None:
+        if name in self.script.arrays:
+            return self.script.arrays[name]
+        return self.script.scalars.get(name)
+
+    def scalar(self, name: str) -> str:
+        value = self.lookup(name)
+        if value is None:
+            if not (name.isdigit() or name in ("@", "*", "#", "?", "$", "!")):
+                self.script.unresolved.append(f"${name}")
+            else:
+                self.script.unresolved.append(f"${name}")
+            return ""
+        return value[0] if isinstance(value, list) else value
+
+    def arith(self, expr: str) -> str:
+        expr = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: self.scalar(m.group(1)) or "0", expr)
+        expr = re.sub(r"\b([A-Za-z_][A-Za-z0-9_]*)\b", lambda m: self.scalar(m.group(1)) or "0", expr)
+        try:
+            return str(_eval_int(ast.parse(expr.strip(), mode="eval").body))
+        except (SyntaxError, ValueError, ZeroDivisionError, TypeError):
+            self.error(f"cannot evaluate $(( {expr.strip()} ))")
+
+    def expansion(self, text: str, i: int) -> tuple[list[str] | str, int]:
+        """Expand the ``$...`` at ``text[i]``; returns (value, index after it). Lists are arrays."""
+        if text.startswith("$((", i):
+            end = text.find("))", i)
+            if end < 0:
+                self.error("unterminated $((")
+            return self.arith(text[i + 3:end]), end + 2
+        if text.startswith("$(", i):
+            depth, j = 0, i + 1
+            while j < len(text):
+                if text[j] == "(":
+                    depth += 1
+                elif text[j] == ")":
+                    depth -= 1
+                    if depth == 0:
+                        break
+                j += 1
+            if j >= len(text):
+                self.error("unterminated $(")
+            self.script.unresolved.append(text[i:j + 1])
+            return "", j + 1
+        if text.startswith("${", i):
+            end = text.find("}", i)
+            if end < 0:
+                self.error("unterminated ${")
+            body = text[i + 2:end]
+            m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*|\d+)\[[@*]\]", body)
+            if m:
+                value = self.lookup(m.group(1))
+                return (list(value) if isinstance(value, list) else ([value] if value else [])), end + 1
+            m = re.fullmatch(r"#([A-Za-z_][A-Za-z0-9_]*)\[[@*]\]", body)
+            if m:
+                value = self.lookup(m.group(1))
+                return str(len(value) if isinstance(value, list) else int(bool(value))), end + 1
+            m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*|\d+)(:?[-=+])(.*)", body, re.S)
+            if m:
+                name, op, word = m.groups()
+                value = self.lookup(name)
+                value = value[0] if isinstance(value, list) else value
+                empty = value is None or (op.startswith(":") and value == "")
+                default = self.expand_string(word)
+                if op.endswith("+"):
+                    return ("" if empty else default), end + 1
+                if empty:
+                    if op.endswith("="):
+                        self.script.scalars[name] = default
+                    return default, end + 1
+                return value, end + 1
+            if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*|\d+", body):
+                return self.scalar(body), end + 1
+            self.script.unresolved.append(text[i:end + 1])
+            return "", end + 1
+        m = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*|\d|[@*#?$!])").match(text, i)
+        if m:
+            name = m.group(1)
+            if name in ("@", "*"):
+                self.script.unresolved.append(f"${name}")
+                return [], m.end()
+            return self.scalar(name), m.end()
+        return "$", i + 1
+
+    def expand_string(self, text: str) -> str:
+        """Expand a word as inside double quotes (no splitting)."""
+        words = self.words(text, keep_empty=True, as_string=True)
+        return " ".join(words)
+
+    def words(self, text: str, keep_empty: bool = False, as_string: bool = False) -> list[str]:
+        """Split ``text`` into words the way bash does: quotes, escapes, expansions, splitting."""
+        out: list[str] = []
+        current: list[str] = []
+        started = False
+        i, n = 0, len(text)
+
+        def flush():
+            nonlocal current, started
+            if started:
+                out.append("".join(current))
+            current, started = [], False
+
+        while i < n:
+            c = text[i]
+            if c in " \t\n" and not as_string:
+                flush()
+                i += 1
+            elif c == "#" and not started and not as_string:
+                break
+            elif c == "\\":
+                if i + 1 < n:
+                    current.append(text[i + 1])
+                started = True
+                i += 2
+            elif c == "'" and not as_string:
+                end = text.find("'", i + 1)
+                if end < 0:
+                    self.error("unterminated single quote")
+                current.append(text[i + 1:end])
+                started = True
+                i = end + 1
+            elif c == '"' and not as_string:
+                j = i + 1
+                started = True
+                while j < n and text[j] != '"':
+                    if text[j] == "\\" and j + 1 < n and text[j + 1] in '"\\$`':
+                        current.append(text[j + 1])
+                        j += 2
+                    elif text[j] == "$":
+                        value, j = self.expansion(text, j)
+                        if isinstance(value, list):
+                            # "${A[@]}": one word per element
+                            if value:
+                                current.append(value[0])
+                                for element in value[1:]:
+                                    out.append("".join(current))
+                                    current = [element]
+                        else:
+                            current.append(value)
+                    else:
+                        current.append(text[j])
+                        j += 1
+                if j >= n:
+                    self.error("unterminated double quote")
+                i = j + 1
+            elif c == "$":
+                value, i = self.expansion(text, i)
+                parts = value if isinstance(value, list) else [value]
+                if as_string:
+                    current.append(" ".join(parts))
+                    started = True
+                    continue
+                # Unquoted: each part is split on whitespace.
+                pieces = [w for part in parts for w in part.split()]
+                if pieces:
+                    current.append(pieces[0])
+                    started = True
+                    for piece in pieces[1:]:
+                        flush()
+                        current, started = [piece], True
+                    if parts and parts[-1][-1:].isspace():
+                        flush()
+            else:
+                current.append(c)
+                started = True
+                i += 1
+        flush()
+        return out if keep_empty else [w for w in out if w != "" or True]
+
+    # ---------------------------------------------------------------- statements
+    def logical_lines(self):
+        """Lines with continuations joined; an array assignment spans until its ')'."""
+        lines = self.text.splitlines()
+        i = 0
+        while i < len(lines):
+            start = i + 1
+            line = lines[i]
+            while line.endswith("\\") and i + 1 < len(lines):
+                i += 1
+                line = line[:-1] + " " + lines[i]
+            if re.match(r"^\s*(export\s+|local\s+|declare\s+(-a\s+)?)?[A-Za-z_][A-Za-z0-9_]*\+?=\(", line):
+                while not _array_closed(line) and i + 1 < len(lines):
+                    i += 1
+                    line += "\n" + lines[i]
+                if not _array_closed(line):
+                    self.line = start
+                    self.error("array assignment '(' is never closed")
+            yield start, line
+            i += 1
+
+    def run(self) -> ShellScript:
+        for number, line in self.logical_lines():
+            self.line = number
+            for statement in _statements(line):
+                self.statement(statement)
+        return self.script
+
+    def statement(self, text: str):
+        stripped = text.strip()
+        if not stripped or stripped.startswith("#"):
+            return
+        m = re.match(r"^(?:export\s+|local\s+|declare\s+(?:-a\s+)?)?([A-Za-z_][A-Za-z0-9_]*)(\+?)=\((.*)\)\s*(#.*)?$",
+                     stripped, re.S)
+        if m:
+            name, append, body = m.group(1), m.group(2), m.group(3)
+            elements = []
+            for row in body.split("\n"):
+                elements += self.words(row)
+            if append:
+                base = self.lookup(name)
+                base = list(base) if isinstance(base, list) else ([base] if base else [])
+                elements = base + elements
+            self.script.arrays[name] = elements
+            self.script.scalars.pop(name, None)
+            return
+        words_text = stripped
+        for keyword in ("export ", "local ", "readonly ", "declare "):
+            if words_text.startswith(keyword):
+                words_text = words_text[len(keyword):].lstrip()
+        first = words_text.split(None, 1)[0] if words_text.split() else ""
+        if _ASSIGN.match(first) and "=" in first and not first.startswith("-"):
+            # One or more assignments, maybe before a command (FOO=1 cmd).
+            rest = words_text
+            while True:
+                m = re.match(r"([A-Za-z_][A-Za-z0-9_]*)(\+?)=", rest)
+                if not m:
+                    break
+                value_words, consumed = self.one_word(rest[m.end():])
+                value = value_words
+                if m.group(2):
+                    value = self.script.scalars.get(m.group(1), "") + value
+                self.script.scalars[m.group(1)] = value
+                self.script.arrays.pop(m.group(1), None)
+                rest = rest[m.end() + consumed:].lstrip()
+                if not rest or rest.startswith("#"):
+                    return
+            stripped = rest
+        words = self.words(stripped)
+        while words and words[0] in _KEYWORDS:
+            words = words[1:]
+        if words:
+            self.script.commands.append((self.line, words))
+
+    def one_word(self, text: str) -> tuple[str, int]:
+        """The first shell word of ``text`` (an assignment's value), expanded, and its length."""
+        i, n, depth, quote = 0, len(text), 0, None
+        while i < n:
+            c = text[i]
+            if quote:
+                if c == "\\" and quote == '"':
+                    i += 2
+                    continue
+                if c == quote:
+                    quote = None
+            elif c in "'\"":
+                quote = c
+            elif c == "\\":
+                i += 2
+                continue
+            elif c == "$" and text.startswith("$(", i):
+                depth += 1
+                i += 2
+                continue
+            elif c == ")" and depth:
+                depth -= 1
+            elif c == "{" and i and text[i - 1] == "$":
+                depth += 1
+            elif c == "}" and depth:
+                depth -= 1
+            elif c in " \t" and not depth:
+                break
+            i += 1
+        if quote:
+            self.error("unterminated quote")
+        word = text[:i]
+        return self.expand_string(_unquote(self, word)), i
+
+
+def _unquote(reader: _Reader, word: str) -> str:
+    # Remove the outer quoting of an assignment value while keeping $ for expansion;
+    # single-quoted parts are protected by escaping their $.
+    out, i = [], 0
+    while i < len(word):
+        c = word[i]
+        if c == "'":
+            end = word.find("'", i + 1)
+            if end < 0:
+                reader.error("unterminated single quote")
+            out.append(word[i + 1:end].replace("\\", "\\\\").replace("$", "\\$"))
+            i = end + 1
+        elif c == '"':
+            i += 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _array_closed(text: str) -> bool:
+    depth, quote, i = 0, None, 0
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == quote:
+                quote = None
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or text[i - 1] in " \t\n"):
+            end = text.find("\n", i)
+            if end < 0:
+                break
+            i = end
+            continue
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth == 0:
+                return True
+        i += 1
+    return False
+
+
+def _statements(line: str):
+    """Split a logical line at ; && || | outside quotes and brackets."""
+    parts, current, quote, depth, i = [], [], None, 0, 0
+    while i < len(line):
+        c = line[i]
+        if quote:
+            current.append(c)
+            if c == "\\" and quote == '"' and i + 1 < len(line):
+                current.append(line[i + 1])
+                i += 2
+                continue
+            if c == quote:
+                quote = None
+        elif c in "'\"":
+            quote = c
+            current.append(c)
+        elif c == "\\" and i + 1 < len(line):
+            current.append(line[i:i + 2])
+            i += 2
+            continue
+        elif c in "({":
+            depth += 1
+            current.append(c)
+        elif c in ")}":
+            depth = max(0, depth - 1)
+            current.append(c)
+        elif c == "#" and not depth and (i == 0 or line[i - 1] in " \t"):
+            break
+        elif not depth and (c == ";" or line.startswith("&&", i) or line.startswith("||", i) or c == "|"):
+            parts.append("".join(current))
+            current = []
+            i += 2 if line.startswith(("&&", "||"), i) else 1
+            continue
+        else:
+            current.append(c)
+        i += 1
+    if quote:
+        raise BadInputError(f"unterminated {quote} quote in: {line.strip()[:80]}")
+    parts.append("".join(current))
+    return parts
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.FloorDiv: operator.floordiv, ast.Div: operator.floordiv, ast.Mod: operator.mod}
+
+
+def _eval_int(node) -> int:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_eval_int(node.left), _eval_int(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_eval_int(node.operand)
+    raise ValueError("unsupported arithmetic")
+
+
+def read_script(path: str, text: str, variables: dict[str, str] | None = None) -> ShellScript:
+    """Evaluate a launch script's assignments and expand its commands (never running them).
+
+    Parameters
+    ----------
+    path : str
+        Named in errors.
+    text : str
+    variables : dict, optional
+        Values for variables the script reads but does not set (``$1``, environment).
+
+    Raises
+    ------
+    BadInputError
+        An unterminated quote, array or expansion, naming the file and line.
+
+    Examples
+    --------
+    >>> s = read_script("t.sh", 'PP=4\\nARGS=(\\n  --pipeline-model-parallel-size $PP  # pp\\n)\\n'
+    ...                  'torchrun x.py ${ARGS[@]} --num-layers $((8*4))')
+    >>> s.commands[-1][1]
+    ['torchrun', 'x.py', '--pipeline-model-parallel-size', '4', '--num-layers', '32']
+    """
+    try:
+        return _Reader(path, text, dict(variables or {})).run()
+    except BadInputError as exc:
+        if str(exc).startswith(path):
+            raise
+        raise BadInputError(f"{path}: {exc}") from None
+
+
+def split_words(path: str, text: str) -> list[str]:
+    """Words of a plain argument list (a file of flags, or a string), quotes honoured."""
+    words: list[str] = []
+    script = read_script(path, text)
+    for _, command in script.commands:
+        words += command
+    return words

@@ -1,0 +1,183 @@
+"""Splits of a DAG along a few topological orders, then refined by single-layer moves.
+
+The upper bound the ILP starts from, and the split kept where the ILP is too large to prove
+(NASNet cells). Both steps cost stages with :class:`pipeplan.plan.costmodel.CostModel`.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+import numpy as np
+
+from pipeplan.errors import InfeasibleError
+from pipeplan.plan.chain import partition_chain
+from pipeplan.plan.costmodel import layer_sums
+from pipeplan.plan.graph import reorder
+from pipeplan.plan.problem import Partition, PartitionProblem, evaluate_split, split_fits, trivial_lower_bound_ms
+
+__all__ = ["topological_orders", "partition_along_orders", "refine_split"]
+
+
+def topological_orders(graph: nx.DiGraph):
+    """A few deterministic topological orders that cut a DAG in different places."""
+    n = graph.number_of_nodes()
+    yield list(range(n))
+    yield list(nx.lexicographical_topological_sort(graph, key=lambda v: -v))
+    # Depth-first: finish each branch before starting the next.
+    yield list(reversed(list(nx.dfs_postorder_nodes(graph))))
+    depth = {}
+    for v in nx.topological_sort(graph):
+        depth[v] = max((depth[u] + 1 for u in graph.predecessors(v)), default=0)
+    yield list(nx.lexicographical_topological_sort(graph, key=lambda v: (depth[v], v)))
+
+
+def partition_along_orders(problem: PartitionProblem) -> Partition:
+    """The best split along any of a few topological orders (an upper bound for DAGs).
+
+    Returns
+    -------
+    Partition
+        ``method`` is ``dp-orders``; on a DAG refined by :func:`refine_split`, with the
+        trivial lower bound.
+
+    Raises
+    ------
+    InfeasibleError
+        If no order admits a split within the memory cap.
+    """
+    best = None
+    seen = set()
+    for order in topological_orders(problem.graph.graph):
+        if len(order) != problem.graph.num_layers:
+            continue
+        key = tuple(order)
+        if key in seen:
+            continue
+        seen.add(key)
+        reordered = problem.replace(graph=reorder(problem.graph, order))
+        try:
+            found = partition_chain(reordered)
+        except InfeasibleError:
+            continue
+        stages = [tuple(sorted(order[v] for v in s)) for s in found.stages]
+        candidate = evaluate_split(problem, stages, method="dp-orders", optimal=problem.graph.chain,
+                                   lower_bound_ms=trivial_lower_bound_ms(problem))
+        if best is None or candidate.bottleneck_ms < best.bottleneck_ms - 1e-12:
+            best = candidate
+    if best is None:
+        raise InfeasibleError("no split into the requested stages fits the memory cap")
+    if not problem.graph.chain:
+        best = refine_split(problem, best)
+    return best
+
+
+def refine_split(problem: PartitionProblem, partition: Partition, max_moves: int = 10_000) -> Partition:
+    """Steepest descent on the bottleneck: move single layers across a boundary of the slowest stage.
+
+    A layer may leave stage ``b`` for ``b - 1`` when all its producers are in earlier stages, or
+    for ``b + 1`` when all its consumers are in later stages, so every step keeps a chain of
+    ideals. A move is taken only if it lowers the larger of the two stage times below the
+    current bottleneck and both stages still fit the cap; the result is never worse than the
+    input, and is deterministic.
+
+    Notes
+    -----
+    Moves that cross no profile order's prefix are what this adds to ``partition_along_orders``
+    on wide DAGs (NASNet cells). O(moves x width x degree); each move updates one boundary's
+    bytes and two stages' loads (the cost model's split-independent time, linear in the
+    layers) incrementally.
+    """
+    g = problem.graph
+    k = problem.num_stages
+    if k < 2:
+        return partition
+    n = g.num_layers
+    cost = problem.cost
+    cap = problem.cap_with_tolerance
+    stage_of = np.empty(n, dtype=int)
+    for j, layers in enumerate(partition.stages):
+        stage_of[list(layers)] = j
+    succ = [list(g.graph.successors(v)) for v in range(n)]
+    pred = [list(g.graph.predecessors(v)) for v in range(n)]
+    members = [set(layers) for layers in partition.stages]
+    bnd = list(partition.boundary_bytes)
+
+    def crosses(u, j, where):
+        """Whether u's output crosses boundary j (after stage j) under the assignment ``where``."""
+        return where(u) <= j and any(where(w) > j for w in succ[u])
+
+    def load(j, layers):
+        return cost.load_ms(layer_sums(g, layers), problem.recompute[j])
+
+    def memory(j, layers, in_bytes):
+        return cost.stage_memory_bytes(layer_sums(g, list(layers)), in_bytes, problem.in_flight[j],
+                                       problem.recompute[j])
+
+    loads = [load(j, members[j]) for j in range(k)]
+
+    def time(load_j, b_in, b_out):
+        return load_j + cost.transfer_ms(b_in, b_out)
+
+    def times():
+        return [time(loads[j], bnd[j - 1] if j else 0, bnd[j] if j < k - 1 else 0) for j in range(k)]
+
+    for _ in range(max_moves):
+        current = times()
+        b = max(range(k), key=lambda j: (current[j], -j))
+        best_move = None
+        for v in sorted(members[b]):
+            if len(members[b]) == 1:
+                break
+            for target in (b - 1, b + 1):
+                if not 0 <= target < k:
+                    continue
+                if target < b and any(stage_of[u] >= b for u in pred[v]):
+                    continue
+                if target > b and any(stage_of[w] <= b for w in succ[v]):
+                    continue
+                edge = min(b, target)  # the boundary between the two stages
+                where = lambda x: target if x == v else stage_of[x]
+                delta = 0.0
+                for u in [v, *pred[v]]:
+                    before = stage_of[u] <= edge and any(stage_of[w] > edge for w in succ[u])
+                    after = crosses(u, edge, where)
+                    delta += (int(after) - int(before)) * g.output_bytes[u]
+                new_bnd = bnd[edge] + delta
+                c_v = load(b, [v])
+                c_t = load(target, [v])
+                lo, hi = (b, target) if b < target else (target, b)
+                new_loads = {b: loads[b] - c_v, target: loads[target] + c_t}
+                t_lo = time(new_loads[lo], bnd[lo - 1] if lo else 0, new_bnd)
+                t_hi = time(new_loads[hi], new_bnd, bnd[hi] if hi < k - 1 else 0)
+                worst = max(t_lo, t_hi)
+                if worst >= current[b] - 1e-12:
+                    continue
+                if cap < float("inf"):
+                    m_b = members[b] - {v}
+                    m_t = members[target] | {v}
+                    sets = {b: m_b, target: m_t}
+                    ok = True
+                    for j in (lo, hi):
+                        in_b = new_bnd if j == hi else (bnd[j - 1] if j else 0)
+                        if memory(j, sets[j], in_b) > cap:
+                            ok = False
+                    if not ok:
+                        continue
+                key = (worst, v, target)
+                if best_move is None or key < best_move[0]:
+                    best_move = (key, v, target, edge, new_bnd, new_loads)
+        if best_move is None:
+            break
+        _, v, target, edge, new_bnd, new_loads = best_move
+        members[stage_of[v]].discard(v)
+        members[target].add(v)
+        for j, value in new_loads.items():
+            loads[j] = value
+        stage_of[v] = target
+        bnd[edge] = new_bnd
+    stages = [tuple(sorted(m)) for m in members]
+    refined = evaluate_split(problem, stages, method=partition.method, optimal=partition.optimal,
+                             lower_bound_ms=partition.lower_bound_ms)
+    if refined.bottleneck_ms <= partition.bottleneck_ms and split_fits(problem, refined):
+        return refined
+    return partition

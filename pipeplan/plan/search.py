@@ -1,0 +1,474 @@
+"""The search: profile and settings in, the fastest plan that fits out (:func:`make_plan`).
+
+For every configuration in the search space (schedule, stages per rank ``v``, micro-batch
+size, which stages recompute their activations) it splits the layer graph into ``p * v``
+stages with the exact solvers (:mod:`pipeplan.plan.solve`), then simulates the
+schedule with :func:`pipeplan.plan.simulate.simulate`. The simulator is the single source of
+truth: the plan's predicted time, bubble, per-rank busy and idle time and per-rank peak
+memory are the simulation's, and a configuration whose simulated per-rank peak exceeds the
+memory cap is never returned.
+
+Search
+------
+- ``--schedule auto`` tries every schedule of :data:`pipeplan.formats.plan.SCHEDULES` with
+  every ``v`` it accepts (:func:`pipeplan.plan.schedules.valid_virtual_stages`) where the
+  schedule's class accepts ``(p, m, v)``; a named schedule fixes it, ``--virtual-stages``
+  fixes ``v``.
+- Micro-batch sizes: every profiled size that divides the global batch (or the fixed one).
+- Recomputation (``--recompute auto``): stages are ranked by the micro-batches they hold in
+  flight (the early stages first); the candidates are prefixes of that ranking: none, the
+  fewest stages that make the split fit the cap, a few more while that still shortens the
+  slowest stage, and the fewest with which no rank can exceed the cap (see below). Where the
+  profile gives the selective-recomputation fields, the same prefixes are tried with
+  ``selective`` as well as ``full`` recomputation.
+- Each configuration is simulated once (``O(p m v)``, up to ~80 ms at 16 ranks), not once
+  per candidate split: the partitioner picks the split, the simulator checks it.
+- Branch and bound: a rank cannot finish sooner than its own work, so ``m`` times its
+  per-micro-batch compute bounds the iteration from below; configurations are simulated in
+  the order of that bound, and those whose bound exceeds the best simulated time so far are
+  skipped (listed among the alternatives with the bound).
+
+Memory with ``v > 1``
+---------------------
+The partitioners constrain each stage; a rank holds ``v`` stages whose peaks need not
+coincide. The split is first solved with the whole cap per stage and checked by simulation;
+when a rank goes over, the per-stage cap shrinks in proportion (three tries), and finally to
+``cap / v``, at which the sum of the rank's stage peaks (an upper bound of its peak) fits.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from pipeplan.errors import BadInputError, InfeasibleError
+from pipeplan.formats.plan import Plan, PlanSettings
+from pipeplan.plan.assemble import plan_from_partition
+from pipeplan.plan.candidates import RECOMPUTE_SEARCH_MAX_LAYERS, Candidate, tie_key
+from pipeplan.plan.chain import chain_bottleneck_ms
+from pipeplan.plan.explain import explain_choice, infeasible_message, runners_up
+from pipeplan.plan.graph import build_layer_graph
+from pipeplan.plan.memory import rank_peak_bytes, stage_in_flight
+from pipeplan.plan.problem import CAP_TOLERANCE, Partition, PartitionProblem, build_problem, stage_costs
+from pipeplan.plan.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
+                                     stage_ranks, valid_virtual_stages)
+from pipeplan.plan.simulate import StageCost, simulate
+from pipeplan.plan.solve import search_partition, solve_partition
+from pipeplan.quantities import format_bytes
+
+__all__ = [
+    "make_plan",
+    "candidate_microbatch_sizes",
+    "with_profile_defaults",
+    "schedule_space",
+    "recompute_sets",
+    "busy_lower_bound_ms",
+    "rank_peaks",
+]
+
+
+def _cap(settings: PlanSettings) -> float:
+    return math.inf if settings.memory_cap_bytes is None else float(settings.memory_cap_bytes)
+
+
+def candidate_microbatch_sizes(profile, settings: PlanSettings) -> list[int]:
+    """Profiled micro-batch sizes that divide the global batch (or the fixed one).
+
+    Raises
+    ------
+    BadInputError
+        If none qualifies.
+    """
+    sizes = profile.microbatch_sizes
+    if settings.microbatch_size is not None:
+        b = settings.microbatch_size
+        if b not in sizes:
+            raise BadInputError(f"--microbatch-size: {b} was not profiled; the profile has {sizes}")
+        if settings.global_batch % b:
+            raise BadInputError(
+                f"--microbatch-size: {b} does not divide --global-batch {settings.global_batch}; "
+                f"choose a divisor"
+            )
+        return [b]
+    chosen = [b for b in sizes if settings.global_batch % b == 0]
+    if not chosen:
+        raise BadInputError(
+            f"--global-batch: {settings.global_batch} is not a multiple of any profiled "
+            f"micro-batch size {sizes}; use a multiple of one of them"
+        )
+    return chosen
+
+
+def busy_lower_bound_ms(costs: list[StageCost], placement: list[int], num_microbatches: int) -> float:
+    """A lower bound of the simulated iteration.
+
+    Rank ``r`` cannot start before the first micro-batch's forward has reached its first
+    stage, and then has all its own work to do, with the schedule's own time before each of
+    its at least two actions per stage and micro-batch (but the first, which may overlap the
+    wait); no iteration is shorter than one micro-batch's trip forward and back either.
+    """
+    ranks = max(placement) + 1
+    busy = [0.0] * ranks
+    first = [None] * ranks
+    trip = 0.0
+    for stage, (cost, rank) in enumerate(zip(costs, placement)):
+        # Whichever way the schedule runs the backward (whole, or split at some cost).
+        backward = min(cost.backward_ms, cost.backward_input_ms + cost.backward_weight_ms)
+        busy[rank] += cost.forward_ms + backward + 2 * cost.action_overhead_ms
+        # A split schedule runs no input pass on stage 0.
+        trip += cost.forward_ms + (0.0 if stage == 0 else min(cost.backward_input_ms, backward))
+        if first[rank] is None:
+            first[rank] = stage
+    head = [0.0]
+    for stage, cost in enumerate(costs):
+        crossing = cost.send_ms if stage + 1 < len(costs) and placement[stage + 1] != placement[stage] else 0.0
+        head.append(head[-1] + cost.forward_ms + crossing)
+    return max(trip, max(head[first[r]] + num_microbatches * busy[r] - costs[first[r]].action_overhead_ms
+                         for r in range(ranks)))
+
+
+def rank_peaks(problem: PartitionProblem, partition: Partition, schedule: str, p: int, m: int, v: int):
+    """Exact simulated per-rank peaks of a split (memory depends on the order only)."""
+    costs = stage_costs(problem, partition)
+    return rank_peak_bytes(schedule, p, m, v, [c.static_memory_bytes for c in costs],
+                           [c.activation_bytes for c in costs])
+
+
+def schedule_space(settings: PlanSettings, num_layers: int) -> list[tuple[str, int]]:
+    """(schedule, v) pairs to try, in order of preference on ties."""
+    p = settings.stages
+    if settings.schedule == "auto":
+        schedules = PLANNER_SCHEDULES
+    elif settings.schedule in PLANNER_SCHEDULES:
+        schedules = (settings.schedule,)
+    else:
+        raise BadInputError(
+            f"--schedule: {settings.schedule!r} is not a schedule; use auto or one of {', '.join(PLANNER_SCHEDULES)}"
+        )
+    if settings.launcher is not None:
+        runs = LAUNCHER_SCHEDULES[settings.launcher]
+        if settings.schedule != "auto" and settings.schedule not in runs:
+            raise BadInputError(f"--schedule: {settings.launcher} runs {', '.join(runs)}, not {settings.schedule}")
+        schedules = tuple(s for s in schedules if s in runs)
+    space = []
+    for schedule in schedules:
+        allowed = valid_virtual_stages(schedule)
+        vs = allowed if settings.virtual_stages is None else tuple(v for v in allowed if v == settings.virtual_stages)
+        if not vs and settings.schedule != "auto":
+            raise BadInputError(
+                f"--virtual-stages: {schedule} takes {' or '.join(map(str, allowed))} stages per rank, "
+                f"not {settings.virtual_stages}; use one of those or leave it unset"
+            )
+        for v in vs:
+            if p * v <= num_layers:
+                space.append((schedule, v))
+            elif settings.schedule != "auto" and settings.virtual_stages is not None:
+                raise BadInputError(
+                    f"--virtual-stages: {p} ranks x {v} stages per rank = {p * v} stages but the profile "
+                    f"has only {num_layers} layers; use fewer stages per rank or ranks"
+                )
+    if not space:
+        raise BadInputError(
+            f"--schedule {settings.schedule}: no stages-per-rank value fits {p} ranks and "
+            f"{num_layers} layers (each stage needs a layer); use fewer ranks"
+        )
+    return space
+
+
+def recompute_order(in_flight: tuple[int, ...]) -> list[int]:
+    """Stages ranked for recomputation: most micro-batches in flight first, then earliest."""
+    return sorted(range(len(in_flight)), key=lambda s: (-in_flight[s], s))
+
+
+def recompute_prefix(order: list[int], k: int, num_stages: int, mode: str = "full") -> tuple[str, ...]:
+    """The first ``k`` stages of ``order`` recompute (``mode``: full or selective), the others not at all."""
+    chosen = set(order[:k])
+    return tuple(mode if s in chosen else "none" for s in range(num_stages))
+
+
+def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> list[tuple[tuple[str, ...], Partition | None]]:
+    """The recompute sets worth simulating for one (schedule, v, b), with their splits.
+
+    See the module docstring. Feasibility is taken to be monotone in the prefix length
+    (more recomputation, less memory); the stages that hold one micro-batch come last,
+    where recomputing saves nothing. Where the profile gives the selective fields the same
+    prefixes are tried with selective recomputation as well (usually cheaper in time; it saves
+    most where the attention core's ``s^2`` tensors are kept, i.e. without flash attention).
+    """
+    p = settings.stages
+    in_flight = stage_in_flight(schedule, p, m, v)
+    num_stages = len(in_flight)
+    none = ("none",) * num_stages
+    cap = _cap(settings)
+
+    def solve(recompute):
+        problem = build_problem(profile, graph, settings, in_flight, recompute)
+        if not exact:
+            return search_partition(problem)
+        try:
+            return solve_partition(problem, settings.solver)
+        except InfeasibleError:
+            return None
+
+    if settings.recompute == "all":
+        everything = ("full",) * num_stages
+        return [(everything, solve(everything))]
+    if settings.recompute == "selective":
+        if not graph.selective_known:
+            raise BadInputError(
+                "--recompute selective: the profile has no selective_activation_bytes/selective_recompute_ms "
+                "(analytic profiles give them: pipeplan profile --analytic); use all or auto"
+            )
+        everything = ("selective",) * num_stages
+        return [(everything, solve(everything))]
+    base = solve(none)
+    if (settings.recompute == "none" or math.isinf(cap)
+            or graph.num_layers > RECOMPUTE_SEARCH_MAX_LAYERS):
+        return [(none, base)]
+    order = recompute_order(in_flight)
+    problem0 = build_problem(profile, graph, settings, in_flight, none)
+    if base is not None:
+        free = search_partition(build_problem(profile, graph, settings, in_flight, none, memory_cap_bytes=math.inf))
+        binding = free is not None and base.bottleneck_ms > free.bottleneck_ms * (1 + CAP_TOLERANCE)
+        if not binding and max(rank_peaks(problem0, base, schedule, p, m, v)) <= cap:
+            return [(none, base)]
+    modes = ("selective", "full") if graph.selective_known else ("full",)
+    out = {none: base}
+    for mode in modes:
+        for recompute, partition in _recompute_ladder(profile, graph, settings, schedule, m, v, in_flight,
+                                                      order, mode, base, solve):
+            out.setdefault(recompute, partition)
+    if len(out) == 1:
+        return [(none, base), (("full",) * num_stages, None)]
+    return list(out.items())
+
+
+def _recompute_ladder(profile, graph, settings, schedule, m, v, in_flight, order, mode, base, solve):
+    """The prefixes of ``order`` recomputing with ``mode`` worth simulating (empty if none fits)."""
+    p, num_stages, cap = settings.stages, len(in_flight), _cap(settings)
+    found: dict[int, Partition | None] = {0: base}
+
+    def at(k):
+        if k not in found:
+            found[k] = solve(recompute_prefix(order, k, num_stages, mode))
+        return found[k]
+
+    def safe(k):
+        part = at(k)
+        if part is None:
+            return False
+        problem = build_problem(profile, graph, settings, in_flight, recompute_prefix(order, k, num_stages, mode))
+        return max(rank_peaks(problem, part, schedule, p, m, v)) <= cap
+
+    def smallest(test, lo):
+        # Smallest k in [lo, num_stages] passing ``test``, or None.
+        if not test(num_stages):
+            return None
+        hi = num_stages
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if test(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
+
+    def fits(k):
+        # Feasibility alone: the cheaper bottleneck-only DP for chains.
+        if k in found or not graph.chain:
+            return at(k) is not None
+        return math.isfinite(chain_bottleneck_ms(
+            build_problem(profile, graph, settings, in_flight, recompute_prefix(order, k, num_stages, mode))))
+
+    first = smallest(fits, 1)
+    if first is None:
+        return []
+    keep = [first]
+    k = first
+    # A little more recomputation can buy a better balance; stop once it stops paying.
+    while k + 1 <= num_stages and at(k + 1) is not None and at(k + 1).bottleneck_ms < at(k).bottleneck_ms * (1 - CAP_TOLERANCE):
+        k += 1
+        keep.append(k)
+    # With one stage per rank the partitioner's memory is the rank's: what fits is safe.
+    sure = first if v == 1 else smallest(safe, first)
+    if sure is not None:
+        keep.append(sure)
+    return [(recompute_prefix(order, k, num_stages, mode), at(k)) for k in sorted(set(keep))]
+
+
+def evaluate_candidate(profile, graph, settings, cand: Candidate, in_flight) -> None:
+    """Check a candidate's per-rank peaks (for ``v > 1`` shrinking the per-stage cap until its
+    ranks fit), then simulate it once."""
+    cap = _cap(settings)
+    p, v, m = settings.stages, cand.virtual_stages, cand.num_microbatches
+    share = 1.0
+    for attempt in range(5):
+        peaks = rank_peaks(cand.problem, cand.partition, cand.schedule, p, m, v)
+        peak = max(peaks)
+        if peak <= cap:
+            cand.simulation = simulate(stage_costs(cand.problem, cand.partition), cand.schedule, p, m, v)
+            cand.status = "fits"
+            return
+        cand.status = "over"
+        cand.over_bytes = int(peak - cap)
+        cand.peak_bytes = int(peak)
+        rank = peaks.index(peak)
+        cand.reason = (f"over the cap by {format_bytes(peak - cap)}: rank {rank} peaks at "
+                       f"{format_bytes(peak)} (cap {format_bytes(cap)})")
+        if v == 1 or share <= 1.0 / v:
+            return
+        share = max(1.0 / v, share * cap / peak * (1 - 1e-6)) if attempt < 3 else 1.0 / v
+        problem = build_problem(profile, graph, settings, in_flight, cand.recompute, memory_cap_bytes=share * cap)
+        partition = search_partition(problem)
+        if partition is None:
+            return
+        cand.problem, cand.partition = problem, partition
+
+
+def with_profile_defaults(profile, settings: PlanSettings) -> PlanSettings:
+    """``settings`` with what the profile knows filled in where the user gave nothing.
+
+    - ``global_batch``: :data:`pipeplan.formats.plan.DEFAULT_GLOBAL_BATCH_PER_MICROBATCH` x
+      the largest profiled micro-batch size;
+    - ``action_overhead_ms``: the schedule's own time per action that a calibrated profile
+      carries from its run (``measurement.action_overhead_ms``, written by ``pipeplan calibrate``).
+
+    A plan records the settings after this, so re-planning from a plan file is reproducible.
+    """
+    from pipeplan.formats.plan import DEFAULT_GLOBAL_BATCH_PER_MICROBATCH
+
+    update = {}
+    if settings.global_batch is None:
+        update["global_batch"] = DEFAULT_GLOBAL_BATCH_PER_MICROBATCH * max(profile.microbatch_sizes)
+    measured_ms = (profile.measurement or {}).get("action_overhead_ms")
+    if settings.action_overhead_ms is None and measured_ms:
+        update["action_overhead_ms"] = max(0.0, float(measured_ms))
+    return settings.model_copy(update=update) if update else settings
+
+
+def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
+    """The fastest plan of ``profile`` that fits ``settings``, as simulated.
+
+    Parameters
+    ----------
+    profile : Profile
+    settings : PlanSettings
+        Ranks (``stages``), global batch, memory cap, optimizer, bandwidth, schedule
+        (``auto`` searches), stages per rank, recompute (``auto``, ``none``, ``all``), solver,
+        the schedule's own time per action (unset: the profile's
+        ``measurement.action_overhead_ms``, which ``pipeplan calibrate`` writes, else none).
+    profile_sha256 : str
+        Recorded in the plan so that ``check`` can tell which profile it came from.
+    record_time : bool
+        Record the solver's wall time (plans are then no longer byte-identical across runs).
+
+    Returns
+    -------
+    Plan
+        Predicted time, bubble and per-rank memory from the simulator; ``alternatives`` lists
+        the runners-up with why they lost; ``notes`` says why this one won and what was assumed.
+
+    Raises
+    ------
+    BadInputError
+        Settings that contradict the profile (more stages than layers, unprofiled sizes), or
+        a fixed schedule whose class refuses every micro-batch count on offer.
+    InfeasibleError
+        Nothing fits the memory cap; the message says what would (a cap, more ranks, or
+        recomputation).
+
+    Notes
+    -----
+    With a fixed ``1f1b`` or ``gpipe`` and no recomputation the split of each micro-batch size
+    is the exact min-max optimum (the partitioners' model of those schedules' memory is exact).
+    The search solves one partition per (schedule, v, micro-batch size, recompute set) and
+    simulates each at most a few times; see the module docstring.
+    """
+    started = time.perf_counter()
+    n = len(profile.layers)
+    if settings.stages > n:
+        raise BadInputError(
+            f"--stages: {settings.stages} stages but the profile has only {n} "
+            f"layers; use at most {n}"
+        )
+    settings = with_profile_defaults(profile, settings)
+    space = schedule_space(settings, n)
+    sizes = candidate_microbatch_sizes(profile, settings)
+    p, cap = settings.stages, _cap(settings)
+    graphs = {b: build_layer_graph(profile, b) for b in sizes}
+
+    # A fixed one-stage-per-rank schedule without recomputation is a small search: solve each
+    # micro-batch size's split exactly, so its choice is among exact optima.
+    exact = len(space) == 1 and space[0][1] == 1 and settings.recompute == "none"
+    candidates: list[Candidate] = []
+    refusals: list[str] = []
+    for schedule, v in space:
+        for b in sizes:
+            m = settings.global_batch // b
+            try:
+                check_schedule(schedule, p, m, v)
+                check_launcher(settings.launcher, schedule, p, m, v)
+            except BadInputError as error:
+                refusals.append(str(error))
+                candidates.append(Candidate(schedule, v, b, m, ("none",) * (p * v), status="refused",
+                                            reason=f"refused: {error}"))
+                continue
+            in_flight = stage_in_flight(schedule, p, m, v)
+            placement = stage_ranks(schedule, p, v)
+            for recompute, partition in recompute_sets(profile, graphs[b], settings, schedule, m, v, exact):
+                problem = build_problem(profile, graphs[b], settings, in_flight, recompute)
+                cand = Candidate(schedule, v, b, m, recompute, problem, partition)
+                if partition is None:
+                    cand.status = "nosplit"
+                    cand.reason = "over the memory cap at every split"
+                else:
+                    cand.lower_bound_ms = busy_lower_bound_ms(stage_costs(problem, partition), placement, m)
+                candidates.append(cand)
+    for index, cand in enumerate(candidates):
+        cand.order = index
+    if refusals and all(c.status == "refused" for c in candidates):
+        raise BadInputError(refusals[0] if len(set(refusals)) == 1 else "; ".join(sorted(set(refusals))))
+
+    # Branch and bound on the busy-rank lower bound: simulate in its order.
+    best: Candidate | None = None
+    pending = sorted((c for c in candidates if c.status == "new"),
+                     key=lambda c: (c.lower_bound_ms, tie_key(c, space)))
+    for cand in pending:
+        if best is not None and cand.lower_bound_ms > best.iteration_ms:
+            cand.status = "pruned"
+            continue
+        evaluate_candidate(profile, graphs[cand.microbatch_size], settings, cand, cand.problem.in_flight)
+        if cand.status == "fits" and (best is None or (cand.iteration_ms, tie_key(cand, space))
+                                      < (best.iteration_ms, tie_key(best, space))):
+            best = cand
+    if best is None:
+        raise InfeasibleError(infeasible_message(profile, settings, space, sizes, candidates))
+
+    graph = graphs[best.microbatch_size]
+    partition, simulation, problem = best.partition, best.simulation, best.problem
+    notes = []
+    if not exact and (not graph.chain or settings.solver == "ilp"):
+        # The search split DAGs along a few orders; solve the winner exactly.
+        try:
+            exact = solve_partition(problem, settings.solver)
+        except InfeasibleError:
+            exact = None
+        if exact is not None:
+            exact_sim = simulate(stage_costs(problem, exact), best.schedule, p, best.num_microbatches,
+                                 best.virtual_stages)
+            if exact_sim.peak_memory_bytes <= cap:
+                partition, simulation = exact, exact_sim
+            else:
+                notes.append("the exact split goes over the cap on some rank when simulated; "
+                             "kept the best split along the layer orders")
+    notes.extend(explain_choice(best, simulation, candidates, settings, space, graph, profile))
+    alternatives = runners_up(best, simulation, candidates)
+    seconds = time.perf_counter() - started if record_time else 0.0
+    return plan_from_partition(
+        profile, settings, problem, partition, schedule=best.schedule, virtual_stages=best.virtual_stages,
+        microbatch_size=best.microbatch_size, num_microbatches=best.num_microbatches,
+        profile_sha256=profile_sha256, seconds=seconds, alternatives=alternatives, notes=notes,
+        simulation=simulation,
+    )
+
+

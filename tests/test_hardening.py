@@ -173,6 +173,22 @@ def test_huge_global_batch_is_refused_with_the_limit(profile_file):
     assert result.exit_code == 0, result.stderr
 
 
+def test_infeasible_names_the_smallest_stage_count_that_fits_or_says_none_does(tmp_path):
+    path = write(tmp_path, make_profile_dict(n_layers=6), "p.json")
+    line = one_line_error(invoke("plan", path, "--stages", 2, "--memory-cap", 5000), 3)
+    assert line.startswith("infeasible:") and "6 ranks fit under this cap" in line
+    line = one_line_error(invoke("plan", path, "--stages", 2, "--memory-cap", 3500), 3)
+    assert "no stage count from 3 to 6 fits under this cap either" in line
+    line = one_line_error(invoke("plan", path, "--stages", 6, "--memory-cap", 3500), 3)
+    assert "more ranks cannot help" in line
+
+
+def test_explanations_do_not_divide_by_a_zero_iteration():
+    from pipeplan.plan.explain import _percent
+
+    assert _percent(1.0, 0.0) == "-" and _percent(1.0, 4.0) == "25.0%"
+
+
 # ---------------------------------------------------------------- accepted although wrong
 def _mutate_plan(plan_file, how):
     data = json.loads(plan_file.read_text())

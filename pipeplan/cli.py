@@ -84,9 +84,17 @@ def _console(stderr: bool = False):
     return Console(stderr=stderr, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
 
 
+def _printable(line: str) -> str:
+    """Control and direction-override characters (from user input) escaped for the terminal."""
+    import unicodedata
+
+    return "".join(f"\\u{ord(ch):04x}" if unicodedata.category(ch)[0] == "C" or unicodedata.category(ch) in ("Zl", "Zp")
+                   else ch for ch in line)
+
+
 def _one_line(text: str) -> str:
     """A message on one line: the first line, and how many more there were."""
-    lines = [line for line in text.splitlines() if line.strip()] or [""]
+    lines = [_printable(line) for line in text.splitlines() if line.strip()] or [""]
     if len(lines) == 1:
         return lines[0]
     return f"{lines[0]} (and {len(lines) - 1} more line{'s' if len(lines) > 2 else ''}; --debug shows all)"

@@ -203,8 +203,11 @@ def diff_profiles(a, b, *, microbatch_size: int | None = None, settings: PlanSet
     if settings is not None:
         if planner is None:
             from pipeplan.cluster.search import plan_any as planner
+        from pipeplan.formats.limits import check_microbatch_count
+
         plans = []
         for label, profile, sha in (("A", a, sha256[0]), ("B", b, sha256[1])):
+            check_microbatch_count(settings.global_batch, profile.microbatch_sizes, settings.microbatch_size)
             try:
                 plans.append(planner(profile, settings, profile_sha256=sha))
             except InfeasibleError as exc:

@@ -242,6 +242,7 @@ def check_baseline(
     One planner call; the comparison is O(L + p).
     """
     from pipeplan.formats.io import file_sha256, load_plan, load_profile
+    from pipeplan.formats.limits import check_microbatch_count
 
     if planner is None:
         from pipeplan.cluster.search import plan_any as planner
@@ -263,6 +264,7 @@ def check_baseline(
         findings.append(Finding("info", "profile", (
             f"profile model {profile.model!r} differs from the baseline's {baseline.profile.model!r}")))
     try:
+        check_microbatch_count(settings.global_batch, profile.microbatch_sizes, settings.microbatch_size)
         current = planner(profile, settings, profile_sha256=sha)
     except InfeasibleError as exc:
         findings.append(Finding("fail", "infeasible", f"no plan fits any more: {exc}"))

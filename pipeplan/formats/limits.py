@@ -6,7 +6,8 @@ overflow converting to float) and what the terminal prints is plain text.
 
 Ranges (why these numbers):
 
-- ``MAX_MS`` = 1e9 ms (about 11.6 days) per layer and micro-batch. A plan multiplies it by at
+- ``MAX_MS`` = 1e9 ms (about 11.6 days) per layer and micro-batch, and ``MIN_MS`` = 1e-6 ms
+  (1 ns) the smallest non-zero one, so that a throughput (samples / time) stays finite too. A plan multiplies it by at
   most ``MAX_MICROBATCHES`` micro-batches and a few thousand layers, and squares it in the
   balancing DP; all of that stays far below float's 1.8e308.
 - ``MAX_BYTES`` = 2**53 (8 PiB): the largest count a float holds exactly, so that memory sums in
@@ -52,7 +53,11 @@ __all__ = [
     "OptionalRatio",
     "Bytes",
     "PlanBytes",
+    "PositiveBytes",
+    "Bandwidth",
     "PlanMs",
+    "Rate",
+    "MIN_MS",
     "Count",
     "PositiveCount",
     "FiniteFloat",
@@ -63,6 +68,8 @@ __all__ = [
 ]
 
 MAX_MS = 1e9
+#: The finest time a profile may give (1 ns); below it, write 0.
+MIN_MS = 1e-6
 MAX_BYTES = 2**53
 MAX_COUNT = 10**9
 MAX_MICROBATCHES = 4096
@@ -116,21 +123,35 @@ def _free_text(value: str) -> str:
     return value
 
 
-Ms = Annotated[float, BeforeValidator(_number), Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
+def _resolvable(value: float) -> float:
+    if 0 < value < MIN_MS:
+        raise ValueError(f"{value!r} ms is below {MIN_MS:g} ms (1 ns), the finest time pipeplan takes; write 0 "
+                         f"or a larger time")
+    return value
+
+
+Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False), BeforeValidator(_number),
+               AfterValidator(_resolvable)]
 """A duration in milliseconds, 0 to MAX_MS."""
-OptionalRatio = Annotated[float, BeforeValidator(_number), Field(ge=0, le=1e6, allow_inf_nan=False)]
+OptionalRatio = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False), BeforeValidator(_number)]
 """A non-negative ratio or coefficient (spread, fraction)."""
-FiniteFloat = Annotated[float, BeforeValidator(_number), Field(ge=-1e18, le=1e18, allow_inf_nan=False)]
+FiniteFloat = Annotated[float, Field(ge=-1e18, le=1e18, allow_inf_nan=False), BeforeValidator(_number)]
 """Any finite number of a sane size (predictions, bounds)."""
-PlanMs = Annotated[float, BeforeValidator(_number), Field(ge=0, le=1e18, allow_inf_nan=False)]
+Rate = Annotated[float, Field(ge=0, allow_inf_nan=False), BeforeValidator(_number)]
+"""A non-negative finite rate (samples per second)."""
+PlanMs = Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False), BeforeValidator(_number)]
 """A duration a plan sums from many layers and micro-batches: finite, non-negative."""
-PlanBytes = Annotated[int, BeforeValidator(_integer), Field(ge=0, le=2**63 - 1)]
+PlanBytes = Annotated[int, Field(ge=0, le=2**63 - 1), BeforeValidator(_integer)]
 """A byte count a plan sums from many layers: up to a signed 64-bit integer."""
-Bytes = Annotated[int, BeforeValidator(_integer), Field(ge=0, le=MAX_BYTES)]
+Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES), BeforeValidator(_integer)]
 """A byte count, 0 to 2**53."""
-Count = Annotated[int, BeforeValidator(_integer), Field(ge=0, le=MAX_COUNT)]
+PositiveBytes = Annotated[int, Field(gt=0, le=MAX_BYTES), BeforeValidator(_integer)]
+"""A positive byte count (a memory cap)."""
+Bandwidth = Annotated[float, Field(gt=0, le=1e18, allow_inf_nan=False), BeforeValidator(_number)]
+"""Bytes per second, positive and finite (no bandwidth limit is null, not infinity)."""
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT), BeforeValidator(_integer)]
 """A non-negative count or index."""
-PositiveCount = Annotated[int, BeforeValidator(_integer), Field(gt=0, le=MAX_COUNT)]
+PositiveCount = Annotated[int, Field(gt=0, le=MAX_COUNT), BeforeValidator(_integer)]
 """A positive count (samples, stages)."""
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_plain_text)]
 """A name printed in the terminal: plain text, no control characters."""

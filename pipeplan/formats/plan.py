@@ -17,8 +17,8 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from pipeplan.formats.cluster import ClusterSpec
-from pipeplan.formats.limits import (MAX_MICROBATCHES, Bytes, Count, FiniteFloat, Ms, Name, PlanBytes, PlanMs,
-                                     PositiveCount, Text)
+from pipeplan.formats.limits import (MAX_MICROBATCHES, Bandwidth, Bytes, Count, FiniteFloat, Ms, Name, PlanBytes,
+                                     PlanMs, PositiveBytes, PositiveCount, Rate, Text)
 # Schedule names, one per torch.distributed.pipelining class; the records (torch class,
 # stages per rank, placement) are pipeplan.plan.schedules.SCHEDULE_INFO.
 from pipeplan.plan.schedules import SCHEDULES
@@ -122,12 +122,12 @@ class PlanSettings(_Strict):
         description="Samples per iteration; null (before planning) means 8 x the largest profiled "
                     "micro-batch size. Plans record the value used.")
     microbatch_size: Optional[PositiveCount] = Field(default=None, description="Fixed micro-batch size, or null to search.")
-    memory_cap_bytes: Optional[Bytes] = Field(default=None, gt=0, description="Per-GPU memory cap, or null for none.")
+    memory_cap_bytes: Optional[PositiveBytes] = Field(default=None, description="Per-GPU memory cap, or null for none.")
     optimizer: Literal["adam", "adam-fp32-grads", "sgd", "none"] = Field(
         default="adam", description="Training state per parameter: adam 16 bytes (ZeRO paper, DeepSpeed), "
                                     "adam-fp32-grads 18 (Megatron), sgd 12, none 2 x dtype; docs/cluster-model.md.")
-    bandwidth_bytes_per_s: Optional[FiniteFloat] = Field(
-        default=DEFAULT_BANDWIDTH_BYTES_PER_S, gt=0,
+    bandwidth_bytes_per_s: Optional[Bandwidth] = Field(
+        default=DEFAULT_BANDWIDTH_BYTES_PER_S,
         description="Point-to-point bandwidth; null means infinite (transfers ignored). A plan file "
                     "always writes it (null included); one without it, from before 25 GB/s became "
                     "the default, means null."
@@ -231,7 +231,7 @@ class Predicted(_Strict):
 
     iteration_ms: PlanMs
     bubble_fraction: FiniteFloat = Field(ge=0, le=1, description="Idle share of all ranks' time.")
-    samples_per_second: FiniteFloat = Field(ge=0)
+    samples_per_second: Rate
     bottleneck_stage: Count
     compute_ms: PlanMs = Field(default=0.0, description="Busy time of the bottleneck rank.")
     bubble_ms: PlanMs = Field(default=0.0, description="Idle time of the bottleneck rank.")

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeplan.formats.limits import Bytes, Ms, Name, PositiveCount, Text
+from pipeplan.formats.limits import Bytes, Ms, Name, OptionalRatio, PositiveCount, Text
 
 __all__ = ["Device", "LayerCost", "Layer", "Profile", "TiedWeight", "NonNegativeMs", "LAYER_KINDS", "DTYPES",
            "SCHEMA_VERSIONS", "V2_COST_FIELDS", "TP_COLLECTIVES"]
@@ -74,10 +74,10 @@ class LayerCost(_Strict):
     backward_weight_ms: Optional[NonNegativeMs] = Field(
         default=None, description="Weight-gradient pass (W) that follows B in a split backward."
     )
-    forward_spread: Optional[NonNegativeMs] = Field(
+    forward_spread: Optional[OptionalRatio] = Field(
         default=None, description="Coefficient of variation of the forward repeats (0.05 = 5%)."
     )
-    backward_spread: Optional[NonNegativeMs] = Field(
+    backward_spread: Optional[OptionalRatio] = Field(
         default=None, description="Coefficient of variation of the backward repeats."
     )
     # --- schema_version 2 ---

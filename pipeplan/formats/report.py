@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeplan.formats.limits import Count, FiniteFloat, Name, PlanMs, PositiveCount, Text
+from pipeplan.formats.limits import Count, Name, OptionalRatio, PlanMs, PositiveCount, Text
 from pipeplan.plan.schedules import SCHEDULES
 
 __all__ = ["REPORT_SCHEMA", "RankReport", "MeasuredTimes", "RunReport"]
@@ -57,7 +57,7 @@ class RankReport(_Open):
     loss_ms: Optional[PlanMs] = Field(default=None, description="Time in the loss per iteration.")
     busy_ms: Optional[PlanMs] = Field(default=None, description="All compute calls per iteration.")
     pipeline_ms: Optional[PlanMs] = Field(default=None, description="Wall time of schedule.step().")
-    cpu_share: Optional[FiniteFloat] = Field(default=None, ge=0, description="CPU time / wall time in compute (CPU).")
+    cpu_share: Optional[OptionalRatio] = Field(default=None, description="CPU time / wall time in compute (CPU).")
 
 
 class MeasuredTimes(_Open):

@@ -56,7 +56,7 @@ def explain_choice(best: Candidate, sim: Simulation, candidates, settings, space
         if runner is not None:
             gap = runner.iteration_ms - sim.iteration_ms
             text += (f"; the runner-up ({runner.label()}) is {gap:.3f} ms "
-                     f"({100 * gap / sim.iteration_ms:.1f}%) slower")
+                     f"({_percent(gap, sim.iteration_ms)}) slower")
         notes.append(text)
     else:
         notes.append(f"chose {chosen}")
@@ -122,7 +122,7 @@ def runners_up(best: Candidate, sim: Simulation, candidates) -> list[Alternative
         peak = None
         if c.status == "fits":
             gap = c.iteration_ms - sim.iteration_ms
-            reason = f"slower by {gap:.3f} ms ({100 * gap / sim.iteration_ms:.1f}%)"
+            reason = f"slower by {gap:.3f} ms ({_percent(gap, sim.iteration_ms)})"
             iteration, peak = c.iteration_ms, c.simulation.peak_memory_bytes
         elif c.status == "pruned":
             gap = c.lower_bound_ms - sim.iteration_ms
@@ -181,6 +181,11 @@ def _smallest_cap_with_recompute(profile, graph, settings, in_flight) -> float |
     if not graph.chain or graph.num_layers > RECOMPUTE_SEARCH_MAX_LAYERS:
         return None
     return _smallest_cap(fits, relative_tolerance=1e-3)
+
+
+def _percent(part: float, whole: float) -> str:
+    """``part`` as a share of ``whole``; a profile whose times are all 0 has no share to give."""
+    return f"{100 * part / whole:.1f}%" if whole > 0 else "-"
 
 
 def _smallest_fitting_stages(profile, settings, sizes) -> int | None:
@@ -248,6 +253,12 @@ def infeasible_message(profile, settings, space, sizes, candidates) -> str:
     if more is not None:
         hints.append(f"{more} ranks fit under this cap without recomputation "
                      f"({'gpipe' if settings.schedule == 'gpipe' else '1f1b'})")
+    else:
+        limit = min(len(profile.layers), 8 * settings.stages)
+        if limit > settings.stages:
+            hints.append(f"no stage count from {settings.stages + 1} to {limit} fits under this cap either")
+        else:
+            hints.append(f"more ranks cannot help: {settings.stages} ranks already hold one layer each or fewer")
     if not hints:
         hints.append("no cap fits: a single layer exceeds it; split that layer or use a smaller micro-batch")
     return head + "; " + "; ".join(hints)

@@ -349,6 +349,9 @@ def _split_backward(outputs: list[torch.Tensor], grads: Optional[list[torch.Tens
                                                      retain_graph=True), device)
         t_bw, _ = _timed(lambda: torch.autograd.backward(outputs, grads, inputs=params), device)
         return t_bi, t_bw
+    # stage_backward_input detaches the outputs in place afterwards, which a view (a Linear on a
+    # 3-D input) refuses; a clone is not a view, and its backward passes the gradient through.
+    outputs = [o.clone() for o in outputs]
     t_bi, (_, groups) = _timed(lambda: stage_backward_input(outputs, grads, inputs, iter(params)), device)
     t_bw, _ = _timed(lambda: stage_backward_weight(iter(params), groups), device)
     return t_bi, t_bw

@@ -172,7 +172,8 @@ def calibrate_files(plan_path: str | Path, report_path: str | Path, output: str 
 
     ``profile_path`` defaults to the profile the report names (``pipeplan run --profile``).
     """
-    from pipeplan.formats.io import file_sha256, load_plan, load_profile, load_report, write_json_atomic
+    from pipeplan.formats.io import (file_sha256, load_plan, load_profile, load_report, refuse_overwriting_input,
+                                     write_json_atomic)
 
     plan = load_plan(plan_path)
     report = load_report(report_path)
@@ -182,6 +183,7 @@ def calibrate_files(plan_path: str | Path, report_path: str | Path, output: str 
             raise BadInputError(
                 f"{report_path} names no profile (the run had no --profile); give --profile PROFILE.json"
             )
+    refuse_overwriting_input(output, plan_path, report_path, profile_path)
     profile = load_profile(profile_path)
     sha = file_sha256(profile_path)
     if sha != plan.profile.sha256:

@@ -1,6 +1,6 @@
 """The ``pipeplan`` command line: a thin layer over :mod:`pipeplan.api` and friends.
 
-Each command calls one library function; :func:`_handled` turns library errors into a one-line
+Each command calls one library function; :func:`handled` turns library errors into a one-line
 message and an exit code (2 bad input, 3 infeasible); tracebacks only with ``--debug``.
 """
 
@@ -18,7 +18,7 @@ from typer.core import TyperGroup
 
 from pipeplan.errors import BadInputError, PipeplanError
 
-_state = {"debug": False}
+state = {"debug": False}
 
 
 def _take_debug(args: list[str]) -> list[str]:
@@ -29,7 +29,7 @@ def _take_debug(args: list[str]) -> list[str]:
     else:
         head, tail = args, []
     if "--debug" in head:
-        _state["debug"] = True
+        state["debug"] = True
         head = [a for a in head if a != "--debug"]
     return head + tail
 
@@ -38,7 +38,7 @@ class _Group(TyperGroup):
     """The root command: ``--debug`` anywhere, and usage errors as one line like every other error."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        _state["debug"] = False
+        state["debug"] = False
         args = _take_debug(list(sys.argv[1:] if args is None else args))
         try:
             result = super().main(args=args, prog_name=prog_name or "pipeplan", complete_var=complete_var,
@@ -78,7 +78,7 @@ app = typer.Typer(
 import_app = typer.Typer(help="Import another tool's profile into pipeplan's format.", no_args_is_help=True)
 app.add_typer(import_app, name="import")
 
-def _console(stderr: bool = False):
+def rich_console(stderr: bool = False):
     from rich.console import Console
 
     return Console(stderr=stderr, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
@@ -100,7 +100,7 @@ def _one_line(text: str) -> str:
     return f"{lines[0]} (and {len(lines) - 1} more line{'s' if len(lines) > 2 else ''}; --debug shows all)"
 
 
-def _handled(func):
+def handled(func):
     """Map PipeplanError to its exit code with a one-line message; anything else is a bug."""
 
     @functools.wraps(func)
@@ -110,13 +110,13 @@ def _handled(func):
         except typer.Exit:
             raise
         except PipeplanError as exc:
-            if _state["debug"]:
+            if state["debug"]:
                 traceback.print_exc()
             kind = "infeasible" if exc.exit_code == 3 else "error"
             typer.echo(f"{kind}: {_one_line(str(exc))}", err=True)
             raise typer.Exit(exc.exit_code)
         except RecursionError:
-            if _state["debug"]:
+            if state["debug"]:
                 raise
             typer.echo("error: input nested too deep to read", err=True)
             raise typer.Exit(2)
@@ -132,7 +132,7 @@ def _handled(func):
                 pass
             raise typer.Exit(0)
         except Exception as exc:
-            if _state["debug"]:
+            if state["debug"]:
                 raise
             typer.echo(f"internal error: {type(exc).__name__}: {_one_line(str(exc))} (rerun with --debug for the "
                        f"traceback)", err=True)
@@ -144,7 +144,7 @@ def _handled(func):
 @app.callback()
 def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors (accepted anywhere).")):
     """Exact, memory-aware pipeline-parallel planning."""
-    _state["debug"] = _state["debug"] or debug
+    state["debug"] = state["debug"] or debug
 
 
 def _settings(**kwargs):
@@ -250,7 +250,7 @@ def _default_global_batch(profile_path, global_batch, microbatch_size=None):
 
 
 @import_app.command("pipedream")
-@_handled
+@handled
 def import_pipedream_cmd(
     path: Path = typer.Argument(..., help="PipeDream graph.txt file.", show_default=False),
     batch_size: int = typer.Option(..., "--batch-size", help="The batch the file was profiled at.", show_default=False),
@@ -268,7 +268,7 @@ def import_pipedream_cmd(
 
 
 @app.command()
-@_handled
+@handled
 def profile(
     model: str = typer.Argument(..., metavar="MODEL", help="Built-in (gpt2-tiny, gpt2, llama-tiny, bert-tiny, convnet-tiny, ...), module:callable, or hf:MODEL_TYPE (transformers, no weights: hf:gpt2, hf:llama, hf:bert, hf:vit, ...); with --analytic: a HF config.json or a shipped config (llama3-8b, ...).", show_default=False),
     microbatch_sizes: str = typer.Option("1,2,4", "--microbatch-sizes", help="Micro-batch sizes to measure, e.g. 1,2,4,8."),
@@ -304,7 +304,7 @@ def profile(
             tensor_parallel=tensor_parallel, seq_len=seq_len, dtype=dtype or "bf16",
             sequence_parallel=sequence_parallel, flash_attention=flash_attention,
         )
-        _console().print(analytic_summary_table(estimated))
+        rich_console().print(analytic_summary_table(estimated))
         typer.echo(f"wrote {output}")
         return
     if gpu or gpu_spec or tensor_parallel != "1":
@@ -322,21 +322,21 @@ def profile(
         repeats=repeats, warmup=warmup, threads=threads, units=units or None, seed=seed,
         options=options, split_backward=split_backward, progress=True,
     )
-    _console().print(summary_table(result))
+    rich_console().print(summary_table(result))
     typer.echo(f"wrote {output}")
 
 
 @app.command()
-@_handled
+@handled
 def gpus():
     """The GPU specifications `profile --analytic --gpu NAME` knows (dense peaks, with sources)."""
     from pipeplan.analytic.tables import gpu_table
 
-    _console().print(gpu_table())
+    rich_console().print(gpu_table())
 
 
 @app.command()
-@_handled
+@handled
 def plan(
     profile: Path = _PROFILE_ARG,
     stages: Optional[int] = typer.Option(None, "--stages", "-p", help="Pipeline stages (ranks); with --gpus: fix p instead of searching."),
@@ -376,13 +376,13 @@ def plan(
         settings = settings.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
     result = plan_profile(profile, settings, output, record_time=record_time)
     if not quiet:
-        _console().print(plan_tables(result))
+        rich_console().print(plan_tables(result))
         if output:
             typer.echo(f"wrote {output}")
 
 
 @app.command()
-@_handled
+@handled
 def cluster(
     spec: Optional[str] = typer.Argument(None, metavar="[NAME|FILE]", help="A preset or a cluster TOML file to check and show."),
 ):
@@ -391,11 +391,11 @@ def cluster(
     from pipeplan.cluster.tables import cluster_table
 
     specs = list(PRESETS.values()) if spec is None else [resolve_cluster(spec)]
-    _console().print(cluster_table(specs, "cluster presets" if spec is None else str(spec)))
+    rich_console().print(cluster_table(specs, "cluster presets" if spec is None else str(spec)))
 
 
 @app.command()
-@_handled
+@handled
 def show(
     plan_file: Path = typer.Argument(..., metavar="PLAN", help="Plan JSON file.", show_default=False),
     timeline: bool = typer.Option(False, "--timeline", help="Draw the simulated timeline in the terminal."),
@@ -408,7 +408,7 @@ def show(
 
     refuse_overwriting_input(timeline_out, plan_file)
     loaded = load_plan(plan_file)
-    console = _console()
+    console = rich_console()
     console.print(plan_tables(loaded))
     if timeline or timeline_out:
         from pipeplan.plan.timeline import render_timeline_text, write_timeline_image
@@ -422,7 +422,7 @@ def show(
 
 
 @app.command()
-@_handled
+@handled
 def compare(
     profile: Path = _PROFILE_ARG,
     stages: int = _STAGES,
@@ -442,12 +442,12 @@ def compare(
     settings = _plan_settings(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size, memory_cap,
                               optimizer, bandwidth, schedule, None, "none", solver, action_overhead_ms)
     rows = compare_splits(profile, settings)
-    _console().print(comparison_table(rows, f"{profile}: {stages} stages, global batch {settings.global_batch}",
+    rich_console().print(comparison_table(rows, f"{profile}: {stages} stages, global batch {settings.global_batch}",
                                       memory_cap_bytes=settings.memory_cap_bytes))
 
 
 @app.command()
-@_handled
+@handled
 def validate(path: Path = typer.Argument(..., metavar="FILE", help="Profile, plan or run report JSON.", show_default=False)):
     """Check a profile, plan or run report file and explain any problem."""
     from pipeplan.api import validate_file
@@ -456,7 +456,7 @@ def validate(path: Path = typer.Argument(..., metavar="FILE", help="Profile, pla
 
 
 @app.command()
-@_handled
+@handled
 def schema(
     kind: str = typer.Argument(..., metavar="KIND", help="profile, plan or report (a run report).", show_default=False),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write to a file instead of stdout."),
@@ -475,7 +475,7 @@ def schema(
 
 
 @app.command()
-@_handled
+@handled
 def export(
     plan_file: Path = typer.Argument(..., metavar="PLAN", help="Plan JSON file.", show_default=False),
     format: str = typer.Option(..., "--format", "-f", help="torchtitan, megatron, deepspeed or torch.", show_default=False),
@@ -496,7 +496,7 @@ def export(
 
 
 @app.command()
-@_handled
+@handled
 def doctor(
     launcher: str = typer.Argument(..., metavar="LAUNCHER", help="megatron, torchtitan or deepspeed.", show_default=False),
     config_file: Path = typer.Argument(..., metavar="CONFIG", help="Launch script / argument list, TOML job config, or ds_config JSON.", show_default=False),
@@ -530,7 +530,7 @@ def doctor(
 
 
 @app.command()
-@_handled
+@handled
 def check(
     profiles: Path = typer.Argument(..., metavar="PROFILES", help="Folder of profiles.", show_default=False),
     baseline: Path = typer.Option(..., "--baseline", help="Folder of baseline plans (<profile name>.plan.json).", show_default=False),
@@ -550,7 +550,7 @@ def check(
 
 
 @app.command()
-@_handled
+@handled
 def diff(
     a: Path = typer.Argument(..., metavar="A", help="Plan or profile JSON.", show_default=False),
     b: Path = typer.Argument(..., metavar="B", help="Plan or profile JSON (same kind as A).", show_default=False),
@@ -569,95 +569,9 @@ def diff(
                         stages=stages, global_batch=global_batch, memory_cap=memory_cap, schedule=schedule), nl=False)
 
 
-@app.command()
-@_handled
-def run(
-    plan_file: Path = typer.Argument(..., metavar="PLAN", help="Plan JSON file.", show_default=False),
-    model: Optional[str] = typer.Option(None, "--model", help="Built-in (gpt2-tiny, ...) or module:callable; default: the profile's."),
-    profile: Optional[Path] = typer.Option(None, "--profile", help="The profile the plan was made from (model size, units, dtype, seq-len; adds the simulator's prediction)."),
-    steps: int = typer.Option(20, "--steps", help="Training iterations; the first is a warm-up the report leaves out."),
-    threads: int = typer.Option(1, "--threads", help="torch threads per rank on CPU."),
-    report: Optional[Path] = typer.Option(None, "--report", help="Run report JSON to write (for pipeplan calibrate)."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (default: the profile's, else 128)."),
-    layers: Optional[int] = typer.Option(None, "--layers", help="Blocks of a built-in, without --profile (default: read from the plan)."),
-    hidden: Optional[int] = typer.Option(None, "--hidden", help="Hidden size of a built-in, without --profile."),
-    heads: Optional[int] = typer.Option(None, "--heads", help="Attention heads of a built-in, without --profile."),
-    vocab: Optional[int] = typer.Option(None, "--vocab", help="Vocabulary of a built-in LM, without --profile."),
-    seed: int = typer.Option(0, "--seed", help="Weight and batch seed."),
-    lr: float = typer.Option(1e-3, "--lr", help="Learning rate of the plan's optimizer."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu (gloo) or cuda (NCCL); default: cuda when available."),
-    nnodes: int = typer.Option(1, "--nnodes", help="Nodes; run the same command on each."),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's index (several nodes)."),
-    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous (several nodes)."),
-    rdzv_id: str = typer.Option("pipeplan", "--rdzv-id", help="Job id, the same on every node."),
-    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Ranks on this node (default: ranks / nodes)."),
-    timeout: float = typer.Option(45.0, "--timeout", help="Seconds a rank waits for a peer before the job fails."),
-    job_timeout: float = typer.Option(3600.0, "--job-timeout", help="Wall-clock limit of the whole job, seconds."),
-    alone_repeats: int = typer.Option(2, "--alone-repeats", min=0, help="Timed passes each time the stages are re-timed alone (about every fifth step: the machine's drift since profiling); 0 skips it."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the ranks' output."),
-    verify: bool = typer.Option(False, "--verify", help="Compare the first step's loss and gradients with one process on the same batch; exit 1 above --verify-tolerance."),
-    verify_tolerance: Optional[float] = typer.Option(None, "--verify-tolerance", help="Largest relative difference --verify accepts (default 1e-4 in fp32, 2e-2 in bf16/fp16)."),
-):
-    """Run a plan with torch.distributed.pipelining under torchrun; report measured vs predicted."""
-    from pipeplan.formats.io import refuse_overwriting_input
-    from pipeplan.run import report_table, run_plan_file
-    from pipeplan.run.verify import check_verdict, verdict_lines
 
-    refuse_overwriting_input(report, plan_file, profile)
-    result = run_plan_file(
-        plan_file, report_path=report, profile_path=profile, model=model, steps=steps, threads=threads,
-        seq_len=seq_len, model_options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab},
-        seed=seed, lr=lr, device=device, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-        rdzv_id=rdzv_id, nproc_per_node=nproc_per_node, timeout_s=timeout, job_timeout_s=job_timeout,
-        alone_repeats=alone_repeats, echo=not quiet, raw_output=_state["debug"], verify=verify,
-        verify_tolerance=verify_tolerance,
-    )
-    _console().print(report_table(result))
-    for note in result.get("notes", []):
-        typer.echo(f"note: {note}")
-    for line in verdict_lines(result["verify"]) if result.get("verify") else []:
-        typer.echo(line)
-    if report:
-        typer.echo(f"wrote {report}")
-    check_verdict(result)
-
-
-@app.command()
-@_handled
-def calibrate(
-    plan_file: Path = typer.Argument(..., metavar="PLAN", help="The plan that was run (with --measured: an analytic profile).", show_default=False),
-    report_file: Optional[Path] = typer.Argument(None, metavar="REPORT", help="Its run report (pipeplan run --report).", show_default=False),
-    output: Path = typer.Option(..., "-o", "--output", help="Calibrated profile JSON to write.", show_default=False),
-    profile: Optional[Path] = typer.Option(None, "--profile", help="Profile to scale (default: the one the report names)."),
-    measured: Optional[Path] = typer.Option(None, "--measured", help="Fit the analytic profile PLAN's efficiency model to this measured profile of the same model and GPU (no REPORT)."),
-):
-    """Scale a profile's per-layer times by what a run measured, so the next plan uses real numbers."""
-    from pipeplan.formats.io import refuse_overwriting_input
-
-    if measured is not None:
-        from pipeplan.analytic.calibrate import calibrate_analytic_files
-
-        if report_file is not None or profile is not None:
-            raise BadInputError("--measured: give an analytic profile and no REPORT or --profile")
-        refuse_overwriting_input(output, plan_file, measured)
-        _, fit = calibrate_analytic_files(plan_file, measured, output)
-        eff = fit["efficiency"]
-        typer.echo(f"efficiency fitted to {fit['entries']} unit times: gemm {eff['gemm']}, attention {eff['attention']}, "
-                   f"memory {eff['memory']}, kernel latency {eff['kernel_latency_us']} us; rms log error "
-                   f"{fit['rms_log_error_before']:.3f} -> {fit['rms_log_error_after']:.3f}")
-        typer.echo(f"wrote {output}")
-        return
-    if report_file is None:
-        raise BadInputError("REPORT: missing (the run report of PLAN), or give --measured to fit an analytic profile")
-    from pipeplan.run.calibrate import calibrate_files, calibration_table
-
-    refuse_overwriting_input(output, plan_file, report_file, profile)
-    calibrated, factors = calibrate_files(plan_file, report_file, output, profile_path=profile)
-    _console().print(calibration_table(factors))
-    overhead_ms = (calibrated.measurement or {}).get("action_overhead_ms")
-    if overhead_ms is not None:
-        typer.echo(f"the schedule's own work: {overhead_ms:.2f} ms per action (plans from {output} count it)")
-    typer.echo(f"wrote {output}")
+# The commands that run a plan under torch live in their own module; importing it registers them.
+from pipeplan import cli_run as _cli_run  # noqa: E402,F401
 
 
 def main() -> None:

@@ -316,7 +316,7 @@ def test_debug_is_accepted_anywhere(tmp_path, where):
 
 
 @pytest.mark.parametrize("args", [
-    ("plan", "x.json", "--stages", "abc"), ("plan", "x.json"), ("plan",), ("nosuchcommand",),
+    ("plan", "x.json", "--stages", "abc"), ("diff", "x.json"), ("plan",), ("nosuchcommand",),
     ("plan", "x.json", "--stages", "2", "--bogus"),
 ])
 def test_usage_errors_are_one_line(args):

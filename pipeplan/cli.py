@@ -580,4 +580,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run the imported module's app: cli_run registered run and calibrate on that one.
+    from pipeplan.cli import main as _imported_main
+
+    _imported_main()

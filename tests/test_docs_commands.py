@@ -63,6 +63,19 @@ SKIP = {
     "pipeplan doctor ... ": "a usage synopsis (`...` stands for a launcher and its file)",
     "pipeplan doctor megatron scripts/train.sh --profile profiles/llama3-8b.json": "a user's CI step: their "
         "script and profile (docs/doctor-megatron.md runs doctor on a shipped example)",
+    "pipeplan doctor megatron train.sh --profile llama3-8b.json": "a placeholder script (docs/doctor-megatron.md "
+        "runs doctor on a shipped example)",
+    "pipeplan plan gpt-175b-a100.json --gpus 64": "needs the analytic A100 profile that "
+        "benchmarks/validate_korthikanti.py builds; tests/test_cluster_validation.py predicts these runs",
+    "benchmarks/models_table.py": "a benchmark: minutes of torchrun jobs; docs/models.md reports its output",
+    "pipeplan profile hf:llama --config config.json": "a placeholder config.json (hf:gpt2 with sizes runs)",
+    "pipeplan profile hf:path/to/config.json": "a placeholder config path",
+    "pipeplan profile hf:llama --config path/to/config.json": "a placeholder config path",
+    "PYTHONPATH=. pipeplan profile mymodels:build --layers 4": "the module of docs/profiling.md's worked example, "
+        "which runs there",
+    "pipeplan plan tagger.json --stages 2 --global-batch 8 --schedule zbv": "plans the profile of the line above",
+    "pipeplan run plan-bert.json --profile bert.json": "sample output of a 4-rank torchrun job; "
+        "tests/test_run_hf.py runs --verify on BERT",
 }
 
 #: Blocks not run, named by a substring of one of their lines, and why: torch runs of more than a
@@ -88,6 +101,8 @@ SKIP_BLOCK = {
 #: (pattern, replacement, why): the same commands at sizes that take seconds.
 SMALL = [
     (r"path/to/config\.json", "llama3-70b", "a placeholder path: the shipped config of the same model"),
+    (r"(--gpus 64 --cluster dgx-h100)", r"\1 --tensor-parallel 4 --stages 4 --zero 1",
+     "the whole search takes about a minute on 2 cores (docs/benchmarks.md): t, p and ZeRO fixed to its answer"),
     (r"(pipeplan profile gpt2) (?!-)", r"\1 --layers 2 --hidden 64 --heads 2 --vocab 256 ",
      "the full GPT-2 takes minutes to profile on a CPU"),
     (r"(pipeplan profile .*?)--seq-len 128", r"\1--seq-len 32", "shorter sequences"),

@@ -113,8 +113,21 @@ def test_llama_profile_records_the_rotary_edges_to_every_layer():
     assert all(("model.rotary_emb", layer) in edges for layer in layers)
 
 
-def test_split_backward_falls_back_and_says_which_units():
-    profile = _profile("hf:bert")
+def test_split_backward_falls_back_and_says_which_units(monkeypatch):
+    # torch's split backward once refused BERT's 'cls' (a view detached in place); the profiler
+    # now hands it a copy, so the refusal is staged here for the unit whose outputs are logits.
+    from pipeplan.profile import measure
+
+    real = measure._split_backward
+
+    def refuse_logits(outputs, grads, inputs, params, device):
+        if outputs and outputs[0].shape[-1] == TINY["hf:bert"]["vocab"]:
+            raise RuntimeError("\nCan't detach views in-place. Use detach() instead.")
+        return real(outputs, grads, inputs, params, device)
+
+    monkeypatch.setattr(measure, "_split_backward", refuse_logits)
+    profile = profile_model("hf:bert", microbatch_sizes=[1], seq_len=SEQ_LEN, repeats=1, warmup=0,
+                            options=TINY["hf:bert"], whole_model_check=False)
     fallback = profile.measurement["backward_split_fallback"]["units"]
     assert "cls" in fallback and fallback["cls"].startswith("RuntimeError: ")
     cls = next(layer for layer in profile.layers if layer.name == "cls").costs[0]

@@ -215,8 +215,15 @@ def stage_breakdowns(problem: PartitionProblem, partition: Partition) -> list[St
 
 
 def stage_costs(problem: PartitionProblem, partition: Partition) -> list:
-    """The simulator's :class:`~pipeplan.plan.simulate.StageCost` of each stage of a split."""
-    return [b.stage_cost() for b in stage_breakdowns(problem, partition)]
+    """The simulator's :class:`~pipeplan.plan.simulate.StageCost` of each stage of a split
+    (remembered inside :func:`pipeplan.plan.memo.planning_cache`)."""
+    from pipeplan.plan.memo import memoised
+
+    key = (id(problem.graph), problem.in_flight, problem.recompute, problem.cost, partition.stages,
+           partition.boundary_bytes)
+    costs = memoised("stage_costs", key, (problem.graph,),
+                     lambda: tuple(b.stage_cost() for b in stage_breakdowns(problem, partition)))
+    return list(costs)
 
 
 def split_fits(problem: PartitionProblem, partition: Partition) -> bool:

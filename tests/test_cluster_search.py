@@ -176,3 +176,33 @@ def test_check_replans_a_cluster_baseline(tmp_path):
     checked = runner.invoke(app, ["check", str(profiles), "--baseline", str(baselines)])
     assert checked.exit_code == 0, checked.output
     assert "+0.00%" in checked.output
+
+
+def test_memoised_search_is_byte_identical_to_an_uncached_one(monkeypatch):
+    """The planning cache (pipeplan/plan/memo.py) only saves work: the plan file is the same without it."""
+    import contextlib
+
+    import pipeplan.plan.memo as memo
+    import pipeplan.plan.search as plan_search
+
+    kw = dict(schedule="auto", memory_cap_bytes=16 * 2**30)
+    cached = _plan(**kw)
+    assert any("infeasible" in a.reason for a in cached.alternatives)  # the lazily explained reasons are shown
+    monkeypatch.setattr(memo, "planning_cache", contextlib.nullcontext)
+    monkeypatch.setattr(plan_search, "planning_cache", contextlib.nullcontext)
+    uncached = _plan(**kw)
+    assert cached.model_dump_json() == uncached.model_dump_json()
+
+
+def test_infeasible_explained_on_demand_is_the_eager_message():
+    from pipeplan.errors import InfeasibleError
+    from pipeplan.plan import make_plan
+
+    profile = load_profile(PROFILE)
+    settings = PlanSettings(stages=2, global_batch=8, memory_cap_bytes=2**20)
+    with pytest.raises(InfeasibleError) as eager:
+        make_plan(profile, settings, profile_sha256="x")
+    with pytest.raises(InfeasibleError) as lazy:
+        make_plan(profile, settings, profile_sha256="x", explain_infeasible=False)
+    assert lazy.value.explain() == str(eager.value)
+    assert str(lazy.value).startswith("nothing fits")

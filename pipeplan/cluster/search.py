@@ -145,7 +145,19 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
         No cluster, a GPU count no layout makes, a fixed degree that breaks a rule.
     InfeasibleError
         Nothing fits the memory; the message gives the least memory or GPUs that could.
+
+    Notes
+    -----
+    The whole search runs inside :func:`pipeplan.plan.memo.planning_cache`, so the layer graphs,
+    chain partitions and stage costs that recur across its pipeline plans are computed once.
     """
+    from pipeplan.plan.memo import planning_cache
+
+    with planning_cache():
+        return _plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
+
+
+def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool) -> Plan:
     from pipeplan.plan import with_profile_defaults
 
     settings = with_profile_defaults(profile, settings)
@@ -274,7 +286,9 @@ def _pipeline_plan(view: DegreeView, sub: PlanSettings, settings: PlanSettings, 
     from pipeplan.plan import make_plan
 
     if settings.layers_per_stage is None:
-        return make_plan(view.profile, sub, profile_sha256=profile_sha256, record_time=record_time)
+        # What would fit is worked out only for the layouts whose reason the plan shows (_reason).
+        return make_plan(view.profile, sub, profile_sha256=profile_sha256, record_time=record_time,
+                         explain_infeasible=False)
     from pipeplan.api import plan_split
 
     plan = plan_split(view.profile, sub, settings.layers_per_stage, profile_sha256=profile_sha256)
@@ -334,6 +348,7 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     except InfeasibleError as error:
         trial.status = "infeasible"
         trial.reason = f"infeasible: {str(error).splitlines()[0]}"
+        trial.extras["explain"] = getattr(error, "explain", None)
         return
     sim = plan_simulation(plan)
     m = plan.num_microbatches
@@ -359,6 +374,14 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
                     "gathered": gathered}
 
 
+def _reason(trial: _Trial) -> str:
+    """Why a trial lost; an infeasible one's full message is worked out here, on first use."""
+    explain = trial.extras.pop("explain", None) if trial.status == "infeasible" else None
+    if explain is not None:
+        trial.reason = f"infeasible: {explain().splitlines()[0]}"
+    return trial.reason
+
+
 def _infeasible_message(trials, settings: PlanSettings, cluster, usable: int, cap: int, total_state_bytes: float,
                         needs=(math.inf, None, 0)) -> str:
     """What would fit: the least per-GPU memory the state needs, and a GPU count it could fit in."""
@@ -366,7 +389,7 @@ def _infeasible_message(trials, settings: PlanSettings, cluster, usable: int, ca
     gpus = max(1, math.ceil(total_state_bytes / max(usable, 1)))
     gpus = gpus if gpus <= G else math.ceil(gpus / G) * G
     least = min((t.extras.get("state_per_gpu", math.inf) for t in trials), default=math.inf)
-    planned = sorted({t.reason for t in trials if t.status == "infeasible"})
+    planned = sorted({_reason(t) for t in trials if t.status == "infeasible"})
     lines = [f"nothing fits {format_bytes(cap)} per GPU ({format_bytes(usable)} plannable after the "
              f"{format_bytes(cluster.reserve_bytes)} reserve and {cluster.fragmentation:.0%} for fragmentation) "
              f"on {settings.num_gpus} GPUs of {cluster.name}"]
@@ -402,7 +425,7 @@ def _alternatives(best: _Trial, trials, default_microbatch: int) -> list[Alterna
             slower = trial.parts.iteration_ms - best.parts.iteration_ms
             reason = f"slower by {slower:.1f} ms"
         else:
-            reason = trial.reason
+            reason = _reason(trial)
         out.append(Alternative(
             schedule=plan.schedule if plan else "-", virtual_stages=plan.virtual_stages if plan else 1,
             microbatch_size=plan.microbatch_size if plan else default_microbatch,

@@ -15,6 +15,7 @@ import numpy as np
 
 from pipeplan.errors import InfeasibleError
 from pipeplan.plan.costmodel import prefix_sums
+from pipeplan.plan.memo import memoised
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, PartitionProblem, evaluate_split
 
 __all__ = ["partition_chain", "chain_bottleneck_ms", "fits_along_order", "DIRECT_DP_MAX_WORK"]
@@ -48,6 +49,11 @@ class _Chain:
                 delta[u + 1] += g.output_bytes[u]
                 delta[last + 1] -= g.output_bytes[u]
         self.cut_bytes = np.cumsum(delta)[: n + 1]
+
+
+def _chain_of(problem: PartitionProblem) -> _Chain:
+    """The graph's :class:`_Chain` (remembered inside :func:`pipeplan.plan.memo.planning_cache`)."""
+    return memoised("chain", id(problem.graph), (problem.graph,), lambda: _Chain(problem))
 
 
 def _stage_vectors(problem: PartitionProblem, chain: _Chain, j: int, r: int):
@@ -98,10 +104,16 @@ def _direct(problem: PartitionProblem, chain: _Chain, bottleneck_only: bool = Fa
     cost = problem.cost
     # Entry [l, r] is the stage holding layers l .. r - 1: the cost model's terms on the
     # differences of prefix sums, as in _stage_vectors, so both forms agree bit for bit.
-    upper = np.arange(n + 1)[:, None] < np.arange(n + 1)[None, :]
-    sums = chain.between(np.arange(n + 1)[:, None], np.arange(n + 1)[None, :])
     cut_in, cut_out = chain.cut_bytes[:, None], chain.cut_bytes[None, :]
-    times_cache, fits_cache = {}, {}
+
+    def tables():
+        upper = np.arange(n + 1)[:, None] < np.arange(n + 1)[None, :]
+        return upper, chain.between(np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]), {}, {}
+
+    # The matrices depend on the graph, the cost model and the cap only: problems that differ in
+    # stage count, in-flight counts or recomputation share them within one search.
+    upper, sums, times_cache, fits_cache = memoised("chain_matrices", (id(problem.graph), cost, cap),
+                                                    (problem.graph, chain), tables)
 
     def times(mode):
         if mode not in times_cache:
@@ -188,7 +200,7 @@ def chain_bottleneck_ms(problem: PartitionProblem) -> float:
     -----
     O(k n^2); for a chain the value is exact, for a DAG an upper bound.
     """
-    chain = _Chain(problem)
+    chain = _chain_of(problem)
     n = problem.graph.num_layers
     if (n + 1) * (n + 1) > _DIRECT_MATRIX_MAX_ENTRIES:
         split = _direct_loop(problem, chain)
@@ -316,7 +328,7 @@ def fits_along_order(problem: PartitionProblem) -> bool:
     """
     if problem.any_recompute:
         return math.isfinite(chain_bottleneck_ms(problem))
-    return _feasibility(problem, _Chain(problem))(math.inf) is not None
+    return _feasibility(problem, _chain_of(problem))(math.inf) is not None
 
 
 def partition_chain(problem: PartitionProblem, method: str = "auto") -> Partition:
@@ -365,7 +377,7 @@ def partition_chain(problem: PartitionProblem, method: str = "auto") -> Partitio
     against brute force).
     """
     n, k = problem.graph.num_layers, problem.num_stages
-    chain = _Chain(problem)
+    chain = _chain_of(problem)
     if method == "auto":
         method = "direct" if (n * n * k <= DIRECT_DP_MAX_WORK or problem.any_recompute) else "bisect"
     if method == "direct":

@@ -215,8 +215,29 @@ def stage_breakdowns(problem: PartitionProblem, partition: Partition) -> list[St
 
 
 def stage_costs(problem: PartitionProblem, partition: Partition) -> list:
-    """The simulator's :class:`~pipeplan.plan.simulate.StageCost` of each stage of a split."""
-    return [b.stage_cost() for b in stage_breakdowns(problem, partition)]
+    """The simulator's :class:`~pipeplan.plan.simulate.StageCost` of each stage of a split
+    (remembered inside :func:`pipeplan.plan.memo.planning_cache`)."""
+    from pipeplan.plan.memo import memoised
+
+    key = (id(problem.graph), problem.in_flight, problem.recompute, problem.cost, partition.stages,
+           partition.boundary_bytes)
+    costs = memoised("stage_costs", key, (problem.graph,), lambda: tuple(
+        _stage_cost(problem, partition.boundary_bytes, j, layers) for j, layers in enumerate(partition.stages)))
+    return list(costs)
+
+
+def _stage_cost(problem: PartitionProblem, boundaries, j: int, layers):
+    """One stage's :class:`~pipeplan.plan.simulate.StageCost`: the same stage (layers, cuts,
+    in-flight count, mode) recurs in many splits of one search, so it is remembered on its own."""
+    from pipeplan.plan.memo import memoised
+
+    k = problem.num_stages
+    in_b, out_b = _in_out(boundaries, j, k)
+    key = (id(problem.graph), problem.cost, layers, in_b, out_b, problem.in_flight[j], problem.recompute[j],
+           j == k - 1)
+    return memoised("stage_cost", key, (problem.graph,), lambda: problem.cost.breakdown(
+        layer_sums(problem.graph, layers), index=j, layers=layers, in_bytes=in_b, out_bytes=out_b,
+        in_flight=problem.in_flight[j], mode=problem.recompute[j], last=j == k - 1).stage_cost())
 
 
 def split_fits(problem: PartitionProblem, partition: Partition) -> bool:

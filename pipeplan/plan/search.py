@@ -48,6 +48,7 @@ from pipeplan.plan.candidates import RECOMPUTE_SEARCH_MAX_LAYERS, Candidate, tie
 from pipeplan.plan.chain import chain_bottleneck_ms
 from pipeplan.plan.explain import explain_choice, infeasible_message, runners_up
 from pipeplan.plan.graph import build_layer_graph
+from pipeplan.plan.memo import memoised, planning_cache
 from pipeplan.plan.memory import rank_peak_bytes, stage_in_flight
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, PartitionProblem, build_problem, stage_costs
 from pipeplan.plan.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
@@ -355,7 +356,8 @@ def with_profile_defaults(profile, settings: PlanSettings) -> PlanSettings:
     return settings.model_copy(update=update) if update else settings
 
 
-def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
+def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False,
+              explain_infeasible: bool = True) -> Plan:
     """The fastest plan of ``profile`` that fits ``settings``, as simulated.
 
     Parameters
@@ -370,6 +372,10 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
         Recorded in the plan so that ``check`` can tell which profile it came from.
     record_time : bool
         Record the solver's wall time (plans are then no longer byte-identical across runs).
+    explain_infeasible : bool
+        Work out what would fit when nothing does (it solves a few more problems). False: the
+        :class:`InfeasibleError` says only that nothing fits, and its ``explain()`` returns the
+        full message on demand (the cluster search needs it for few of its layouts).
 
     Returns
     -------
@@ -393,6 +399,13 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
     The search solves one partition per (schedule, v, micro-batch size, recompute set) and
     simulates each at most a few times; see the module docstring.
     """
+    with planning_cache():
+        return _make_plan(profile, settings, profile_sha256=profile_sha256, record_time=record_time,
+                          explain_infeasible=explain_infeasible)
+
+
+def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool,
+               explain_infeasible: bool) -> Plan:
     started = time.perf_counter()
     n = len(profile.layers)
     if settings.stages > n:
@@ -408,7 +421,8 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
     space = schedule_space(settings, n)
     sizes = candidate_microbatch_sizes(profile, settings)
     p, cap = settings.stages, _cap(settings)
-    graphs = {b: build_layer_graph(profile, b) for b in sizes}
+    graphs = {b: memoised("layer_graph", (id(profile), b), (profile,), lambda b=b: build_layer_graph(profile, b))
+              for b in sizes}
 
     # A fixed one-stage-per-rank schedule without recomputation is a small search: solve each
     # micro-batch size's split exactly, so its choice is among exact optima.
@@ -455,7 +469,14 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
                                       < (best.iteration_ms, tie_key(best, space))):
             best = cand
     if best is None:
-        raise InfeasibleError(infeasible_message(profile, settings, space, sizes, candidates))
+        def explain() -> str:
+            return infeasible_message(profile, settings, space, sizes, candidates)
+
+        if explain_infeasible:
+            raise InfeasibleError(explain())
+        error = InfeasibleError(f"nothing fits --memory-cap {format_bytes(cap)} with {p} ranks")
+        error.explain = explain
+        raise error
 
     graph = graphs[best.microbatch_size]
     partition, simulation, problem = best.partition, best.simulation, best.problem

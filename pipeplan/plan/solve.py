@@ -69,9 +69,16 @@ def search_partition(problem: PartitionProblem) -> Partition | None:
 
     Exact for chains; for DAGs a split into prefixes of the topological order (costed
     exactly), and the search's winner is solved again exactly (:func:`solve_partition`).
-    None when nothing fits.
+    None when nothing fits. Remembered inside :func:`pipeplan.plan.memo.planning_cache`.
     """
-    try:
-        return partition_chain(problem)
-    except InfeasibleError:
-        return None
+    from pipeplan.plan.memo import memoised
+
+    def solve():
+        try:
+            return partition_chain(problem)
+        except InfeasibleError:
+            return None
+
+    key = (id(problem.graph), problem.num_stages, problem.in_flight, problem.recompute, problem.cost,
+           problem.memory_cap_bytes)
+    return memoised("search_partition", key, (problem.graph,), solve)

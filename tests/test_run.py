@@ -13,7 +13,8 @@ from pipeplan.plan.schedules import stage_ranks
 from pipeplan.plan.simulate import simulate
 from pipeplan.run import balanced_plan, build_report, report_table, run_plans, simulate_plan, torchrun_command
 from pipeplan.run.calibrate import calibrate_profile
-from pipeplan.run.launch import _failure_message, resolve_model
+from pipeplan.run.launch import resolve_model
+from pipeplan.run.supervise import failure_message
 from pipeplan.run.plans import stage_costs
 
 
@@ -133,14 +134,14 @@ ROOT_CAUSE = """Root Cause (first observed failure):
 def test_failure_message_names_the_first_real_error(tmp_path):
     _write_error(tmp_path, 0, "RuntimeError", "Connection closed by peer [127.0.0.1]:1. This is typically x", 2.0)
     _write_error(tmp_path, 1, "BadInputError", "unit 'x' is not in 'gpt2-tiny'", 1.0)
-    text = _failure_message(tmp_path, [], 1, None, 2)
+    text = failure_message(tmp_path, [], 1, None, 2)
     assert text == "rank 1 failed: BadInputError: unit 'x' is not in 'gpt2-tiny' (then rank 0 stopped too)"
 
 
 def test_failure_message_names_a_silent_crash_and_a_hang(tmp_path):
     _write_error(tmp_path, 0, "RuntimeError", "Connection closed by peer [127.0.0.1]:1. This is typically x", 2.0)
     crash = [line.format(code=-9) for line in ROOT_CAUSE]
-    text = _failure_message(tmp_path, crash, 1, None, 2)
+    text = failure_message(tmp_path, crash, 1, None, 2)
     assert text.startswith("rank 1 died without an error report (SIGKILL (killed: out of host memory?))")
     assert "rank 0 then failed: RuntimeError: Connection closed by peer [127.0.0.1]:1" in text
     assert "typically" not in text
@@ -148,9 +149,9 @@ def test_failure_message_names_a_silent_crash_and_a_hang(tmp_path):
     _write_error(tmp_path, 0, "RuntimeError", "Timed out waiting 8000ms for recv operation to complete", 2.0)
     hang = [line.replace("rank      : 1 (local_rank: 1)", "rank      : 0 (local_rank: 0)").format(code=1)
             for line in ROOT_CAUSE]
-    text = _failure_message(tmp_path, hang, 1, None, 2)
+    text = failure_message(tmp_path, hang, 1, None, 2)
     assert text.startswith("rank 1 stopped answering (hung or stuck); rank 0 gave up waiting")
-    assert _failure_message(tmp_path, [], None, 60.0, 2).startswith("the job ran past --job-timeout 60 s")
+    assert failure_message(tmp_path, [], None, 60.0, 2).startswith("the job ran past --job-timeout 60 s")
 
 
 # ---------------------------------------------------------------- report and calibration
@@ -331,6 +332,6 @@ Root Cause (first observed failure):
   rank      : 0 (local_rank: 0)
   exitcode  : 1 (pid: 4241)
 """.splitlines()
-    text = _failure_message(tmp_path, tail, 1, None, 2)
+    text = failure_message(tmp_path, tail, 1, None, 2)
     assert text.startswith("rank 1 died without an error report (exit code 3)")
     assert "rank 0 then failed: RuntimeError: Connection closed by peer" in text

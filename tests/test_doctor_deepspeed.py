@@ -146,9 +146,15 @@ def test_fix_round_trips_and_keeps_other_keys(tmp_path):
 
 
 @pytest.mark.slow
-def test_export_runs_in_deepspeeds_pipeline_engine(tmp_path):
+def test_export_runs_in_deepspeeds_pipeline_engine(request, tmp_path):
     """The export's parts and ds_config, through the documented subclass, DeepSpeed's batch check and
     one training step of its pipeline engine on 2 CPU ranks."""
+    # In 2 of about 6 runs on the loaded 2-core VM a rank aborted while DeepSpeed set up its
+    # topology ("terminate called without an active exception", SIGABRT), before any pipeplan
+    # code ran; until that is understood, the engine run is opt-in so that it cannot fail CI by chance.
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("DeepSpeed's engine on torchrun aborts now and then on a loaded CPU runner: "
+                    "pytest -m slow tests/test_doctor_deepspeed.py")
     _deepspeed_utils()
     profile = llama_like_profile(5)  # 8 layers
     plan = hand_plan(profile, [5, 3], "1f1b", 2, 1, 1, 4)

@@ -122,12 +122,13 @@ def test_infeasible_says_what_would_fit():
     assert "fits only from about" in result.output and "GPUs" in result.output
 
 
-def test_exports_and_run_refuse_data_or_tensor_parallel_plans(tmp_path):
+def test_exports_refuse_data_or_tensor_parallel_plans(tmp_path):
+    # run's own handling of such plans: tests/test_run_data_parallel.py.
     path = tmp_path / "plan.json"
     result = runner.invoke(app, ["plan", str(PROFILE), "--global-batch", "64", "-q", "--gpus", "16",
                                  "--cluster", "dgx-a100", "--data-parallel", "4", "--schedule", "1f1b", "-o", str(path)])
     assert result.exit_code == 0, result.output
-    for args in (["export", str(path), "--format", "torchtitan"], ["run", str(path), "--steps", "1"]):
+    for args in (["export", str(path), "--format", "torchtitan"],):
         refused = runner.invoke(app, args)
         assert refused.exit_code == 2, refused.output
         assert "not supported yet" in refused.output

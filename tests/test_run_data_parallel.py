@@ -187,3 +187,32 @@ def test_run_refuses_tensor_parallel_and_zero_plans_pointing_to_the_exports(tmp_
     assert message in result.output and "pipeplan export" in result.output
     assert "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_tied_weights_are_synced_within_each_replica(request, tmp_path):
+    """HF GPT-2 (embedding tied to the LM head, traced stages) at d = 2, p = 2 equals one process."""
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("4 ranks importing transformers and tracing GPT-2 (~1 min): pytest -m slow "
+                    "tests/test_run_data_parallel.py")
+    pytest.importorskip("transformers")
+    from pipeplan.formats.io import write_text_atomic
+    from pipeplan.profile import profile_model
+
+    options = {"layers": 2, "hidden": 32, "heads": 2, "vocab": 64}
+    profile = profile_model("hf:gpt2", microbatch_sizes=[1], seq_len=SEQ_LEN, repeats=1, warmup=0, options=options,
+                            whole_model_check=False)
+    profile_path = tmp_path / "gpt2.json"
+    write_text_atomic(profile_path, profile.model_dump_json(by_alias=True, exclude_none=True))
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, [
+        "plan", str(profile_path), "--gpus", "4", "--cluster", "pcie-l4", "--data-parallel", "2",
+        "--tensor-parallel", "1", "--zero", "0", "--stages", "2", "--global-batch", "8", "--microbatch-size", "1",
+        "--schedule", "1f1b", "-q", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    report, = run_plans([load_plan(out)], profile=profile, steps=2, work_dir=tmp_path / "work", echo=False,
+                        timeout_s=300, job_timeout_s=900, verify=True, alone_repeats=0)
+    assert report["data_parallel"] == 2
+    assert report["verify"]["passed"], report["verify"]["failures"]
+    assert report["verify"]["max_rel_diff"] < 1e-5

@@ -454,6 +454,10 @@ def report_table(report: dict[str, Any]) -> Any:
         if predicted.get("simulated_with_link_iteration_ms") is not None:
             parts.append(f"simulated with that link {_ms(predicted['simulated_with_link_iteration_ms'])} ms "
                          f"(ratio {_x(report.get('simulated_with_link_ratio'))})")
+    if measured.get("data_parallel_sync_ms") is not None:
+        planned = predicted.get("data_parallel_ms")
+        parts.append(f"gradient sync over {data} replicas {_ms(measured['data_parallel_sync_ms'])} ms, waiting for the "
+                     f"slowest included" + (f" (planned {planned:.1f})" if planned is not None else ""))
     if predicted.get("replayed_iteration_ms") is not None:
         parts.append(f"replayed with the measured compute {_ms(predicted['replayed_iteration_ms'])} ms "
                      f"(ratio {_x(report.get('replayed_ratio'))}: the non-compute terms)")

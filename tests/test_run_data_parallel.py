@@ -47,12 +47,12 @@ def _profile_file(tmp_path: Path) -> Path:
     return path
 
 
-def _cluster_plan(tmp_path: Path, schedule: str, *extra: str) -> Path:
+def _cluster_plan(tmp_path: Path, schedule: str, *extra: str, zero: int = 0) -> Path:
     """``pipeplan plan PROFILE --gpus 4 --data-parallel 2 --stages 2 ...``, written to a file."""
-    out = tmp_path / f"plan-{schedule}.json"
+    out = tmp_path / f"plan-{schedule}-zero{zero}.json"
     result = runner.invoke(app, [
         "plan", str(_profile_file(tmp_path)), "--gpus", str(DATA * STAGES), "--cluster", "pcie-l4",
-        "--data-parallel", str(DATA), "--tensor-parallel", "1", "--zero", "0", "--stages", str(STAGES),
+        "--data-parallel", str(DATA), "--tensor-parallel", "1", "--zero", str(zero), "--stages", str(STAGES),
         "--global-batch", str(GLOBAL_BATCH), "--microbatch-size", str(MICROBATCH), "--schedule", schedule,
         "-q", "-o", str(out), *extra])
     assert result.exit_code == 0, result.output
@@ -118,8 +118,9 @@ def test_replica_groups_follow_megatrons_order():
 def test_two_replicas_of_a_two_rank_pipeline_equal_one_process_on_the_global_batch(tmp_path):
     from pipeplan.run.calibrate import calibrate_profile
 
-    # 1F1B, and ZBV: two stages per rank, the last stage (and the loss) on pipeline rank 0.
-    paths = [_cluster_plan(tmp_path, "1f1b"), _cluster_plan(tmp_path, "zbv")]
+    # 1F1B; ZBV: two stages per rank, the last stage (and the loss) on pipeline rank 0; 1F1B with
+    # ZeRO 1 (the optimizer state sharded over the replicas).
+    paths = [_cluster_plan(tmp_path, "1f1b"), _cluster_plan(tmp_path, "zbv"), _cluster_plan(tmp_path, "1f1b", zero=1)]
     plans = [load_plan(path) for path in paths]
     work = tmp_path / "work"
     reports = run_plans(plans, model="gpt2-tiny", model_options=TINY, seq_len=SEQ_LEN, steps=2, work_dir=work,
@@ -147,6 +148,15 @@ def test_two_replicas_of_a_two_rank_pipeline_equal_one_process_on_the_global_bat
         assert verdict["passed"], (where, verdict["failures"])
         assert sorted((row["stage"], row["data_rank"]) for row in verdict["stages"]) == \
             sorted((s.index, k) for s in plan.stages for k in range(DATA)), where
+    # ZeRO 1 updates the weights as the unsharded optimizer does: the same loss after the step.
+    assert plans[2].parallelism.zero_stage == 1
+    assert reports[2]["loss"] == pytest.approx(reports[0]["loss"], rel=1e-6)
+    # ... while each replica keeps the state of its share only: together, the unsharded state.
+    for pipeline_rank in range(STAGES):
+        whole, shares = ([row["optimizer_state_bytes"] for row in report["ranks"] if row["pipeline_rank"] == pipeline_rank]
+                         for report in (reports[0], reports[2]))
+        assert whole[0] > 0 and whole == [whole[0]] * DATA
+        assert sum(shares) == whole[0] and max(shares) < whole[0], (pipeline_rank, shares, whole)
     # pipeplan calibrate pools the replicas of each pipeline rank.
     profile = Profile.model_validate_json((tmp_path / "profile.json").read_text(encoding="utf-8"))
     _, factors = calibrate_profile(plans[0], reports[0], profile)
@@ -175,9 +185,10 @@ def test_verify_fails_when_the_replicas_gradients_are_not_averaged(request, tmp_
 
 @pytest.mark.parametrize("change, message", [
     ({"tensor": 2, "num_gpus": 8}, "does not run tensor parallelism"),
-    ({"zero_stage": 1}, "ZeRO 1: pipeplan run keeps the whole optimizer state"),
+    ({"zero_stage": 2}, "ZeRO 2: pipeplan run shards only the optimizer state"),
+    ({"zero_stage": 3}, "ZeRO 3: pipeplan run shards only the optimizer state"),
 ])
-def test_run_refuses_tensor_parallel_and_zero_plans_pointing_to_the_exports(tmp_path, change, message):
+def test_run_refuses_tensor_parallel_and_zero_2_3_plans_pointing_to_the_exports(tmp_path, change, message):
     path = _cluster_plan(tmp_path, "1f1b")
     data = json.loads(path.read_text(encoding="utf-8"))
     data["parallelism"].update(change)

@@ -194,22 +194,24 @@ def run_plan(plan: Any, **kwargs: Any) -> dict[str, Any]:
 def check_parallelism(plan: Any, where: str = "plan") -> int:
     """The plan's data-parallel degree ``d``, after refusing what ``run`` does not run.
 
-    ``run`` runs ``d`` replicas of the pipeline (:mod:`pipeplan.run.gradsync`). It refuses
-    tensor parallelism (the stage builders build whole layers; torch's tensor-parallel API is
-    not wired to them) and ZeRO stages above 0 (every replica keeps the whole optimizer state,
-    so a run would not measure the plan's memory): the exports hand those to a launcher.
+    ``run`` runs ``d`` replicas of the pipeline (:mod:`pipeplan.run.gradsync`), with ZeRO 1 (the
+    optimizer state sharded over the replicas: torch's ``ZeroRedundancyOptimizer``) or without.
+    It refuses tensor parallelism (the stage builders build whole layers; torch's
+    tensor-parallel API is not wired to them) and ZeRO 2 and 3 (every replica keeps whole
+    gradients and weights, so a run would not have the plan's memory): the exports hand those to
+    a launcher.
 
     Raises
     ------
     BadInputError
-        ``t > 1`` or ZeRO above 0, naming ``where`` (the plan file).
+        ``t > 1`` or ZeRO above 1, naming ``where`` (the plan file).
 
     Examples
     --------
     >>> from types import SimpleNamespace
     >>> check_parallelism(SimpleNamespace(parallelism=None))
     1
-    >>> check_parallelism(SimpleNamespace(parallelism=SimpleNamespace(data=2, tensor=1, zero_stage=0)))
+    >>> check_parallelism(SimpleNamespace(parallelism=SimpleNamespace(data=2, tensor=1, zero_stage=1)))
     2
     """
     par = getattr(plan, "parallelism", None)
@@ -220,12 +222,13 @@ def check_parallelism(plan: Any, where: str = "plan") -> int:
             f"{where}: parallelism.tensor: t={par.tensor}: pipeplan run does not run tensor parallelism (its stage "
             f"builders build whole layers); train this plan with a launcher (pipeplan export {where} --format "
             f"megatron or torchtitan), or plan with --tensor-parallel 1 to run it here")
-    if par.zero_stage:
+    if par.zero_stage >= 2:
+        sharded = "gradients" if par.zero_stage == 2 else "gradients and weights"
         raise BadInputError(
-            f"{where}: parallelism.zero_stage: ZeRO {par.zero_stage}: pipeplan run keeps the whole optimizer "
-            f"state{', gradients' if par.zero_stage >= 2 else ''}{' and weights' if par.zero_stage >= 3 else ''} "
-            f"on every replica, so it would not run the plan's memory; train it with a launcher (pipeplan export "
-            f"{where} --format deepspeed or megatron), or plan with --zero 0 to run it here")
+            f"{where}: parallelism.zero_stage: ZeRO {par.zero_stage}: pipeplan run shards only the optimizer "
+            f"state (ZeRO 1) and keeps whole {sharded} on every replica, so it would not run the plan's memory; "
+            f"train it with a launcher (pipeplan export {where} --format deepspeed or megatron), or plan with "
+            f"--zero 1 or --zero 0 to run it here")
     return int(par.data)
 
 

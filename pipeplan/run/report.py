@@ -217,6 +217,8 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             "predicted_peak_memory_bytes": predicted_peak,
             "memory_ratio": _ratio(r.get("peak_memory_bytes"), predicted_peak),
             "memory_method": r.get("memory_method"),
+            "optimizer": r.get("optimizer"),
+            "optimizer_state_bytes": r.get("optimizer_state_bytes"),
             "cpu_share": _r(cpu_share, 3),
             "busy_cpu_ms": _r(busy_cpu),
             "busy_cpu_ratio": _ratio(busy_cpu, predicted_busy),

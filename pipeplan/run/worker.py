@@ -54,7 +54,8 @@ from pipeplan.run.gradsync import plan_data_parallel
 from pipeplan.run.timing import (ComputeTimer, capture_inputs, measure_link, read_status_bytes, reset_peak_rss,
                                   time_alone, time_transfers)
 
-__all__ = ["main", "run_rank", "measure_link", "RESULT_FILE", "error_file"]
+__all__ = ["main", "run_rank", "build_optimizer", "optimizer_state_bytes", "measure_link", "RESULT_FILE",
+           "error_file"]
 
 #: The file, in ``out_dir``, with every rank's results (a JSON list, by rank).
 RESULT_FILE = "ranks.json"
@@ -258,14 +259,9 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
 
     params = [p for module in modules for p in module.parameters()]
     replica_grads = DataParallelGrads(params, groups.data_group, data)
-    optimizer_name = plan.settings.optimizer
-    lr = float(config.get("lr", 1e-3))
-    if optimizer_name == "adam":
-        optimizer = torch.optim.Adam(params, lr=lr)
-    elif optimizer_name == "sgd":
-        optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9)
-    else:
-        optimizer = None
+    zero_stage = plan.parallelism.zero_stage if plan.parallelism is not None else 0
+    optimizer = build_optimizer(params, plan.settings.optimizer, float(config.get("lr", 1e-3)),
+                                shard_group=groups.data_group if zero_stage >= 1 else None)
 
     has_first = any(s.index == 0 for s in stages_here)
     has_last = any(s.index == num_stages - 1 for s in stages_here)
@@ -391,11 +387,47 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         "memory_method": memory_method,
         "baseline_rss_bytes": baseline_rss_bytes,
         "param_count": sum(p.numel() for p in params),
+        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "alone": alone,
         "stage_builder": built.builder,
         "tied_weights": built.tied,
         "verify": verified,
     }
+
+
+def build_optimizer(params: list, name: str, lr: float, *, shard_group: Any = None) -> Any:
+    """The plan's optimizer over ``params``: ``adam`` and ``adam-fp32-grads`` (the same update; the
+    names differ in the memory they count), ``sgd`` with momentum 0.9, or None for ``none``.
+
+    With ``shard_group`` (ZeRO 1 over the data group), torch's ``ZeroRedundancyOptimizer``: each
+    replica keeps the optimizer state of its share of the parameters, updates them, and
+    broadcasts them to the others; the update is the same as unsharded.
+    """
+    import torch
+
+    if name in ("adam", "adam-fp32-grads"):
+        optimizer_class, options = torch.optim.Adam, {"lr": lr}
+    elif name == "sgd":
+        optimizer_class, options = torch.optim.SGD, {"lr": lr, "momentum": 0.9}
+    else:
+        return None
+    if shard_group is None:
+        return optimizer_class(params, **options)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=shard_group, **options)
+
+
+def optimizer_state_bytes(optimizer: Any) -> Optional[int]:
+    """Bytes of the tensors this rank's optimizer keeps (its share, under ZeRO 1), or None."""
+    import torch
+
+    if optimizer is None:
+        return None
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps its share's optimizer
+    return sum(value.numel() * value.element_size() for state in local.state.values()
+               for value in state.values() if torch.is_tensor(value))
 
 
 def _global_loss(step_losses: list, data_group: Any, data: int) -> Any:

@@ -48,6 +48,9 @@ class ReplicaGroups:
         Pipeline ranks ``p`` per replica.
     rank : int
         This process's global rank, ``0 <= rank < d x p``.
+    timeout : datetime.timedelta, optional
+        How long a rank waits for a peer in these groups: give the run's (new groups do not
+        inherit ``init_process_group``'s; gloo's default is 30 minutes).
 
     Raises
     ------
@@ -63,7 +66,8 @@ class ReplicaGroups:
     [{0: 0, 1: 2}, {0: 1, 1: 3}]
     """
 
-    def __init__(self, data: int, pipeline: int, rank: int, *, make_groups: bool = True) -> None:
+    def __init__(self, data: int, pipeline: int, rank: int, *, timeout: Optional[Any] = None,
+                 make_groups: bool = True) -> None:
         from pipeplan.cluster.placement import Layout
 
         self.data = int(data)
@@ -80,11 +84,11 @@ class ReplicaGroups:
             import torch.distributed as dist
 
             for data_rank in range(self.data):
-                group = dist.new_group(self.pipeline_ranks(data_rank))
+                group = dist.new_group(self.pipeline_ranks(data_rank), timeout=timeout)
                 if data_rank == self.data_rank:
                     self.pipeline_group = group
             for pipeline_rank in range(self.pipeline):
-                group = dist.new_group(self.data_ranks(pipeline_rank))
+                group = dist.new_group(self.data_ranks(pipeline_rank), timeout=timeout)
                 if pipeline_rank == self.pipeline_rank:
                     self.data_group = group
 
@@ -206,10 +210,13 @@ class TiedGrads:
         This rank's stage modules and, per module, its parameter names -> canonical names.
     rank : int
         This process's global rank.
+    timeout : datetime.timedelta, optional
+        How long a rank waits in these groups (as :class:`ReplicaGroups`).
     """
 
     def __init__(self, tied: dict[str, list[int]], stage_rank: dict[int, int] | Sequence[dict[int, int]],
-                 modules: Sequence[Any], param_names: Sequence[dict[str, str]], rank: int) -> None:
+                 modules: Sequence[Any], param_names: Sequence[dict[str, str]], rank: int, *,
+                 timeout: Optional[Any] = None) -> None:
         import torch.distributed as dist
 
         replicas = [stage_rank] if isinstance(stage_rank, dict) else list(stage_rank)
@@ -217,7 +224,7 @@ class TiedGrads:
         for canonical, stages in sorted(tied.items()):
             for mapping in replicas:
                 ranks = sorted({mapping[s] for s in stages})
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank not in ranks:
                     continue
                 params, seen = [], set()

@@ -270,7 +270,8 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
     Parameters
     ----------
     plans : sequence of Plan
-        All with the same number of ranks. One job saves torchrun's start-up (seconds) per plan.
+        All with the same number of processes (``d x p``: data-parallel replicas times pipeline
+        ranks; t = 1, ZeRO 0 or 1). One job saves torchrun's start-up (seconds) per plan.
     model : str, optional
         Built-in name or ``module:callable``; default: the profile's model.
     profile : Profile, optional

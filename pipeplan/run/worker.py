@@ -159,7 +159,10 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
             f"processes; start d x p = {data * num_ranks}"
         )
     # Collective: every rank makes every replica's groups, in the same order, before any stage.
-    groups = ReplicaGroups(data, num_ranks, rank)
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=float(config.get("timeout_s") or 60))  # as init_process_group's
+    groups = ReplicaGroups(data, num_ranks, rank, timeout=timeout)
     stages_here = sorted((s for s in plan.stages if s.rank == groups.pipeline_rank), key=lambda s: s.index)
     num_stages = len(plan.stages)
     fault = _fault(rank)
@@ -218,7 +221,7 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
                               bundle=whole if builder == "traced" else None, **options)
     modules = built.modules
     tied = TiedGrads(built.tied, groups.stage_ranks({s.index: s.rank for s in plan.stages}), modules,
-                     built.param_names, rank)
+                     built.param_names, rank, timeout=timeout)
     pipeline_stages = []
     for i, (module, stage) in enumerate(zip(modules, stages_here)):
         static = built.static_args[i] if built.static_args else None

@@ -227,3 +227,17 @@ def test_tied_weights_are_synced_within_each_replica(request, tmp_path):
     assert report["data_parallel"] == 2
     assert report["verify"]["passed"], report["verify"]["failures"]
     assert report["verify"]["max_rel_diff"] < 1e-5
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_a_rank_that_hangs_in_the_gradient_sync_is_named_after_the_timeout(request, tmp_path):
+    """The data groups wait the run's --timeout, not gloo's 30-minute default."""
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("a 4-rank job that waits out a timeout: pytest -m slow tests/test_run_data_parallel.py")
+    from pipeplan.run import RunFailedError
+
+    plan = load_plan(_cluster_plan(tmp_path, "1f1b"))
+    with pytest.raises(RunFailedError, match=r"rank 3 stopped answering \(hung or stuck\)"):
+        run_plans([plan], model="gpt2-tiny", model_options=TINY, seq_len=SEQ_LEN, steps=2, work_dir=tmp_path / "work",
+                  echo=False, env={"PIPEPLAN_RUN_FAULT": "3:hang-sync"}, timeout_s=10, job_timeout_s=300)

@@ -37,7 +37,8 @@ Test hook: the environment variable ``PIPEPLAN_RUN_FAULT=<rank>:<kind>`` makes t
 purpose at its first step: ``raise`` (an exception), ``exit`` (``os._exit(3)``, a crash without
 a Python traceback), or ``hang`` (sleeps until the others time out); ``all:untie`` skips the
 tied-weight gradient sync on every rank and ``all:nosync`` the data-parallel one (``--verify``
-must then fail).
+must then fail); ``hang-sync`` hangs after the first pipelined step, before the gradient
+all-reduce, where its replicas wait for it.
 """
 
 from __future__ import annotations
@@ -296,7 +297,7 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
             # The schedule's loss call wants a target per micro-batch; a model with its own loss
             # (or none) ignores it.
             target = torch.zeros(batch_size, device=device)
-        if fault not in (None, "untie", "nosync") and step == 0:
+        if fault not in (None, "untie", "nosync", "hang-sync") and step == 0:
             if fault == "raise":
                 raise RuntimeError(f"fault injected on rank {rank} (PIPEPLAN_RUN_FAULT)")
             if fault == "exit":
@@ -321,6 +322,8 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         pipeline_done = time.perf_counter()
+        if fault == "hang-sync":
+            time.sleep(3600)  # its data-parallel peers wait in the gradient all-reduce
         if fault != "nosync":
             replica_grads.sync()
         if device.type == "cuda":

@@ -111,23 +111,27 @@ def _memory_findings(config, cost: ClusterCost, zero_fix, split_setting: str) ->
 
 
 def _sequence_findings(config, profile, notes: list[str]) -> list:
+    """Sequence parallelism: the config's against the profile's (which costs the activations)."""
     if config.tensor_degree == 1:
         return []
     sp = profile_sequence_parallel(profile)
+    out = []
+    if not config.sequence_parallel and config.launcher == "megatron":
+        out.append(_finding(
+            "sequence-parallel", "info", "--sequence-parallel",
+            f"tensor-parallel {config.tensor_degree} without --sequence-parallel: every GPU of a tensor group keeps "
+            f"the norms' and dropouts' activations whole", "add --sequence-parallel (same collectives' bytes, "
+            "activations of those layers divided by t)"))
     if sp is None or sp == config.sequence_parallel:
-        return []
-    if sp and not config.sequence_parallel:
-        return [_finding(
-            "sequence-parallel", "warning", "--tensor-model-parallel-size without --sequence-parallel"
-            if config.launcher == "megatron" else "tensor parallelism without sequence parallelism",
-            f"tensor-parallel {config.tensor_degree} without sequence parallelism keeps the norms' and dropouts' "
-            f"activations whole on every GPU, but the profile was built with sequence parallelism: the activations "
-            f"shown are under-predicted",
-            "add --sequence-parallel, or cost the config as written with a profile built with "
-            "--no-sequence-parallel")]
-    notes.append("the profile was built without sequence parallelism but the config uses it: activations are "
-                 "over-predicted (build the profile with --sequence-parallel)")
-    return []
+        return out
+    if sp:
+        notes.append("the profile was built with sequence parallelism but the config does not use it: the "
+                     "activations shown are under-predicted (build the profile with --no-sequence-parallel to cost "
+                     "the config as written)")
+    else:
+        notes.append("the profile was built without sequence parallelism but the config uses it: the activations "
+                     "shown are over-predicted (build the profile with --sequence-parallel)")
+    return out
 
 
 def diagnose_on_cluster(result, profile, settings: PlanSettings, positions, *, mode: str, recompute_options,
@@ -157,6 +161,15 @@ def diagnose_on_cluster(result, profile, settings: PlanSettings, positions, *, m
             result.notes.append(f"HSDP (replicate {replicate} x shard {d // replicate}) is costed as FSDP over all "
                                 f"{d} data-parallel GPUs: its state memory is under-predicted")
     t, p = config.tensor_degree, config.pipeline_degree
+    from pipeplan.cluster.profile_view import tensor_degrees
+
+    degrees = tensor_degrees(profile)
+    if t not in degrees:
+        setting = {"megatron": "--tensor-model-parallel-size", "torchtitan": "parallelism.tensor_parallel_degree",
+                   "deepspeed": "the tensor-parallel size"}[config.launcher]
+        raise BadInputError(f"--profile: {profile.model!r} has costs at tensor_parallel {', '.join(map(str, degrees))}, "
+                            f"not at {t} ({config.path}: {setting} {t}); build it with pipeplan profile --analytic "
+                            f"--tensor-parallel {t}")
     result.findings += _sequence_findings(config, profile, result.notes)
     num_gpus = d * t * p
     G = d * config.samples_per_replica
@@ -217,7 +230,10 @@ def _layout_gap_findings(result, global_batch: int) -> list:
     speedup = mine.predicted.iteration_ms / best_any.predicted.iteration_ms
     if speedup <= 1 + 1e-3:
         return []
-    command = (f"pipeplan plan PROFILE --gpus {par.num_gpus} --cluster {best_any.settings.cluster.name} "
+    from pipeplan.cluster import PRESETS
+
+    name = best_any.settings.cluster.name
+    command = (f"pipeplan plan PROFILE --gpus {par.num_gpus} --cluster {name if name in PRESETS else 'CLUSTER.toml'} "
                f"--global-batch {global_batch} --launcher {config.launcher}")
     return [_finding(
         "gap-to-best-layout", "warning" if speedup >= GAP_WARNING else "info",

@@ -306,3 +306,18 @@ def test_deepspeed_zero_stage_out_of_range_exits_2(tmp_path, profiles):
     path = _ds_config(tmp_path, 7)
     result = _invoke("doctor", "deepspeed", path, "--profile", profiles["8b"], "--num-stages", "4")
     assert result.exit_code == 2 and "zero_optimization.stage" in result.output and path.name in result.output
+
+
+def test_deepspeed_zero0_over_the_cap_is_fixed_at_zero1_and_fix_writes_the_stage(tmp_path, profiles):
+    path = _ds_config(tmp_path, 0)
+    out = tmp_path / "fixed.json"
+    common = ["--profile", profiles["8b"], "--cluster", "dgx-h100", "--same-layout", "--world-size", "16",
+              "--memory-cap", "64GiB"]
+    result = _invoke("doctor", "deepspeed", path, "--num-stages", "4", *common, "--fix", "-o", out)
+    assert result.exit_code == 1 and "[over-memory] rank 0" in result.output, result.output
+    assert "use zero_optimization.stage = 1 (ZeRO 1)" in result.output
+    fixed = json.loads(out.read_text())
+    assert fixed["zero_optimization"]["stage"] == 1 and fixed["optimizer"]["type"] == "Adam"  # the rest kept
+    parts = json.loads((tmp_path / "fixed.parts.json").read_text())["parts"]
+    again = _invoke("doctor", "deepspeed", out, "--parts", ",".join(map(str, parts)), *common)
+    assert again.exit_code == 0 and "over-memory" not in again.output, again.output

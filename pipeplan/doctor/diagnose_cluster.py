@@ -186,17 +186,14 @@ def diagnose_on_cluster(result, profile, settings: PlanSettings, positions, *, m
                 if cost.over_cap else None
             result.findings += _memory_findings(config, cost, fix, split_setting(config))
             result.findings += time_findings(config, cost.plan)
-        same = (d, t, p)
+        # At the config's degrees: its own ZeRO stage, and (Megatron, DeepSpeed) the higher one the
+        # launcher has, a switch --fix can write; torchtitan's is tied to its data-parallel degrees.
         zeros = (config.zero_stage,)
+        if d > 1 and config.launcher != "torchtitan":
+            zeros += tuple(z for z in LAUNCHER_ZERO_STAGES[config.launcher] if z > config.zero_stage)
         result.best, skipped = best_on_cluster(
             profile, settings, launcher=config.launcher, cluster=cluster, num_gpus=num_gpus, global_batch=G,
-            degrees=same, zero_stages=zeros, recompute_options=recompute_options, profile_sha256=profile_sha256)
-        others = tuple(z for z in LAUNCHER_ZERO_STAGES[config.launcher] if z > config.zero_stage)
-        if result.best is None and d > 1 and config.launcher != "torchtitan" and others:
-            result.best, more = best_on_cluster(
-                profile, settings, launcher=config.launcher, cluster=cluster, num_gpus=num_gpus, global_batch=G,
-                degrees=same, zero_stages=others, recompute_options=recompute_options, profile_sha256=profile_sha256)
-            skipped += more
+            degrees=(d, t, p), zero_stages=zeros, recompute_options=recompute_options, profile_sha256=profile_sha256)
         if search_layouts:
             result.best_any, _ = best_on_cluster(
                 profile, settings, launcher=config.launcher, cluster=cluster, num_gpus=num_gpus, global_batch=G,
@@ -233,6 +230,16 @@ def _layout_gap_findings(result, global_batch: int) -> list:
     from pipeplan.cluster import PRESETS
 
     name = best_any.settings.cluster.name
+    settings_text = {
+        "megatron": f"--tensor-model-parallel-size {par.tensor} --pipeline-model-parallel-size {par.pipeline}"
+                    + (" --use-distributed-optimizer" if par.zero_stage else ""),
+        "torchtitan": f"tensor_parallel_degree = {par.tensor}, pipeline_parallel_degree = {par.pipeline}, "
+                      + (f"data_parallel_shard_degree = {par.data}" if par.zero_stage == 3
+                         else f"data_parallel_replicate_degree = {par.data}"),
+        "deepspeed": f"PipelineModule num_stages = {par.pipeline}, tensor-parallel {par.tensor}, "
+                     f"zero_optimization.stage = {par.zero_stage}",
+    }[config.launcher]
+    what += f" ({settings_text})"
     command = (f"pipeplan plan PROFILE --gpus {par.num_gpus} --cluster {name if name in PRESETS else 'CLUSTER.toml'} "
                f"--global-batch {global_batch} --launcher {config.launcher}")
     return [_finding(

@@ -21,6 +21,7 @@ from pipeplan.formats.io import load_plan, load_profile
 from pipeplan.formats.plan import PlanSettings
 
 DATA = Path(__file__).parent / "data" / "doctor"
+REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
 runner = CliRunner()
 
@@ -78,7 +79,8 @@ def profiles(tmp_path_factory):
     root = tmp_path_factory.mktemp("profiles")
     out = {}
     for name, model, gpu, extra in [
-        ("70b", "llama3-70b", "h100-sxm", ["--seq-len", "8192", "--microbatch-sizes", "1,2", "--tensor-parallel", "8"]),
+        # docs/doctor-megatron.md's profile.
+        ("70b", "llama3-70b", "h100-sxm", ["--seq-len", "8192", "--microbatch-sizes", "1,2", "--tensor-parallel", "2,4,8"]),
         ("8b", "llama3-8b", "h100-sxm", ["--seq-len", "8192", "--microbatch-sizes", "1", "--tensor-parallel", "2"]),
     ]:
         path = root / f"{name}.json"
@@ -321,3 +323,13 @@ def test_deepspeed_zero0_over_the_cap_is_fixed_at_zero1_and_fix_writes_the_stage
     parts = json.loads((tmp_path / "fixed.parts.json").read_text())["parts"]
     again = _invoke("doctor", "deepspeed", out, "--parts", ",".join(map(str, parts)), *common)
     assert again.exit_code == 0 and "over-memory" not in again.output, again.output
+
+
+@pytest.mark.parametrize("script", ["train_llama3_70b.sh", "train_llama3_70b_pp2.sh"])
+def test_cluster_worked_examples_in_the_docs_are_what_doctor_prints(monkeypatch, profiles, script):
+    monkeypatch.chdir(REPO)
+    result = _invoke("doctor", "megatron", f"docs/examples/doctor/{script}", "--profile", profiles["70b"],
+                     "--cluster", "dgx-h100", "--same-layout")
+    assert result.exit_code in (0, 1), result.output
+    text = (REPO / "docs" / "doctor-megatron.md").read_text()
+    assert result.output.rstrip() in text, "docs/doctor-megatron.md is out of date: rerun its cluster example"

@@ -26,7 +26,7 @@ SEARCH_ZERO_STAGES = {"megatron": (1,), "deepspeed": (1,), "torchtitan": (0, 3)}
 def zero_setting(launcher: str, zero_stage: int) -> str:
     """The launcher setting that gives ``zero_stage``, as a user writes it."""
     if launcher == "megatron":
-        return "--use-distributed-optimizer" if zero_stage else "(no --use-distributed-optimizer)"
+        return "--use-distributed-optimizer" if zero_stage else "--use-distributed-optimizer (not set)"
     if launcher == "deepspeed":
         return f"zero_optimization.stage = {zero_stage}"
     return ("parallelism.data_parallel_shard_degree (FSDP)" if zero_stage == 3

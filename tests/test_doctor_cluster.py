@@ -333,3 +333,24 @@ def test_cluster_worked_examples_in_the_docs_are_what_doctor_prints(monkeypatch,
     assert result.exit_code in (0, 1), result.output
     text = (REPO / "docs" / "doctor-megatron.md").read_text()
     assert result.output.rstrip() in text, "docs/doctor-megatron.md is out of date: rerun its cluster example"
+
+
+def test_deepspeed_with_tensor_parallelism_is_costed_at_its_degree(tmp_path, profiles):
+    # Megatron-DeepSpeed style: t = 2 from the command line, 4 stages, 16 GPUs, so d = 2.
+    data = json.loads((DATA / "deepspeed_pipeline_ds_config.json").read_text())
+    data.update(train_batch_size=32, gradient_accumulation_steps=16, zero_optimization={"stage": 1})
+    path = tmp_path / "ds_t2.json"
+    path.write_text(json.dumps(data, indent=2))
+    profile = load_profile(profiles["8b"])
+    parts = (0, 9, 18, 26, len(profile.layers))
+    result, text, _ = _doctor("deepspeed", path, profiles["8b"], optimizer="adam", world_size=16, parts=parts,
+                              tensor_degree=2)
+    c = result.config
+    assert (c.data_degree, c.tensor_degree, c.pipeline_degree) == (2, 2, 4)
+    assert result.exit_code == 0 and result.plan.parallelism.tensor == 2, text
+    done, plan = _plan(tmp_path, profiles["8b"], result, "--recompute", "none", "--optimizer", "adam")
+    assert done.exit_code == 0 and plan.predicted.iteration_ms == result.plan.predicted.iteration_ms, done.output
+    assert result.plan.predicted.tensor_parallel_ms > 0
+    cli = _invoke("doctor", "deepspeed", path, "--profile", profiles["8b"], "--cluster", "dgx-h100", "--same-layout",
+                  "--world-size", "16", "--tensor-parallel", "2", "--parts", ",".join(map(str, parts)))
+    assert cli.exit_code == 0 and f"{result.plan.predicted.iteration_ms:.6g} ms per iteration" in cli.output, cli.output

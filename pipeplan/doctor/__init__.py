@@ -5,8 +5,10 @@
                     --fix--> the same launcher's config with the best plan, other settings kept
 
 One module per step: ``megatron.py`` / ``torchtitan.py`` / ``deepspeed.py`` (parse and layout),
-``units.py`` (launcher units to profile layers), ``evaluate.py`` (the planner), ``diagnose.py``
-(findings), ``fix.py`` (rewrite the config), ``report.py`` (text, markdown, JSON, JUnit).
+``units.py`` (launcher units to profile layers), ``evaluate.py`` (the pipeline planner),
+``cluster.py`` (the cluster planner, ``--cluster``: d x t x p, ZeRO, memory per rank by part),
+``diagnose.py`` and ``diagnose_cluster.py`` (findings), ``fix.py`` (rewrite the config),
+``report.py`` (text, markdown, JSON, JUnit).
 See docs/doctor.md.
 """
 
@@ -156,7 +158,7 @@ def doctor_file(launcher: str, path: str | Path, profile_path: str | Path, setti
 
 def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: str | None = None,
                        optimizer: str = "auto", bandwidth: str = "25GB/s", world_size: int | None = None,
-                       cluster: str | None = None, search_layouts: bool = True,
+                       cluster: str | None = None, search_layouts: bool = True, tensor_degree: int = 1,
                        variables=(), num_stages: int | None = None, partition_method: str | None = None,
                        parts: str | None = None, checkpoint_interval: int | None = None, fix: bool = False,
                        fix_output=None, output_format: str = "table", junit=None) -> tuple[str, list[Path], int]:
@@ -178,6 +180,8 @@ def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: 
         optimizer = "adam-fp32-grads" if launcher == "megatron" else "adam"
     if optimizer not in OPTIMIZERS:
         raise BadInputError(f"--optimizer: {optimizer!r} is not one of auto, {', '.join(OPTIMIZERS)}")
+    if tensor_degree < 1:
+        raise BadInputError(f"--tensor-parallel: {tensor_degree} must be at least 1")
     if fix and fix_output is None:
         raise BadInputError("--fix: give -o FILE for the fixed config")
     pairs = []
@@ -203,7 +207,8 @@ def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: 
                             bandwidth_bytes_per_s=None if rate == float("inf") else rate)
     options = DoctorOptions(world_size=world_size, variables=tuple(pairs), num_stages=num_stages,
                             partition_method=partition_method, parts=boundaries,
-                            activation_checkpoint_interval=checkpoint_interval, cluster=cluster,
+                            activation_checkpoint_interval=checkpoint_interval, tensor_degree=tensor_degree,
+                            cluster=cluster,
                             search_layouts=search_layouts)
     result, text, written = doctor_file(launcher, config_path, profile_path, settings, options=options,
                                         fix_output=fix_output, output_format=output_format, junit_path=junit)

@@ -36,7 +36,7 @@ def zero_setting(launcher: str, zero_stage: int) -> str:
 def profile_sequence_parallel(profile) -> bool | None:
     """Whether the profile's tensor-parallel entries shard activations by sequence; None if it has none."""
     flags = {c.sequence_parallel for layer in profile.layers for c in layer.costs
-             if (getattr(c, "tensor_parallel", None) or 1) > 1 and c.sequence_parallel is not None}
+             if (getattr(c, "tensor_parallel", None) or 1) > 1 and getattr(c, "sequence_parallel", None) is not None}
     return None if not flags else bool(flags == {True})
 
 

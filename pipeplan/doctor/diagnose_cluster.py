@@ -10,6 +10,7 @@ the launcher's ZeRO setting would fix it), and finds the best plan at the config
 
 from __future__ import annotations
 
+from pipeplan.cluster.profile_view import tensor_degrees
 from pipeplan.doctor.cluster import LAUNCHER_ZERO_STAGES, ClusterCost, best_on_cluster, cost_on_cluster
 from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import Plan, PlanSettings
@@ -161,8 +162,6 @@ def diagnose_on_cluster(result, profile, settings: PlanSettings, positions, *, m
             result.notes.append(f"HSDP (replicate {replicate} x shard {d // replicate}) is costed as FSDP over all "
                                 f"{d} data-parallel GPUs: its state memory is under-predicted")
     t, p = config.tensor_degree, config.pipeline_degree
-    from pipeplan.cluster.profile_view import tensor_degrees
-
     degrees = tensor_degrees(profile)
     if t not in degrees:
         setting = {"megatron": "--tensor-model-parallel-size", "torchtitan": "parallelism.tensor_parallel_degree",

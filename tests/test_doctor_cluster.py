@@ -25,49 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
 runner = CliRunner()
 
-MEGATRON_70B = """#!/bin/bash
-# Llama-3 70B on 8 DGX H100 nodes, written like Megatron-LM's examples/llama/train_llama3_70b.sh.
-GPUS_PER_NODE=8
-NUM_NODES=8
-TP_SIZE=8
-PP_SIZE={pp}
-
-DISTRIBUTED_ARGS=(
-    --nproc_per_node $GPUS_PER_NODE
-    --nnodes $NUM_NODES
-)
-
-MODEL_ARGS=(
-    --num-layers 80
-    --hidden-size 8192
-    --ffn-hidden-size 28672
-    --num-attention-heads 64
-    --group-query-attention
-    --num-query-groups 8
-    --seq-length 8192
-    --max-position-embeddings 8192
-    --swiglu
-    --untie-embeddings-and-output-weights
-)
-
-TRAINING_ARGS=(
-    --micro-batch-size 1
-    --global-batch-size 128
-    --bf16
-    --lr 1.5e-4
-)
-
-MODEL_PARALLEL_ARGS=(
-    --tensor-model-parallel-size $TP_SIZE
-    --pipeline-model-parallel-size $PP_SIZE
-    --sequence-parallel
-{extra})
-
-torchrun ${{DISTRIBUTED_ARGS[@]}} pretrain_gpt.py \\
-    ${{MODEL_ARGS[@]}} \\
-    ${{TRAINING_ARGS[@]}} \\
-    ${{MODEL_PARALLEL_ARGS[@]}}
-"""
+#: Llama 3 70B on 8 DGX H100 nodes, written like Megatron-LM's examples: t = 8, p = 4, d = 2 with the
+#: distributed optimizer, and t = 8, p = 2, d = 4 without it (docs/doctor-megatron.md's examples).
+EXAMPLES = REPO / "docs" / "examples" / "doctor"
 
 
 def _invoke(*args):
@@ -91,9 +51,15 @@ def profiles(tmp_path_factory):
 
 
 def _script(tmp_path, pp=4, distributed_optimizer=True, name="train.sh"):
+    source = EXAMPLES / ("train_llama3_70b.sh" if pp == 4 else "train_llama3_70b_pp2.sh")
+    text = source.read_text()
+    has = "--use-distributed-optimizer" in text
+    if distributed_optimizer and not has:
+        text = text.replace("    --sequence-parallel\n", "    --sequence-parallel\n    --use-distributed-optimizer\n")
+    elif has and not distributed_optimizer:
+        text = text.replace("    --use-distributed-optimizer\n", "")
     path = tmp_path / name
-    extra = "    --use-distributed-optimizer\n" if distributed_optimizer else ""
-    path.write_text(MEGATRON_70B.format(pp=pp, extra=extra))
+    path.write_text(text)
     return path
 
 

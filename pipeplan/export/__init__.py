@@ -76,7 +76,8 @@ def export_plan(
         check_profile_matches(plan, profile, profile_sha256)
     suffix = FORMATS[format]
     if format == "torchtitan":
-        csv = with_schedule_csv or plan.schedule not in TORCH_SCHEDULE_NAME
+        # one pipeline rank runs no schedule: no CSV
+        csv = (with_schedule_csv or plan.schedule not in TORCH_SCHEDULE_NAME) and plan.settings.stages > 1
         files = {suffix: export_torchtitan(plan, schedule_csv_path=stem + _CSV_SUFFIX if csv else None,
                                            profile=profile)}
         if csv:

@@ -217,6 +217,7 @@ def degree_line(degrees: Degrees) -> str:
     'd=2 x t=4 x p=4 = 32 GPUs, ZeRO 1, sequence parallel; global batch 32 = micro-batch 1 x 16 micro-batches x d 2'
     """
     sp = ", sequence parallel" if degrees.sequence_parallel else ""
+    alone = "" if degrees.from_cluster_plan else " (a pipeline-only plan: plan with --gpus for d, t and ZeRO)"
     return (f"d={degrees.data} x t={degrees.tensor} x p={degrees.pipeline} = {degrees.num_gpus} GPUs, "
             f"ZeRO {degrees.zero_stage}{sp}; global batch {degrees.global_batch} = micro-batch "
-            f"{degrees.microbatch_size} x {degrees.num_microbatches} micro-batches x d {degrees.data}")
+            f"{degrees.microbatch_size} x {degrees.num_microbatches} micro-batches x d {degrees.data}{alone}")

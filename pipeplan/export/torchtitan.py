@@ -134,9 +134,9 @@ def _data_parallel(plan: Plan, degrees, notes: list[str]) -> tuple[int, int, str
         notes.append(
             f"ZeRO {zero} with d={d}: torchtitan has no optimizer-only sharding, so the export shards over d with "
             f"FSDP and keeps the weights whole from forward to backward (reshard after forward: never); the "
-            f"optimizer state is sharded, as in ZeRO 1, and the gradients "
-            + ("are reduce-scattered after each micro-batch (sharded, as in ZeRO 2)" if p == 1 else
-               "are held whole until the step ends (torch's pipelining defers FSDP's reduce-scatter), as in ZeRO 1"))
+            f"optimizer state is sharded and the gradients "
+            + ("are reduce-scattered after each micro-batch (ZeRO 2's memory)" if p == 1 else
+               "are held whole until the step ends (torch's pipelining defers FSDP's reduce-scatter): ZeRO 1's memory"))
         if zero == 2 and p > 1:
             note = check_fits(plan, unsharded_extra_bytes(plan, gradients=True, weights=False), "torchtitan",
                               "under pipelining holds each stage's whole gradients until the step ends (torch's "

@@ -52,7 +52,8 @@ def main(export_path: str, out_dir: str) -> None:
     assert topology.world_size() == world, (exported["topology"], world)
     model = Planned(layers, parts=exported["parts"], loss_fn=torch.nn.MSELoss(), topology=topology,
                     partition_method="uniform", **exported["pipeline_module"])
-    ds_config = {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "steps_per_print": 1000}
+    ds_config = {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "steps_per_print": 1000,
+                 "zero_allow_untested_optimizer": True}  # SGD under ZeRO 1 (an export with d > 1)
     ds_config.update(exported["ds_config"])  # train_batch_size already counts the data-parallel replicas
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     micro = exported["ds_config"]["train_micro_batch_size_per_gpu"]

@@ -357,3 +357,28 @@ def test_cluster_zero3_megatron_export_exits_2_with_one_line(tmp_path):
                           "--profile", str(profile_path)], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "ZeRO 3" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_deepspeed_engine_runs_a_data_parallel_export(request, tmp_path):
+    """d = 2, p = 2 on 4 CPU ranks: DeepSpeed's own pipeline engine takes the export's topology and batch keys."""
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("DeepSpeed's engine on torchrun aborts now and then on a loaded CPU runner: "
+                    "pytest -m slow tests/test_export_parallel.py")
+    _deepspeed()
+    _, plan = degree_plan(2, 1, 2, 1, "1f1b", 1, 4, zero=1, blocks=5)
+    export = tmp_path / "plan.deepspeed.json"
+    export.write_text(export_plan(plan, None, "deepspeed")[".json"])
+    worker = Path(__file__).parent / "deepspeed_pipeline_worker.py"
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", "29563",
+         str(worker), str(export), str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    parts = json.loads(export.read_text())["parts"]
+    assert all(r["parts"] == parts for r in ranks)
+    # ranks (pipe, data): 0, 1 are stage 0's two replicas, 2, 3 stage 1's
+    assert [r["stage"] for r in ranks] == [0, 0, 1, 1]
+    assert all(r["micro_batches"] == plan.num_microbatches == 4 for r in ranks)

@@ -307,6 +307,19 @@ def test_deepspeed_refuses_what_its_pipeline_engine_asserts(zero):
     assert DEEPSPEED_PIPELINE_ZERO_RULE in source and "< ZeroStageEnum.gradients" in source
 
 
+# --------------------------------------------------------------------------- torch
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_torch_export_names_what_to_wrap_the_stages_in(case):
+    d, t, p, v, schedule, b, m, zero, sp, recompute = case
+    _, plan = degree_plan(*case)
+    data = json.loads(export_plan(plan, None, "torch")[".json"])
+    assert data["parallelism"] == {"data": d, "tensor": t, "zero_stage": zero, "sequence_parallel": sp,
+                                   "global_batch": b * m * d}
+    assert data["n_microbatches"] * data["microbatch_size"] * data["parallelism"]["data"] == plan.settings.global_batch
+
+
 # --------------------------------------------------------------------------- real cluster plans, through the CLI
 
 REPO = Path(__file__).resolve().parents[1]

@@ -135,7 +135,8 @@ def _data_parallel(plan: Plan, degrees, notes: list[str]) -> tuple[int, int, str
             f"ZeRO {zero} with d={d}: torchtitan has no optimizer-only sharding, so the export shards over d with "
             f"FSDP and keeps the weights whole from forward to backward (reshard after forward: never); the "
             f"optimizer state is sharded and the gradients "
-            + ("are reduce-scattered after each micro-batch (ZeRO 2's memory)" if p == 1 else
+            + ("are reduce-scattered after each micro-batch (ZeRO 2's memory; FSDP then all-gathers and "
+               "reduce-scatters once per micro-batch, more traffic than the plan's one sync per step)" if p == 1 else
                "are held whole until the step ends (torch's pipelining defers FSDP's reduce-scatter): ZeRO 1's memory"))
         if zero == 2 and p > 1:
             note = check_fits(plan, unsharded_extra_bytes(plan, gradients=True, weights=False), "torchtitan",

@@ -268,7 +268,13 @@ class Alternative(_Strict):
     virtual_stages: PositiveCount
     microbatch_size: PositiveCount
     recompute: Name
-    iteration_ms: Optional[PlanMs] = None
+    iteration_ms: Optional[PlanMs] = Field(
+        default=None, description="Its predicted iteration, where it was planned in full; null where it was not "
+                                  "(pruned, over the cap, refused).")
+    lower_bound_ms: Optional[PlanMs] = Field(
+        default=None, description="Cluster runners-up only: for a layout whose search was pruned against the best "
+                                  "iteration found so far, a proven lower bound on its iteration (a bound, not a "
+                                  "predicted time; iteration_ms is then null). Null where it was planned.")
     peak_memory_bytes: Optional[PlanBytes] = None
     reason: Text
 

@@ -86,10 +86,15 @@ def reference_stage(profile, b, layers, in_bytes, out_bytes, in_flight, recomput
         again = sum(c.selective_recompute_ms for c in costs)
         kept = sum(c.selective_activation_bytes for c in costs)
         working = reference_selective_working_bytes(profile, b)
+    elif full:
+        # The forward again, one layer at a time, each from its own kept input (Megatron's full
+        # recomputation, torch's per-layer checkpointing): every layer's input per micro-batch in
+        # flight, and the stage's largest layer's activations while it is rebuilt.
+        again = f
+        kept = reference_input_bytes(profile, b, layers)
+        working = max(c.activation_bytes for c in costs)
     else:
-        again = f if full else 0.0
-        kept = in_bytes if full else acts
-        working = acts if full else 0
+        again, kept, working = 0.0, acts, 0
     time = f + whole + again + (in_bytes + out_bytes) * ms_per_byte
     memory = per_byte * params + in_flight * kept + working
     return {
@@ -103,6 +108,13 @@ def reference_stage(profile, b, layers, in_bytes, out_bytes, in_flight, recomput
         "static_bytes": math.ceil(per_byte * params) + math.ceil(working),
         "kept_bytes": kept,
     }
+
+
+def reference_input_bytes(profile, b, layers):
+    """Every layer's inputs: the outputs of its predecessors (the data batch counts 0)."""
+    by_name = {layer.name: layer for layer in profile.layers}
+    inside = set(layers)
+    return sum(by_name[u].cost_at(b).output_bytes for u, v in profile.edge_list() if v in inside)
 
 
 def reference_selective_working_bytes(profile, b):
@@ -352,3 +364,34 @@ def test_the_layer_sums_are_floats_arrays_or_linear_expressions():
     for v, x in share.items():
         x.varValue = 1.0 if v in (1, 2) else 0.0
     assert scalar == vector == pytest.approx(linear.value()) == 2 + 4 + 3 + 6 + 2 + 3 + 3.0
+
+
+# ------------------------------------------------------------- full recomputation, one layer at a time
+
+
+def test_full_recompute_keeps_each_layers_input_and_rebuilds_one_layer(tmp_path):
+    """Korthikanti et al. 2022's 22B model (t = 8, b = 4, s = 2048, no sequence parallelism) on one
+    stage with full recomputation: it keeps 2sbh per layer (their section 4's 2sbhL, plus the inputs
+    of the final norm and head, which pipeplan recomputes too) and rebuilds one layer at a time, not
+    the stage's 59.25 GiB of activations; and it never predicts less than that."""
+    import json
+
+    from pipeplan.analytic import analytic_profile, get_gpu
+
+    config = tmp_path / "gpt-22b.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 48, "n_embd": 6144, "n_head": 64,
+                                  "n_positions": 2048, "vocab_size": 51200}))
+    profile = analytic_profile(config, get_gpu("a100-80gb"), seq_len=2048, dtype="fp16", microbatch_sizes=[4],
+                               tensor_parallel=[8], flash_attention=False, sequence_parallel=False)
+    graph = build_layer_graph(profile, 4)
+    s, b, h, layers = 2048, 4, 6144, 48
+    settings_ = PlanSettings(stages=1, global_batch=4, optimizer="adam-fp32-grads")
+    problem = build_problem(profile, graph, settings_, (1,), ("full",))
+    memory = stage_breakdowns(problem, evaluate_split(problem, [list(range(graph.num_layers))]))[0].memory
+    assert 2 * s * b * h * layers <= memory.kept_bytes <= 2 * s * b * h * (layers + 2)
+    blocks = [j for j, layer in enumerate(profile.layers) if layer.kind == "block"]
+    one_block = graph.activation_bytes[blocks[0]]
+    assert memory.recompute_bytes == graph.activation_bytes.max() >= one_block  # the stage is the model
+    # Never below Korthikanti's state + 2sbhL + one layer's activations; far below the whole stage's.
+    assert memory.peak_bytes >= memory.state_bytes + 2 * s * b * h * layers + one_block
+    assert memory.peak_bytes < memory.state_bytes + graph.activation_bytes[blocks].sum() / 4

@@ -20,7 +20,8 @@ __all__ = ["LAYER_ARRAYS", "LayerGraph", "build_layer_graph", "is_chain", "reord
 #: sums (:class:`pipeplan.plan.costmodel.LayerSums`) add these up, and :func:`reorder` permutes
 #: them, so a new per-layer quantity is one field here and one line in :func:`build_layer_graph`.
 LAYER_ARRAYS = ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms", "param_bytes",
-                "activation_bytes", "output_bytes", "selective_activation_bytes", "selective_recompute_ms")
+                "activation_bytes", "output_bytes", "selective_activation_bytes", "selective_recompute_ms",
+                "input_bytes")
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,17 @@ class LayerGraph:
     selective_known: bool = False
     """Whether every layer's profile entry gave the selective fields (else ``selective`` is not
     searched: it would save nothing)."""
+    input_bytes: np.ndarray | None = None
+    """Bytes of the layer's inputs per micro-batch: its predecessors' outputs (0 for a layer that
+    reads only the data batch). What full recomputation keeps of the layer: each layer is
+    recomputed from its own input. Default: from the edges and ``output_bytes``."""
 
     def __post_init__(self):
+        if self.input_bytes is None:
+            inputs = np.zeros(len(self.names), dtype=float)
+            for u, v in self.graph.edges():
+                inputs[v] += self.output_bytes[u]
+            object.__setattr__(self, "input_bytes", inputs)
         if self.selective_activation_bytes is None:
             object.__setattr__(self, "selective_activation_bytes", self.activation_bytes.copy())
         if self.selective_recompute_ms is None:

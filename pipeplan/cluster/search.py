@@ -47,6 +47,9 @@ OPTIMIZER_HBM_EFFICIENCY = 0.8
 #: every layout that the layout-level bounds do not prune, for testing that it changes nothing).
 PRUNE_AGAINST_BEST = True
 
+#: Trials planned before the branch and bound, by an estimate, to start it with an incumbent.
+SEED_TRIALS = 3
+
 
 def _gpu_figure(profile, cluster, key: str):
     gpu = (profile.measurement or {}).get("gpu") or {}
@@ -242,11 +245,24 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
             pipeline_by_size[b] = pipeline_lower_bound_ms(work, m, trial.pipeline, largest_unit_ms=largest)
         trial.extras["bound_by_size"], trial.extras["pipeline_bound_by_size"] = by_size, pipeline_by_size
         trial.lower_bound_ms = min(by_size.values())
+        # Not a bound: with a one-forward-one-backward schedule's fill and drain, for the seed.
+        trial.extras["estimate_ms"] = min(bound * (replica_batch // b + trial.pipeline - 1) / (replica_batch // b)
+                                          for b, bound in by_size.items())
 
     # Branch and bound. A trial's bound is refined once, by its layout's pipeline optimum without
     # a memory cap (memory only ever constrains, so no ZeRO stage or recomputation beats it).
     best: Optional[_Trial] = None
     unbounded: dict = {}
+    # Seed: plan first the trials most likely to be fast (by an estimate with a bubble, which the
+    # bounds leave out), so that the bounds of the layouts with deep pipelines are refined against
+    # an incumbent rather than in full. The order changes only how much is pruned, not the winner.
+    for trial in sorted((t for t in trials if t.status == "new"),
+                        key=lambda t: (t.extras["estimate_ms"], t.order))[:SEED_TRIALS]:
+        _run_trial(trial, profile, settings, views[(trial.tensor, trial.family)], cluster, usable, state, hbm,
+                   overlap, profile_sha256, record_time)
+        if trial.status == "planned":
+            best = trial
+            break
     heap = [(t.lower_bound_ms, t.order, False, t) for t in trials if t.status == "new"]
     heapq.heapify(heap)
     while heap:
@@ -462,9 +478,11 @@ def _alternatives(best: _Trial, trials, default_microbatch: int) -> list[Alterna
     by_key: dict = {}
     for trial in trials:
         current = by_key.get(trial.key)
-        # Planned by their time, then pruned by their bound, then the rest.
-        rank = ((0, trial.parts.iteration_ms, trial.order) if trial.status == "planned" else
-                (1, trial.lower_bound_ms, trial.order) if trial.status == "pruned" else (2, 0.0, trial.order))
+        # Planned by their time and pruned by their bound, together: a layout shows a planned
+        # time only where none of its pruned trials could be faster, so that it is the layout's
+        # best; then the rest (infeasible, state over the cap).
+        rank = ((0, trial.parts.iteration_ms, 0, trial.order) if trial.status == "planned" else
+                (0, trial.lower_bound_ms, 1, trial.order) if trial.status == "pruned" else (1, 0.0, 0, trial.order))
         if current is None or rank < current[0]:
             by_key[trial.key] = (rank, trial)
     out = []

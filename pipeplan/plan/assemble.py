@@ -64,7 +64,7 @@ def plan_from_partition(profile, settings, problem: PartitionProblem, partition:
                 backward_weight_ms=round(t.backward_weight_ms, 6),
                 transfer_ms=round(t.transfer_ms, 6),
                 send_bytes=int(b.out_bytes),
-                param_bytes=int(graph.param_bytes[layers].sum()),
+                param_bytes=int(graph.param_bytes[layers].sum() + m.tied_copy_param_bytes),
                 activation_bytes=int(graph.activation_bytes[layers].sum()),
                 in_flight=m.in_flight,
                 recompute=b.recompute != "none",

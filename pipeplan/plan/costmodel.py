@@ -13,7 +13,8 @@ Terms, per micro-batch of one stage (``sums`` are its layers' profile entries ad
     transfer_ms     = (input-boundary bytes + output-boundary bytes) x ms_per_byte
     stage_time_ms   = compute_ms + recompute_ms + transfer_ms           (what the solvers minimise)
 
-    state_bytes     = static_bytes_per_param_byte x param_bytes          (weights, grads, optimizer)
+    state_bytes     = static_bytes_per_param_byte x (param_bytes + tied_copy_param_bytes)
+                      (weights, grads, optimizer; the copies of tied weights the stage holds)
     kept_bytes      = per micro-batch in flight: activation_bytes, for "full" sum(input_bytes) (each
                       layer's input, from which it is recomputed), for "selective"
                       sum(selective_activation_bytes)
@@ -66,6 +67,8 @@ __all__ = [
     "recompute_mode",
     "LayerSums",
     "LARGEST",
+    "TIED",
+    "tied_copy_bytes",
     "layer_sums",
     "prefix_sums",
     "CostModel",
@@ -137,7 +140,8 @@ class LayerSums:
     #: (:data:`pipeplan.plan.graph.LAYER_ARRAYS`, and ``compute_ms``, forward plus backward), and
     #: ``largest_activation_bytes``, the stage's largest single layer's ``activation_bytes`` (a
     #: maximum, not a sum: each solver forms it its own way).
-    FIELDS: ClassVar[tuple[str, ...]] = (*LAYER_ARRAYS, "compute_ms", "largest_activation_bytes")
+    FIELDS: ClassVar[tuple[str, ...]] = (*LAYER_ARRAYS, "compute_ms", "largest_activation_bytes",
+                                         "tied_copy_param_bytes")
 
     __slots__ = ("_get", "_values")
 
@@ -161,6 +165,24 @@ class LayerSums:
 
 #: The one LayerSums field that is a maximum over the stage's layers.
 LARGEST = "largest_activation_bytes"
+#: The LayerSums field of the tied weights' copies a stage holds (neither a sum nor a maximum:
+#: a tied weight counts where the stage holds a later user of it but not its first).
+TIED = "tied_copy_param_bytes"
+
+
+def tied_copy_bytes(graph, inside) -> Any:
+    """Bytes of the tied weights a stage keeps a copy of, for ``inside(position)``: whether each
+    layer position is in the stage (bools, or boolean arrays for many stages at once)."""
+    total = 0.0
+    for first, others, size in getattr(graph, "tied_weights", ()):
+        if not others:
+            continue
+        later = inside(others[0])
+        for other in others[1:]:
+            later = later | inside(other)
+        total = total + size * (later & ~inside(first) if not isinstance(later, bool) else
+                                (later and not inside(first)))
+    return total
 
 
 def layer_sums(graph, layers) -> LayerSums:
@@ -170,6 +192,9 @@ def layer_sums(graph, layers) -> LayerSums:
     def get(name):
         if name == LARGEST:
             return float(graph.activation_bytes[index].max()) if index else 0.0
+        if name == TIED:
+            held = set(index)
+            return float(tied_copy_bytes(graph, lambda v: v in held))
         return float(getattr(graph, name)[index].sum())
 
     return LayerSums(get)
@@ -210,8 +235,15 @@ def prefix_sums(graph):
             out[at] = np.maximum(table[lo[at]], table[hi[at] - 2 ** level])
         return out if out.ndim else float(out)
 
+    def get(lo, hi, name):
+        if name == LARGEST:
+            return largest(lo, hi)
+        if name == TIED:
+            return tied_copy_bytes(graph, lambda v: (np.asarray(lo) <= v) & (v < np.asarray(hi)))
+        return prefix(name)[hi] - prefix(name)[lo]
+
     def between(lo, hi) -> LayerSums:
-        return LayerSums(lambda name: largest(lo, hi) if name == LARGEST else prefix(name)[hi] - prefix(name)[lo])
+        return LayerSums(lambda name: get(lo, hi, name))
 
     return between
 
@@ -265,6 +297,8 @@ class StageMemory:
     """One micro-batch's activations while a recomputing stage runs its forward again."""
     peak_bytes: float
     """``state_bytes + in_flight x kept_bytes + recompute_bytes``."""
+    tied_copy_param_bytes: float = 0.0
+    """Parameter bytes of the tied weights' copies it holds (their state is in ``state_bytes``)."""
 
 
 @dataclass(frozen=True)
@@ -388,8 +422,11 @@ class CostModel:
     # -- memory ----------------------------------------------------------------------------
 
     def state_bytes(self, sums: LayerSums):
-        """Weights, gradients and optimizer state."""
-        return self.static_bytes_per_param_byte * sums.param_bytes
+        """Weights, gradients and optimizer state, of its own parameters and of the tied weights'
+        copies it holds (a stage with a later user of a tied weight, not its first, keeps a copy
+        that it updates itself, its gradient summed with the first's: pipeplan run's tied sync,
+        Megatron's embedding group)."""
+        return self.static_bytes_per_param_byte * (sums.param_bytes + sums.tied_copy_param_bytes)
 
     def kept_bytes(self, sums: LayerSums, in_bytes, mode: str):
         """The recompute rule, memory: what a stage keeps per micro-batch in flight (for full
@@ -439,6 +476,7 @@ class CostModel:
             in_flight=int(in_flight),
             recompute_bytes=self.recompute_bytes(sums, mode),
             peak_bytes=self.stage_memory_bytes(sums, in_bytes, in_flight, mode),
+            tied_copy_param_bytes=sums.tied_copy_param_bytes,
         )
         return StageBreakdown(index=index, layers=tuple(layers), in_bytes=in_bytes, out_bytes=out_bytes,
                               recompute=mode, time=time, memory=memory, last=last)

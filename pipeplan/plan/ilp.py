@@ -29,7 +29,7 @@ import networkx as nx
 import numpy as np
 
 from pipeplan.errors import InfeasibleError, PipeplanError
-from pipeplan.plan.costmodel import LARGEST, LayerSums
+from pipeplan.plan.costmodel import LARGEST, TIED, LayerSums
 from pipeplan.plan.problem import Partition, PartitionProblem, evaluate_split, trivial_lower_bound_ms
 
 
@@ -197,6 +197,19 @@ def partition_ilp(
                     if g.activation_bytes[v] > 0:
                         add(largest >= float(g.activation_bytes[v]) * share[v])
                 return largest
+            if name == TIED:
+                # Per tied weight, a share at least each later user's minus the first's (0 or 1 at
+                # the binary shares), which the memory row keeps at its least.
+                copies = []
+                for index, (first, others, size) in enumerate(g.tied_weights):
+                    users = [v for v in others if v in share]
+                    if not users or size <= 0:
+                        continue
+                    copy = prob.add_variable(f"tied_{index}_{s}", lowBound=0, upBound=1)
+                    for v in users:
+                        add(copy >= share[v] - share.get(first, 0))
+                    copies.append(float(size) * copy)
+                return pulp.lpSum(copies)
             return pulp.lpSum(float(getattr(g, name)[v]) * share[v] for v in members)
 
         sums = LayerSums(stage_sum)

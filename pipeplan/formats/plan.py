@@ -206,7 +206,8 @@ class PlanStage(_Strict):
     )
     transfer_ms: PlanMs = Field(default=0.0, description="Receive time per micro-batch at the bandwidth.")
     send_bytes: PlanBytes = Field(description="Bytes sent to later stages per micro-batch.")
-    param_bytes: PlanBytes = Field(default=0, description="Bytes of the stage's parameters.")
+    param_bytes: PlanBytes = Field(default=0, description="Bytes of the stage's parameters, with the copy of each "
+                                   "tied weight whose later user it holds without its first.")
     activation_bytes: PlanBytes = Field(default=0, description="Bytes kept for backward per micro-batch in flight.")
     in_flight: Count = Field(default=1, description="Micro-batches whose activations it holds at its peak.")
     recompute: bool = Field(

@@ -257,3 +257,26 @@ def test_infeasible_explained_on_demand_is_the_eager_message():
         make_plan(profile, settings, profile_sha256="x", explain_infeasible=False)
     assert lazy.value.explain() == str(eager.value)
     assert str(lazy.value).startswith("nothing fits")
+
+
+def test_a_tied_weight_is_sharded_like_its_first_user_at_degree_t():
+    """At t = 2 the copy a later stage keeps of a tied (vocabulary-parallel) embedding is half of it."""
+    from pipeplan.cluster.profile_view import degree_view
+    from pipeplan.formats.profile import Profile
+
+    def cost(t):
+        entry = {"microbatch_size": 1, "tensor_parallel": t, "forward_ms": 1.0, "backward_ms": 2.0,
+                 "activation_bytes": 10, "output_bytes": 4, "param_bytes": 1000 // t}
+        if t > 1:
+            entry.update(tensor_parallel_collective="all_reduce", tensor_parallel_forward_bytes=8,
+                         tensor_parallel_forward_count=1, tensor_parallel_backward_bytes=8,
+                         tensor_parallel_backward_count=1)
+        return entry
+
+    profile = Profile.model_validate({
+        "schema_version": 2, "model": "m", "source": "analytic", "device": {"name": "t"}, "dtype": "bf16",
+        "layers": [{"name": n, "param_bytes": 1000, "costs": [cost(1), cost(2)]} for n in ("wte", "h", "head")],
+        "tied_weights": [{"name": "wte.weight", "layers": ["wte", "head"], "param_bytes": 1000}]})
+    view = degree_view(profile, 2, PRESETS["dgx-h100"])
+    assert [tie.param_bytes for tie in view.profile.tied_weights] == [500]
+    assert degree_view(profile, 1, PRESETS["dgx-h100"]).profile.tied_weights[0].param_bytes == 1000

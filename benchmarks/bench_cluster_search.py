@@ -2,8 +2,10 @@
 
 Llama 3 70B on 64, 512 and 1,024 H100s and Llama 3 405B on 1,024, sequence 8192, bf16, global
 batch 1,024 sequences (128 on 64 GPUs), profiles at micro-batch sizes 1, 2, 4 and tensor-parallel
-degrees 1, 2, 4, 8. Prints the wall time of each search, the layout it chose and its predicted
-iteration. Results go to docs/benchmarks.md with this command:
+degrees 1, 2, 4, 8. Prints the wall time of each search, its CPU time (this process's, which
+the other jobs on a shared machine disturb far less than the wall time), the load average before
+it, the layout it chose and its predicted iteration. Results go to docs/benchmarks.md with this
+command:
 
     python benchmarks/bench_cluster_search.py [--only 70b-64]
 """
@@ -11,6 +13,7 @@ iteration. Results go to docs/benchmarks.md with this command:
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 CASES = {
@@ -39,11 +42,12 @@ def main(argv=None) -> int:
                                                microbatch_sizes=[1, 2, 4], tensor_parallel=[1, 2, 4, 8])
         settings = PlanSettings(num_gpus=gpus, cluster=PRESETS["dgx-h100"], global_batch=batch, schedule="auto",
                                 recompute="auto")
-        started = time.perf_counter()
+        load = os.getloadavg()[0]
+        started, cpu = time.perf_counter(), time.process_time()
         plan = plan_cluster(profiles[model], settings, profile_sha256="bench")
-        seconds = time.perf_counter() - started
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         par = plan.parallelism
-        print(f"{name}: {seconds:.1f} s; d={par.data} t={par.tensor} p={par.pipeline} v={par.virtual_stages} "
+        print(f"{name}: {seconds:.1f} s ({cpu:.1f} s CPU, load {load:.1f}); d={par.data} t={par.tensor} p={par.pipeline} v={par.virtual_stages} "
               f"{plan.schedule} b={plan.microbatch_size} ZeRO {par.zero_stage}: {plan.predicted.iteration_ms / 1e3:.2f} s "
               f"per iteration, MFU {plan.predicted.model_flops_utilization:.1%}", flush=True)
     return 0

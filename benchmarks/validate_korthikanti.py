@@ -13,10 +13,9 @@ configuration, not a tuning. The split is Megatron's, given with ``--layers-per-
 blocks divided equally over the virtual stages, the embedding on the first, the final norm and
 the head with the loss on the last.
 
-Full recomputation is planned with a 200 GiB cap: pipeplan's cost model keeps a whole stage's
-activations while a recomputing stage runs its forward again, where Megatron recomputes one
-layer at a time; under 80 GB the model calls the published 22B run infeasible (a memory
-over-estimate, reported in docs/cluster-validation.md, not hidden). Times do not depend on the cap.
+Every run is planned under the preset's 80 GB cap (less the reserve). Full recomputation is
+modelled as Megatron runs it, one layer at a time: each layer's input is kept per micro-batch in
+flight and one layer's activations are rebuilt at once (docs/cost-model.md).
 
 Run (needs the analytic profiles, ``pipeplan.analytic``)::
 
@@ -107,10 +106,9 @@ def main(argv=None) -> int:
             if (model, b) not in profiles:
                 profiles[(model, b)] = _profile(model, folder, [t], [b])
             profile = profiles[(model, b)]
-            cap = 200 * 2**30 if recompute == "all" else None
             plan = _plan(profile, "table5", num_gpus=gpus, tensor_parallel=t, stages=p, data_parallel=1,
                          zero_stage=0, virtual_stages=v, schedule=schedule, microbatch_size=b, global_batch=G,
-                         recompute=recompute, memory_cap_bytes=cap,
+                         recompute=recompute,
                          layers_per_stage=_megatron_counts(profile, p * v))
             if not _megatron_split(plan, profile):
                 print(f"{model} {recompute}: the planner's split is not Megatron's: "

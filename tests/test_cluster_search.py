@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from pipeplan.cli import app
 from pipeplan.cluster import search as search_module
 from pipeplan.cluster.presets import PRESETS
-from pipeplan.formats.io import file_sha256, load_plan, load_profile
+from pipeplan.formats.io import dump_model, file_sha256, load_plan, load_profile
 from pipeplan.formats.plan import PlanSettings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,16 +53,65 @@ def test_cluster_plan_parts_add_up_and_layout_is_recorded():
         assert plan.predicted.data_parallel_ms > 0
 
 
+def _exhaustive(monkeypatch, plan):
+    """``plan()`` with every bound switched off: every layout planned in full."""
+    with monkeypatch.context() as patch:
+        patch.setattr(search_module, "pipeline_lower_bound_ms", lambda *a, **k: 0.0)
+        patch.setattr(search_module, "_unbounded", lambda *a, **k: (0.0, float("inf"), 0))
+        patch.setattr(search_module, "PRUNE_AGAINST_BEST", False)
+        return plan()
+
+
+def _layout(alternative):
+    return alternative.reason.split(" ZeRO")[0]
+
+
+def _check_pruning_keeps_the_winner(pruned, exhaustive):
+    # The winner is the same plan, byte for byte, but for the runners-up table.
+    assert dump_model(pruned.model_copy(update={"alternatives": []})) == \
+        dump_model(exhaustive.model_copy(update={"alternatives": []}))
+    planned = {_layout(a): a.iteration_ms for a in exhaustive.alternatives if a.iteration_ms is not None}
+    assert all(ms >= exhaustive.predicted.iteration_ms for ms in planned.values())
+    bounded = [a for a in pruned.alternatives if a.lower_bound_ms is not None]
+    for a in bounded:
+        # Marked as a bound, never as a time, and truly a lower bound of the layout's planned time.
+        assert a.iteration_ms is None and "lower bound" in a.reason and "\u2265 best" in a.reason
+        assert a.lower_bound_ms >= pruned.predicted.iteration_ms
+        if _layout(a) in planned:
+            assert planned[_layout(a)] >= a.lower_bound_ms * (1 - 1e-9)
+    for a in pruned.alternatives:
+        if a.iteration_ms is not None:
+            assert a.iteration_ms == pytest.approx(planned[_layout(a)])
+    return bounded
+
+
 def test_pruning_never_loses_the_best_layout(monkeypatch):
     """With the lower bounds switched off every candidate is planned; the winner must not change."""
     pruned = _plan()
-    monkeypatch.setattr(search_module, "pipeline_lower_bound_ms", lambda *a, **k: 0.0)
-    monkeypatch.setattr(search_module, "_unbounded", lambda *a, **k: (0.0, float("inf"), 0))
-    exhaustive = _plan()
+    exhaustive = _exhaustive(monkeypatch, _plan)
     assert exhaustive.parallelism == pruned.parallelism
-    assert exhaustive.predicted.iteration_ms == pytest.approx(pruned.predicted.iteration_ms)
-    planned = [a.iteration_ms for a in exhaustive.alternatives if a.iteration_ms is not None]
-    assert all(ms >= exhaustive.predicted.iteration_ms for ms in planned)
+    _check_pruning_keeps_the_winner(pruned, exhaustive)
+
+
+def test_pruning_against_the_best_keeps_the_winner_with_zero_and_tensor_parallel(monkeypatch):
+    """Llama 3 8B on 64 H100s under a 40 GiB cap: many layouts, ZeRO stages and recomputation;
+    the layouts' own searches pruned against the best so far give the same winner and plan, and
+    a pruned layout shows a lower bound that its full plan respects."""
+    from pipeplan.analytic.api import analytic_profile
+    from pipeplan.analytic.gpus import get_gpu
+
+    profile = analytic_profile("llama3-8b", get_gpu("h100-sxm"), seq_len=4096, dtype="bf16",
+                               microbatch_sizes=[1, 2], tensor_parallel=[1, 2, 4])
+    settings = PlanSettings(num_gpus=64, cluster=PRESETS["dgx-h100"], global_batch=128, schedule="auto",
+                            recompute="auto", memory_cap_bytes=40 * 2**30)
+
+    def plan():
+        return search_module.plan_cluster(profile, settings, profile_sha256="test")
+
+    pruned = plan()
+    assert dump_model(plan()) == dump_model(pruned)  # deterministic
+    bounded = _check_pruning_keeps_the_winner(pruned, _exhaustive(monkeypatch, plan))
+    assert bounded  # the case does prune
 
 
 def test_fixed_degrees_are_kept():
@@ -184,7 +233,9 @@ def test_memoised_search_is_byte_identical_to_an_uncached_one(monkeypatch):
     import pipeplan.plan.memo as memo
     import pipeplan.plan.search as plan_search
 
-    kw = dict(schedule="auto", memory_cap_bytes=16 * 2**30)
+    kw = dict(schedule="auto", memory_cap_bytes=13 * 2**30)
+    # Every layout planned in full, so that some are infeasible and their reasons explained lazily.
+    monkeypatch.setattr(search_module, "PRUNE_AGAINST_BEST", False)
     cached = _plan(**kw)
     assert any("infeasible" in a.reason for a in cached.alternatives)  # the lazily explained reasons are shown
     monkeypatch.setattr(memo, "planning_cache", contextlib.nullcontext)
@@ -205,3 +256,26 @@ def test_infeasible_explained_on_demand_is_the_eager_message():
         make_plan(profile, settings, profile_sha256="x", explain_infeasible=False)
     assert lazy.value.explain() == str(eager.value)
     assert str(lazy.value).startswith("nothing fits")
+
+
+def test_a_tied_weight_is_sharded_like_its_first_user_at_degree_t():
+    """At t = 2 the copy a later stage keeps of a tied (vocabulary-parallel) embedding is half of it."""
+    from pipeplan.cluster.profile_view import degree_view
+    from pipeplan.formats.profile import Profile
+
+    def cost(t):
+        entry = {"microbatch_size": 1, "tensor_parallel": t, "forward_ms": 1.0, "backward_ms": 2.0,
+                 "activation_bytes": 10, "output_bytes": 4, "param_bytes": 1000 // t}
+        if t > 1:
+            entry.update(tensor_parallel_collective="all_reduce", tensor_parallel_forward_bytes=8,
+                         tensor_parallel_forward_count=1, tensor_parallel_backward_bytes=8,
+                         tensor_parallel_backward_count=1)
+        return entry
+
+    profile = Profile.model_validate({
+        "schema_version": 2, "model": "m", "source": "analytic", "device": {"name": "t"}, "dtype": "bf16",
+        "layers": [{"name": n, "param_bytes": 1000, "costs": [cost(1), cost(2)]} for n in ("wte", "h", "head")],
+        "tied_weights": [{"name": "wte.weight", "layers": ["wte", "head"], "param_bytes": 1000}]})
+    view = degree_view(profile, 2, PRESETS["dgx-h100"])
+    assert [tie.param_bytes for tie in view.profile.tied_weights] == [500]
+    assert degree_view(profile, 1, PRESETS["dgx-h100"]).profile.tied_weights[0].param_bytes == 1000

@@ -70,11 +70,12 @@ def resimulate(profile, plan):
         static = math.ceil(per_byte * sum(params[n] for n in stage.layers))
         acts = sum(cost[n].activation_bytes for n in stage.layers)
         if stage.recompute:
-            # Keeps its input per micro-batch, holds one micro-batch's activations while it
-            # recomputes, and runs the forward again before the input gradient.
+            # Keeps every layer's input per micro-batch (on a chain: the stage's input and each
+            # layer's output but the last), holds its largest layer's activations while it
+            # recomputes one layer at a time, and runs the forward again before the input gradient.
             b_in += f
-            static += acts
-            acts = in_bytes
+            static += max(cost[n].activation_bytes for n in stage.layers)
+            acts = in_bytes + sum(cost[n].output_bytes for n in stage.layers[:-1])
         costs.append(StageCost(f, b_in, b_w, send_ms=out_bytes * ms_per_byte,
                                static_memory_bytes=static, activation_bytes=acts,
                                action_overhead_ms=s.action_overhead_ms or 0.0))

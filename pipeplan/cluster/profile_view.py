@@ -25,6 +25,8 @@ A measured or version-1 profile has degree 1 only; its view at ``t = 1`` is the 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from pipeplan.cluster.collectives import tensor_parallel_ms
@@ -135,5 +137,13 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
         param_bytes = layer.param_bytes if t == 1 else layer.param_bytes_at(t)
         layers.append(Layer(name=layer.name, param_bytes=param_bytes, costs=costs, kind=layer.kind,
                             description=layer.description))
-    view = profile.model_copy(update={"layers": layers, "schema_version": 1})
+    update = {"layers": layers, "schema_version": 1}
+    if profile.tied_weights and t > 1:
+        # A tied weight is sharded as its first user is (a vocabulary-parallel embedding: 1/t).
+        share = {layer.name: (view_layer.param_bytes / layer.param_bytes if layer.param_bytes else 1.0)
+                 for layer, view_layer in zip(profile.layers, layers)}
+        update["tied_weights"] = [tie.model_copy(update={"param_bytes": int(math.ceil(tie.param_bytes
+                                                                                       * share[tie.layers[0]]))})
+                                  for tie in profile.tied_weights]
+    view = profile.model_copy(update=update)
     return DegreeView(profile=view, tensor_parallel=t, selective=selective, tensor_parallel_ms=tp_ms)

@@ -35,12 +35,20 @@ from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, 
 from pipeplan.cluster.space import candidates, parallel_degrees
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.plan import Alternative, Parallelism, Plan, PlanSettings
+from pipeplan.plan.bound import Incumbent, PrunedError
 from pipeplan.quantities import format_bytes
 
 __all__ = ["plan_any", "plan_cluster", "hbm_bytes_per_s", "peak_flops_per_s"]
 
 #: Achieved share of HBM bandwidth by the fused optimizer kernels.
 OPTIMIZER_HBM_EFFICIENCY = 0.8
+
+#: Prune each layout's own pipeline search against the best iteration found so far (False: plan
+#: every layout that the layout-level bounds do not prune, for testing that it changes nothing).
+PRUNE_AGAINST_BEST = True
+
+#: Trials planned before the branch and bound, by an estimate, to start it with an incumbent.
+SEED_TRIALS = 3
 
 
 def _gpu_figure(profile, cluster, key: str):
@@ -112,11 +120,19 @@ def _families(settings: PlanSettings, view_has_selective: bool) -> list[tuple[st
     return [("plain", "auto")] + ([("selective", "none")] if view_has_selective else [])
 
 
+def _work_ms(cost) -> float:
+    """A unit's least forward + backward per micro-batch, however the schedule runs its backward."""
+    backward = cost.backward_ms
+    if cost.backward_input_ms is not None and cost.backward_weight_ms is not None:
+        backward = min(backward, cost.backward_input_ms + cost.backward_weight_ms)
+    return cost.forward_ms + backward
+
+
 def _sums(view: DegreeView, sizes):
     """Per micro-batch size: whole-model work per micro-batch and the largest unit's."""
     out = {}
     for b in sizes:
-        works = [layer.cost_at(b).forward_ms + layer.cost_at(b).backward_ms for layer in view.profile.layers]
+        works = [_work_ms(layer.cost_at(b)) for layer in view.profile.layers]
         out[b] = (sum(works), max(works))
     return out
 
@@ -218,39 +234,54 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
         step = optimizer_step_ms(shard, state, hbm, OPTIMIZER_HBM_EFFICIENCY, profile.dtype == "fp16") if hbm else 0.0
         trial.extras["step_lb"] = step
         span = Layout(trial.data, trial.tensor, trial.pipeline, cluster.gpus_per_node).data_span()
-        bounds = []
+        by_size, pipeline_by_size = {}, {}
         for b, (work, largest) in sums.items():
             m = replica_batch // b
             # Averaged over the ranks: some rank's busy time plus sync is at least the mean's
             # (bandwidth terms only, which are linear in the parameters).
             sync = data_parallel_sync(params / trial.pipeline, state, trial.zero_stage, span, bandwidth_only,
                                       m, overlap).exposed_ms
-            bounds.append(max(pipeline_lower_bound_ms(work, m, trial.pipeline) + sync, m * largest) + step)
-        trial.lower_bound_ms = min(bounds)
+            by_size[b] = max(pipeline_lower_bound_ms(work, m, trial.pipeline) + sync, m * largest) + step
+            pipeline_by_size[b] = pipeline_lower_bound_ms(work, m, trial.pipeline, largest_unit_ms=largest)
+        trial.extras["bound_by_size"], trial.extras["pipeline_bound_by_size"] = by_size, pipeline_by_size
+        trial.lower_bound_ms = min(by_size.values())
+        # Not a bound: with a one-forward-one-backward schedule's fill and drain, for the seed.
+        trial.extras["estimate_ms"] = min(bound * (replica_batch // b + trial.pipeline - 1) / (replica_batch // b)
+                                          for b, bound in by_size.items())
 
     # Branch and bound. A trial's bound is refined once, by its layout's pipeline optimum without
     # a memory cap (memory only ever constrains, so no ZeRO stage or recomputation beats it).
     best: Optional[_Trial] = None
     unbounded: dict = {}
+    # Seed: plan first the trials most likely to be fast (by an estimate with a bubble, which the
+    # bounds leave out), so that the bounds of the layouts with deep pipelines are refined against
+    # an incumbent rather than in full. The order changes only how much is pruned, not the winner.
+    for trial in sorted((t for t in trials if t.status == "new"),
+                        key=lambda t: (t.extras["estimate_ms"], t.order))[:SEED_TRIALS]:
+        _run_trial(trial, profile, settings, views[(trial.tensor, trial.family)], cluster, usable, state, hbm,
+                   overlap, profile_sha256, record_time)
+        if trial.status == "planned":
+            best = trial
+            break
     heap = [(t.lower_bound_ms, t.order, False, t) for t in trials if t.status == "new"]
     heapq.heapify(heap)
     while heap:
         bound, _, refined, trial = heapq.heappop(heap)
-        if best is not None and bound > best.parts.iteration_ms:
-            trial.status = "pruned"
-            trial.reason = f"pruned: its lower bound {bound:.1f} ms is above the best {best.parts.iteration_ms:.1f} ms"
+        best_ms = None if best is None else best.parts.iteration_ms
+        if best is not None and bound > best_ms:
+            _prune(trial, bound, best_ms)
             continue
         if not refined:
             family = "plain" if any(f == "plain" for f, _ in _families(settings, True)) else "selective"
             key = (trial.data, trial.tensor, trial.pipeline, family)
             if key not in unbounded:
                 unbounded[key] = _unbounded(profile, settings, views[(trial.tensor, family)], trial, family,
-                                            cluster, profile_sha256)
+                                            cluster, profile_sha256, best_ms)
             trial.lower_bound_ms = max(bound, unbounded[key][0] + trial.extras["step_lb"])
             heapq.heappush(heap, (trial.lower_bound_ms, trial.order, True, trial))
             continue
         _run_trial(trial, profile, settings, views[(trial.tensor, trial.family)], cluster, usable, state, hbm,
-                   overlap, profile_sha256, record_time)
+                   overlap, profile_sha256, record_time, best_ms)
         if trial.status == "planned" and (best is None or (trial.parts.iteration_ms, trial.order)
                                           < (best.parts.iteration_ms, best.order)):
             best = trial
@@ -281,14 +312,15 @@ def _fixed_split_stages(settings: PlanSettings) -> PlanSettings:
 
 
 def _pipeline_plan(view: DegreeView, sub: PlanSettings, settings: PlanSettings, profile_sha256: str,
-                   record_time: bool = False) -> Plan:
-    """The pipeline planner's best plan of one replica, or the given split's (--layers-per-stage)."""
+                   record_time: bool = False, incumbent: Optional[Incumbent] = None) -> Plan:
+    """The pipeline planner's best plan of one replica, or the given split's (--layers-per-stage);
+    with ``incumbent``, pruned against the best iteration so far (PrunedError)."""
     from pipeplan.plan import make_plan
 
     if settings.layers_per_stage is None:
         # What would fit is worked out only for the layouts whose reason the plan shows (_reason).
         return make_plan(view.profile, sub, profile_sha256=profile_sha256, record_time=record_time,
-                         explain_infeasible=False)
+                         explain_infeasible=False, incumbent=incumbent if PRUNE_AGAINST_BEST else None)
     from pipeplan.api import plan_split
 
     plan = plan_split(view.profile, sub, settings.layers_per_stage, profile_sha256=profile_sha256)
@@ -317,25 +349,51 @@ def _sub_settings(settings: PlanSettings, trial, link, cap, recompute: str) -> P
     })
 
 
+def _prune(trial: _Trial, bound_ms: float, best_ms: float) -> None:
+    trial.status = "pruned"
+    trial.lower_bound_ms = bound_ms
+    trial.reason = f"lower bound {bound_ms:.1f} ms \u2265 best {best_ms:.1f} ms (not planned)"
+
+
 def _unbounded(profile, settings: PlanSettings, view: DegreeView, trial, family: str, cluster,
-               profile_sha256: str) -> tuple[float, float, int]:
+               profile_sha256: str, best_ms: Optional[float] = None) -> tuple[float, float, int]:
     """The layout's fastest pipeline with no memory cap: a lower bound on every trial of it.
 
     Returns its make-span, its fullest rank's planned bytes and the ZeRO stage they are at: the
-    memory that one plan of the layout needs, for the infeasible message.
+    memory that one plan of the layout needs, for the infeasible message. With ``best_ms`` (the
+    best iteration so far) the pipeline search prunes against it, less the trial's least
+    optimizer step; a make-span proven above that comes back as its lower bound.
     """
     _, _, link = _pipeline_link(cluster, trial)
     recompute = dict(_families(settings, True))[family]
     sub = _sub_settings(settings, trial, link, None, "none" if recompute == "auto" else recompute)
+    incumbent = None
+    if best_ms is not None and settings.layers_per_stage is None:
+        incumbent = Incumbent(max(0.0, best_ms - trial.extras["step_lb"]), _makespan_ms,
+                              trial.extras["pipeline_bound_by_size"])
     try:
-        plan = _pipeline_plan(view, sub, settings, profile_sha256)
+        plan = _pipeline_plan(view, sub, settings, profile_sha256, incumbent=incumbent)
+    except PrunedError as error:
+        return error.lower_bound_ms, math.inf, trial.zero_stage
     except (InfeasibleError, BadInputError):
         return 0.0, math.inf, trial.zero_stage
     return plan.predicted.iteration_ms, max(r.peak_memory_bytes for r in plan.ranks), trial.zero_stage
 
 
+def _makespan_ms(rank_end_ms, rank_param_bytes, num_microbatches) -> float:
+    return max(rank_end_ms)
+
+
+def _rank_tails(trial: _Trial, rank_params, m: int, span, cluster, state, hbm, overlap: float, fp16: bool):
+    """Each pipeline rank's exposed data-parallel sync and optimizer step, from its parameters."""
+    sync = [data_parallel_sync(p, state, trial.zero_stage, span, cluster, m, overlap).exposed_ms for p in rank_params]
+    shard = [p / (trial.data if trial.zero_stage >= 1 else 1) for p in rank_params]
+    step = [optimizer_step_ms(s, state, hbm, OPTIMIZER_HBM_EFFICIENCY, fp16) if hbm else 0.0 for s in shard]
+    return sync, step
+
+
 def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView, cluster, usable: int, state,
-               hbm, overlap: float, profile_sha256: str, record_time: bool) -> None:
+               hbm, overlap: float, profile_sha256: str, record_time: bool, best_ms: Optional[float] = None) -> None:
     from pipeplan.plan import plan_simulation
 
     layout, links, link = _pipeline_link(cluster, trial)
@@ -343,8 +401,20 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     gathered = zero3_gathered_bytes(largest_unit_params, state, trial.data) if trial.zero_stage == 3 else 0
     recompute = dict(_families(settings, True))[trial.family]
     sub = _sub_settings(settings, trial, link, max(1, usable - gathered), recompute)
+    span, fp16 = layout.data_span(), profile.dtype == "fp16"
+    incumbent = None
+    if best_ms is not None and settings.layers_per_stage is None:
+        def iteration_ms(rank_end_ms, rank_param_bytes, m):
+            sync, step = _rank_tails(trial, [b / profile.dtype_bytes for b in rank_param_bytes], m, span, cluster,
+                                     state, hbm, overlap, fp16)
+            return max(end + s for end, s in zip(rank_end_ms, sync)) + max(step)
+
+        incumbent = Incumbent(best_ms, iteration_ms, trial.extras["bound_by_size"])
     try:
-        plan = _pipeline_plan(view, sub, settings, profile_sha256, record_time)
+        plan = _pipeline_plan(view, sub, settings, profile_sha256, record_time, incumbent=incumbent)
+    except PrunedError as error:
+        _prune(trial, error.lower_bound_ms, best_ms)
+        return
     except InfeasibleError as error:
         trial.status = "infeasible"
         trial.reason = f"infeasible: {str(error).splitlines()[0]}"
@@ -360,11 +430,7 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     for stage in plan.stages:
         rank_params[stage.rank] += stage.param_bytes / profile.dtype_bytes
         rank_tp[stage.rank] += m * view.stage_tensor_parallel_ms(stage.layers, plan.microbatch_size, stage.recompute)
-    span = layout.data_span()
-    sync = [data_parallel_sync(p, state, trial.zero_stage, span, cluster, m, overlap).exposed_ms for p in rank_params]
-    shard = [p / (trial.data if trial.zero_stage >= 1 else 1) for p in rank_params]
-    step = [optimizer_step_ms(s, state, hbm, OPTIMIZER_HBM_EFFICIENCY, profile.dtype == "fp16") if hbm else 0.0
-            for s in shard]
+    sync, step = _rank_tails(trial, rank_params, m, span, cluster, state, hbm, overlap, fp16)
     critical = sim.critical_rank
     trial.parts = iteration_parts(sim.compute_ms, min(rank_tp[critical], sim.compute_ms), sim.transfer_ms,
                                   sim.bubble_ms + sim.overhead_ms, rank_end, sync, step)
@@ -412,7 +478,11 @@ def _alternatives(best: _Trial, trials, default_microbatch: int) -> list[Alterna
     by_key: dict = {}
     for trial in trials:
         current = by_key.get(trial.key)
-        rank = (0, trial.parts.iteration_ms, trial.order) if trial.status == "planned" else (1, 0.0, trial.order)
+        # Planned by their time and pruned by their bound, together: a layout shows a planned
+        # time only where none of its pruned trials could be faster, so that it is the layout's
+        # best; then the rest (infeasible, state over the cap).
+        rank = ((0, trial.parts.iteration_ms, 0, trial.order) if trial.status == "planned" else
+                (0, trial.lower_bound_ms, 1, trial.order) if trial.status == "pruned" else (1, 0.0, 0, trial.order))
         if current is None or rank < current[0]:
             by_key[trial.key] = (rank, trial)
     out = []
@@ -432,6 +502,7 @@ def _alternatives(best: _Trial, trials, default_microbatch: int) -> list[Alterna
             recompute=("selective" if trial.family == "selective" else
                        ("some" if plan and any(s.recompute for s in plan.stages) else "none")),
             iteration_ms=round(trial.parts.iteration_ms, 6) if trial.status == "planned" else None,
+            lower_bound_ms=round(trial.lower_bound_ms, 6) if trial.status == "pruned" else None,
             peak_memory_bytes=max(r.peak_memory_bytes for r in plan.ranks) if plan and plan.ranks else None,
             reason=f"d={trial.data} t={trial.tensor} p={trial.pipeline} ZeRO {trial.zero_stage}: {reason}",
         ))

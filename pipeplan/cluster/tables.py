@@ -113,7 +113,16 @@ def cluster_plan_tables(plan):
             alt.add_column(column)
         for a in plan.alternatives[:12]:
             alt.add_row(a.schedule, str(a.virtual_stages), str(a.microbatch_size), a.recompute,
-                        "-" if a.iteration_ms is None else f"{a.iteration_ms:.1f}", a.reason)
+                        _iteration_text(a), a.reason)
         parts.append(alt)
     parts.extend(f"note: {note}" for note in plan.notes)
     return Group(*parts)
+
+
+def _iteration_text(alternative) -> str:
+    """Its time; for a pruned layout its lower bound, marked as one."""
+    if alternative.iteration_ms is not None:
+        return f"{alternative.iteration_ms:.1f}"
+    if alternative.lower_bound_ms is not None:
+        return f"\u2265 {alternative.lower_bound_ms:.1f} (bound)"
+    return "-"

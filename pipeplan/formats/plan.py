@@ -5,7 +5,8 @@ See docs/formats.md.
 
 Version 2 adds the cluster plan (docs/cluster-model.md): ``parallelism`` (data, tensor and
 pipeline degrees, ZeRO stage, sequence parallelism), the cluster spec and the cluster options
-in ``settings``, the iteration's cluster parts in ``predicted`` and each stage's memory by part.
+in ``settings``, the iteration's cluster parts in ``predicted`` and each stage's memory by part,
+and full recomputation's kept bytes per stage (``checkpoint_bytes``).
 A plan is written as version 2 only where one of them is set, so a pipeline-only plan keeps
 version 1 and its bytes; version 1 files read unchanged.
 """
@@ -205,13 +206,14 @@ class PlanStage(_Strict):
     )
     transfer_ms: PlanMs = Field(default=0.0, description="Receive time per micro-batch at the bandwidth.")
     send_bytes: PlanBytes = Field(description="Bytes sent to later stages per micro-batch.")
-    param_bytes: PlanBytes = Field(default=0, description="Bytes of the stage's parameters.")
+    param_bytes: PlanBytes = Field(default=0, description="Bytes of the stage's parameters, with the copy of each "
+                                   "tied weight whose later user it holds without its first.")
     activation_bytes: PlanBytes = Field(default=0, description="Bytes kept for backward per micro-batch in flight.")
     in_flight: Count = Field(default=1, description="Micro-batches whose activations it holds at its peak.")
     recompute: bool = Field(
         default=False,
-        description="Recomputes in backward: its whole forward, keeping only its input, or with "
-                    "recompute_granularity selective each layer's attention core.")
+        description="Recomputes in backward: its whole forward, one layer at a time from each layer's kept "
+                    "input, or with recompute_granularity selective each layer's attention core.")
     recompute_granularity: Optional[Literal["full", "selective"]] = Field(
         default=None,
         description="With recompute: full (also when absent) or selective (Megatron's "
@@ -224,6 +226,11 @@ class PlanStage(_Strict):
     gradient_bytes: Optional[PlanBytes] = Field(default=None, description="Gradients held (ZeRO 2-3: the shard).")
     optimizer_bytes: Optional[PlanBytes] = Field(default=None, description="Optimizer state held (ZeRO 1-3: the shard).")
     peak_activation_bytes: Optional[PlanBytes] = Field(default=None, description="Activations at the stage's peak.")
+    # --- schema_version 2: full recomputation's kept bytes ---
+    checkpoint_bytes: Optional[PlanBytes] = Field(
+        default=None, description="Full-recompute stages: bytes kept per micro-batch in flight, every layer's "
+                                  "input (each layer is recomputed from it, one at a time). Null in plans from "
+                                  "before it was recorded, which kept the stage's input alone.")
 
 
 class Predicted(_Strict):
@@ -268,7 +275,13 @@ class Alternative(_Strict):
     virtual_stages: PositiveCount
     microbatch_size: PositiveCount
     recompute: Name
-    iteration_ms: Optional[PlanMs] = None
+    iteration_ms: Optional[PlanMs] = Field(
+        default=None, description="Its predicted iteration, where it was planned in full; null where it was not "
+                                  "(pruned, over the cap, refused).")
+    lower_bound_ms: Optional[PlanMs] = Field(
+        default=None, description="Cluster runners-up only: for a layout whose search was pruned against the best "
+                                  "iteration found so far, a proven lower bound on its iteration (a bound, not a "
+                                  "predicted time; iteration_ms is then null). Null where it was planned.")
     peak_memory_bytes: Optional[PlanBytes] = None
     reason: Text
 

@@ -3,7 +3,7 @@
 The data flow, one module per step (docs/architecture.md)::
 
     graph -> costmodel -> problem -> chain / ideals / ilp / orders -> solve
-          -> schedules + actions + memory -> simulate -> search (+ candidates, explain)
+          -> schedules + actions + memory -> simulate -> search (+ candidates, explain, bound)
           -> assemble -> Plan
 
 The names below are the stable surface other packages import (lazily: importing
@@ -25,6 +25,8 @@ _EXPORTS = {
     "plan_given_split": "assemble",
     "plan_simulation": "assemble",
     "plan_stage_costs": "assemble",
+    "Incumbent": "bound",
+    "PrunedError": "bound",
     # the cost model
     "CostModel": "costmodel",
     "LayerSums": "costmodel",

@@ -64,13 +64,14 @@ def plan_from_partition(profile, settings, problem: PartitionProblem, partition:
                 backward_weight_ms=round(t.backward_weight_ms, 6),
                 transfer_ms=round(t.transfer_ms, 6),
                 send_bytes=int(b.out_bytes),
-                param_bytes=int(graph.param_bytes[layers].sum()),
+                param_bytes=int(graph.param_bytes[layers].sum() + m.tied_copy_param_bytes),
                 activation_bytes=int(graph.activation_bytes[layers].sum()),
                 in_flight=m.in_flight,
                 recompute=b.recompute != "none",
                 recompute_granularity="selective" if b.recompute == "selective" else None,
                 selective_activation_bytes=int(graph.selective_activation_bytes[layers].sum())
                 if b.recompute == "selective" else None,
+                checkpoint_bytes=int(math.ceil(m.kept_bytes)) if b.recompute == "full" else None,
                 peak_memory_bytes=int(math.ceil(m.peak_bytes)),
             )
         )
@@ -92,7 +93,8 @@ def plan_from_partition(profile, settings, problem: PartitionProblem, partition:
     ]
     failure = "; ".join(partition.notes) or None
     return Plan(
-        schema_version=1,
+        # checkpoint_bytes is a version-2 field: a plan that sets it says so.
+        schema_version=2 if any(s.checkpoint_bytes is not None for s in stages) else 1,
         profile=PlanProfileRef(model=profile.model, sha256=profile_sha256),
         settings=settings,
         schedule=schedule,
@@ -176,8 +178,9 @@ def plan_stage_costs(plan: Plan) -> list[StageCost]:
     The cost model's inverse (:meth:`pipeplan.plan.costmodel.CostModel.stage_cost_from_plan`):
     ``forward_ms``, the input and weight gradients (``backward_input_ms``, or half the
     backward in plans without it), ``send_bytes`` at the plan's bandwidth, and static and
-    activation bytes from ``peak_memory_bytes``, ``in_flight`` and, for a recomputing stage,
-    the previous stage's ``send_bytes`` (its input, the only thing it keeps per micro-batch).
+    activation bytes from ``peak_memory_bytes``, ``in_flight`` and, for a fully recomputing
+    stage, ``checkpoint_bytes`` (every layer's input; in plans without it, the previous stage's
+    ``send_bytes``, the stage's input).
     """
     stages = sorted(plan.stages, key=lambda s: s.index)
     bandwidth = plan.settings.bandwidth_bytes_per_s

@@ -13,12 +13,14 @@ Terms, per micro-batch of one stage (``sums`` are its layers' profile entries ad
     transfer_ms     = (input-boundary bytes + output-boundary bytes) x ms_per_byte
     stage_time_ms   = compute_ms + recompute_ms + transfer_ms           (what the solvers minimise)
 
-    state_bytes     = static_bytes_per_param_byte x param_bytes          (weights, grads, optimizer)
-    kept_bytes      = per micro-batch in flight: activation_bytes, for "full" the stage's input,
-                      for "selective" sum(selective_activation_bytes)
-    recompute_bytes = for "full", one micro-batch's activations while it recomputes; for
-                      "selective", one layer's rebuilt attention core (selective_working_bytes);
-                      else 0
+    state_bytes     = static_bytes_per_param_byte x (param_bytes + tied_copy_param_bytes)
+                      (weights, grads, optimizer; the copies of tied weights the stage holds)
+    kept_bytes      = per micro-batch in flight: activation_bytes, for "full" sum(input_bytes) (each
+                      layer's input, from which it is recomputed), for "selective"
+                      sum(selective_activation_bytes)
+    recompute_bytes = for "full", one layer's activations while it is recomputed, the stage's
+                      largest (largest_activation_bytes: a maximum, not a sum); for "selective",
+                      one layer's rebuilt attention core (selective_working_bytes); else 0
     peak_bytes      = state_bytes + in_flight x kept_bytes + recompute_bytes
 
 The schedule's own time per action (``action_overhead_ms``) is a simulator term: the same for
@@ -64,6 +66,9 @@ __all__ = [
     "static_bytes_per_param_byte",
     "recompute_mode",
     "LayerSums",
+    "LARGEST",
+    "TIED",
+    "tied_copy_bytes",
     "layer_sums",
     "prefix_sums",
     "CostModel",
@@ -132,8 +137,11 @@ class LayerSums:
     """
 
     #: Per-layer arrays of :class:`pipeplan.plan.graph.LayerGraph` that stages add up
-    #: (:data:`pipeplan.plan.graph.LAYER_ARRAYS`, and ``compute_ms``, forward plus backward).
-    FIELDS: ClassVar[tuple[str, ...]] = (*LAYER_ARRAYS, "compute_ms")
+    #: (:data:`pipeplan.plan.graph.LAYER_ARRAYS`, and ``compute_ms``, forward plus backward), and
+    #: ``largest_activation_bytes``, the stage's largest single layer's ``activation_bytes`` (a
+    #: maximum, not a sum: each solver forms it its own way).
+    FIELDS: ClassVar[tuple[str, ...]] = (*LAYER_ARRAYS, "compute_ms", "largest_activation_bytes",
+                                         "tied_copy_param_bytes")
 
     __slots__ = ("_get", "_values")
 
@@ -155,10 +163,41 @@ class LayerSums:
         return cls(lambda name: values[name])
 
 
+#: The one LayerSums field that is a maximum over the stage's layers.
+LARGEST = "largest_activation_bytes"
+#: The LayerSums field of the tied weights' copies a stage holds (neither a sum nor a maximum:
+#: a tied weight counts where the stage holds a later user of it but not its first).
+TIED = "tied_copy_param_bytes"
+
+
+def tied_copy_bytes(graph, inside) -> Any:
+    """Bytes of the tied weights a stage keeps a copy of, for ``inside(position)``: whether each
+    layer position is in the stage (bools, or boolean arrays for many stages at once)."""
+    total = 0.0
+    for first, others, size in getattr(graph, "tied_weights", ()):
+        if not others:
+            continue
+        later = inside(others[0])
+        for other in others[1:]:
+            later = later | inside(other)
+        total = total + size * (later & ~inside(first) if not isinstance(later, bool) else
+                                (later and not inside(first)))
+    return total
+
+
 def layer_sums(graph, layers) -> LayerSums:
     """The sums of one stage (floats)."""
     index = list(layers)
-    return LayerSums(lambda name: float(getattr(graph, name)[index].sum()))
+
+    def get(name):
+        if name == LARGEST:
+            return float(graph.activation_bytes[index].max()) if index else 0.0
+        if name == TIED:
+            held = set(index)
+            return float(tied_copy_bytes(graph, lambda v: v in held))
+        return float(getattr(graph, name)[index].sum())
+
+    return LayerSums(get)
 
 
 def prefix_sums(graph):
@@ -176,8 +215,35 @@ def prefix_sums(graph):
             cache[name] = np.concatenate([zero, np.cumsum(getattr(graph, name))])
         return cache[name]
 
+    def largest(lo, hi):
+        # Range maximum of activation_bytes over lo .. hi - 1 from a sparse table: level k holds
+        # the maximum of each run of 2^k layers; two overlapping runs cover any range. Empty: 0.
+        if LARGEST not in cache:
+            levels = [np.asarray(graph.activation_bytes, dtype=float)]
+            while 2 ** len(levels) <= len(levels[0]):
+                half = 2 ** (len(levels) - 1)
+                levels.append(np.maximum(levels[-1][:-half], levels[-1][half:]))
+            cache[LARGEST] = levels
+        levels = cache[LARGEST]
+        lo, hi = np.broadcast_arrays(np.asarray(lo), np.asarray(hi))
+        width = np.maximum(hi - lo, 1)
+        k = np.floor(np.log2(width)).astype(int)
+        out = np.zeros(lo.shape, dtype=float)
+        for level in np.unique(k):
+            at = (k == level) & (hi > lo)
+            table = levels[level]
+            out[at] = np.maximum(table[lo[at]], table[hi[at] - 2 ** level])
+        return out if out.ndim else float(out)
+
+    def get(lo, hi, name):
+        if name == LARGEST:
+            return largest(lo, hi)
+        if name == TIED:
+            return tied_copy_bytes(graph, lambda v: (np.asarray(lo) <= v) & (v < np.asarray(hi)))
+        return prefix(name)[hi] - prefix(name)[lo]
+
     def between(lo, hi) -> LayerSums:
-        return LayerSums(lambda name: prefix(name)[hi] - prefix(name)[lo])
+        return LayerSums(lambda name: get(lo, hi, name))
 
     return between
 
@@ -231,6 +297,8 @@ class StageMemory:
     """One micro-batch's activations while a recomputing stage runs its forward again."""
     peak_bytes: float
     """``state_bytes + in_flight x kept_bytes + recompute_bytes``."""
+    tied_copy_param_bytes: float = 0.0
+    """Parameter bytes of the tied weights' copies it holds (their state is in ``state_bytes``)."""
 
 
 @dataclass(frozen=True)
@@ -354,22 +422,28 @@ class CostModel:
     # -- memory ----------------------------------------------------------------------------
 
     def state_bytes(self, sums: LayerSums):
-        """Weights, gradients and optimizer state."""
-        return self.static_bytes_per_param_byte * sums.param_bytes
+        """Weights, gradients and optimizer state, of its own parameters and of the tied weights'
+        copies it holds (a stage with a later user of a tied weight, not its first, keeps a copy
+        that it updates itself, its gradient summed with the first's: pipeplan run's tied sync,
+        Megatron's embedding group)."""
+        return self.static_bytes_per_param_byte * (sums.param_bytes + sums.tied_copy_param_bytes)
 
     def kept_bytes(self, sums: LayerSums, in_bytes, mode: str):
-        """The recompute rule, memory: what a stage keeps per micro-batch in flight."""
+        """The recompute rule, memory: what a stage keeps per micro-batch in flight (for full
+        recomputation, every layer's input; ``in_bytes`` is read only by plans that lack them)."""
         if mode == "full":
-            return in_bytes
+            return sums.input_bytes
         if mode == "selective":
             return sums.selective_activation_bytes
         return sums.activation_bytes
 
     def recompute_bytes(self, sums: LayerSums, mode: str):
-        """The recompute rule, working memory: one micro-batch's activations, rebuilt (for
-        selective: one layer's attention core)."""
+        """The recompute rule, working memory: one layer's activations for one micro-batch,
+        rebuilt from its kept input just before its backward and freed after it (Megatron's full
+        recomputation and torch's per-layer checkpointing recompute one layer at a time): the
+        stage's largest layer's. For selective: the model's largest layer's attention core."""
         if mode == "full":
-            return sums.activation_bytes
+            return sums.largest_activation_bytes
         if mode == "selective":
             return self.selective_working_bytes
         return 0.0
@@ -402,6 +476,7 @@ class CostModel:
             in_flight=int(in_flight),
             recompute_bytes=self.recompute_bytes(sums, mode),
             peak_bytes=self.stage_memory_bytes(sums, in_bytes, in_flight, mode),
+            tied_copy_param_bytes=sums.tied_copy_param_bytes,
         )
         return StageBreakdown(index=index, layers=tuple(layers), in_bytes=in_bytes, out_bytes=out_bytes,
                               recompute=mode, time=time, memory=memory, last=last)
@@ -419,9 +494,12 @@ class CostModel:
 
         mode = ("selective" if stage.recompute_granularity == "selective" else "full") if stage.recompute else "none"
         # A plan keeps a selective stage's kept bytes, not its recompute time (B includes it).
+        # Full recomputation keeps each layer's input (checkpoint_bytes); plans from before it was
+        # recorded kept the stage's input alone, the previous stage's send_bytes.
+        checkpoint = getattr(stage, "checkpoint_bytes", None)
         sums = LayerSums.of(forward_ms=stage.forward_ms, activation_bytes=stage.activation_bytes,
                             selective_activation_bytes=stage.selective_activation_bytes or 0,
-                            selective_recompute_ms=0.0)
+                            selective_recompute_ms=0.0, input_bytes=in_bytes if checkpoint is None else checkpoint)
         recompute = self.recompute_ms(sums, mode)
         if stage.backward_input_ms is not None:
             b_input = stage.backward_input_ms

@@ -80,7 +80,8 @@ def explain_choice(best: Candidate, sim: Simulation, candidates, settings, space
                     same[0].over_bytes = int(need - cap)
         how = ("they keep all but each layer's attention core and recompute it before that layer's backward"
                if "selective" in best.recompute else
-               "they keep only their input per micro-batch in flight and run the forward again before the backward")
+               "each layer keeps only its input per micro-batch in flight and runs its forward again, one layer at "
+               "a time, just before its backward")
         notes.append(f"recomputation on {recompute_text(best.recompute)} ({how}): {why}")
     if SCHEDULE_INFO[best.schedule].split_backward and not graph.backward_split_measured:
         notes.append(

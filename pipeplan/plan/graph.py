@@ -20,7 +20,8 @@ __all__ = ["LAYER_ARRAYS", "LayerGraph", "build_layer_graph", "is_chain", "reord
 #: sums (:class:`pipeplan.plan.costmodel.LayerSums`) add these up, and :func:`reorder` permutes
 #: them, so a new per-layer quantity is one field here and one line in :func:`build_layer_graph`.
 LAYER_ARRAYS = ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms", "param_bytes",
-                "activation_bytes", "output_bytes", "selective_activation_bytes", "selective_recompute_ms")
+                "activation_bytes", "output_bytes", "selective_activation_bytes", "selective_recompute_ms",
+                "input_bytes")
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,21 @@ class LayerGraph:
     selective_known: bool = False
     """Whether every layer's profile entry gave the selective fields (else ``selective`` is not
     searched: it would save nothing)."""
+    input_bytes: np.ndarray | None = None
+    """Bytes of the layer's inputs per micro-batch: its predecessors' outputs (0 for a layer that
+    reads only the data batch). What full recomputation keeps of the layer: each layer is
+    recomputed from its own input. Default: from the edges and ``output_bytes``."""
+    tied_weights: tuple[tuple[int, tuple[int, ...], float], ...] = ()
+    """The profile's tied weights (``Profile.tied_weights``) as ``(first, others, param_bytes)``
+    in layer positions: the first layer's ``param_bytes`` counts the weight; a stage that holds
+    one of the others but not the first keeps a copy (see :func:`tied_copy_mask`)."""
 
     def __post_init__(self):
+        if self.input_bytes is None:
+            inputs = np.zeros(len(self.names), dtype=float)
+            for u, v in self.graph.edges():
+                inputs[v] += self.output_bytes[u]
+            object.__setattr__(self, "input_bytes", inputs)
         if self.selective_activation_bytes is None:
             object.__setattr__(self, "selective_activation_bytes", self.activation_bytes.copy())
         if self.selective_recompute_ms is None:
@@ -152,6 +166,8 @@ def build_layer_graph(profile, microbatch_size: int) -> LayerGraph:
         if selective else None,
         selective_recompute_ms=np.array([c.selective_recompute_ms for c in costs], dtype=float) if selective else None,
         selective_known=selective,
+        tied_weights=tuple((index[tie.layers[0]], tuple(sorted({index[name] for name in tie.layers[1:]} - {index[tie.layers[0]]})),
+                            float(tie.param_bytes)) for tie in (profile.tied_weights or ())),
     )
 
 
@@ -172,5 +188,7 @@ def reorder(graph: LayerGraph, order) -> LayerGraph:
         graph=edges,
         chain=is_chain(edges, len(order)),
         selective_known=graph.selective_known,
+        tied_weights=tuple((position[first], tuple(sorted(position[o] for o in others)), size)
+                           for first, others, size in graph.tied_weights),
         **{name: getattr(graph, name)[pick] for name in LAYER_ARRAYS},
     )

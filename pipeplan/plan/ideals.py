@@ -14,7 +14,7 @@ import networkx as nx
 import numpy as np
 
 from pipeplan.errors import BadInputError, InfeasibleError
-from pipeplan.plan.costmodel import LayerSums
+from pipeplan.plan.costmodel import LARGEST, TIED, LayerSums, tied_copy_bytes
 from pipeplan.plan.problem import Partition, PartitionProblem, evaluate_split
 
 __all__ = ["enumerate_ideals", "count_ideals", "partition_ideals", "IDEALS_DP_MAX_IDEALS"]
@@ -105,6 +105,16 @@ def partition_ideals(problem: PartitionProblem) -> Partition:
             totals[name] = member @ getattr(g, name)
         return totals[name]
 
+    def tied(i):
+        # The tied copies held by ideal i minus each ideal.
+        held = member.astype(bool)
+        return tied_copy_bytes(g, lambda v: held[i, v] & ~held[:, v])
+
+    def largest(i):
+        # The largest layer of ideal i minus each ideal (the one maximum among the sums).
+        inside = member[i].astype(bool)[None, :] & ~member.astype(bool)
+        return np.where(inside, g.activation_bytes[None, :], 0.0).max(axis=1)
+
     bnd = np.array([g.boundary_bytes(member[i].astype(bool)) for i in range(count)], dtype=float)
     full = count - 1
     cost = problem.cost
@@ -122,7 +132,8 @@ def partition_ideals(problem: PartitionProblem) -> Partition:
         for i in range(count):
             sub = contains[i]
             # Every stage ending at ideal i: ideal i minus each ideal j (valid where sub[j]).
-            sums = LayerSums(lambda name, i=i: total(name)[i] - total(name))
+            sums = LayerSums(lambda name, i=i: largest(i) if name == LARGEST else tied(i) if name == TIED
+                             else total(name)[i] - total(name))
             time = cost.stage_time_ms(sums, bnd, bnd[i], mode)
             memory = cost.stage_memory_bytes(sums, bnd, problem.in_flight[j], mode)
             ok = sub & (memory <= cap) & np.isfinite(prev)

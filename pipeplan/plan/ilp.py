@@ -29,7 +29,7 @@ import networkx as nx
 import numpy as np
 
 from pipeplan.errors import InfeasibleError, PipeplanError
-from pipeplan.plan.costmodel import LayerSums
+from pipeplan.plan.costmodel import LARGEST, TIED, LayerSums
 from pipeplan.plan.problem import Partition, PartitionProblem, evaluate_split, trivial_lower_bound_ms
 
 
@@ -188,8 +188,31 @@ def partition_ilp(
     for s in range(k):
         members = [v for v in range(n) if lo[v] <= s <= hi[v]]
         share = {v: Y(v, s) - Y(v, s - 1) for v in members}
-        sums = LayerSums(lambda name, members=members, share=share: pulp.lpSum(
-            float(getattr(g, name)[v]) * share[v] for v in members))
+        def stage_sum(name, s=s, members=members, share=share):
+            if name == LARGEST:
+                # The stage's largest layer: a variable at least each member's, which the memory
+                # row (its only use, with a positive coefficient) keeps at the maximum.
+                largest = prob.add_variable(f"largest_{s}", lowBound=0)
+                for v in members:
+                    if g.activation_bytes[v] > 0:
+                        add(largest >= float(g.activation_bytes[v]) * share[v])
+                return largest
+            if name == TIED:
+                # Per tied weight, a share at least each later user's minus the first's (0 or 1 at
+                # the binary shares), which the memory row keeps at its least.
+                copies = []
+                for index, (first, others, size) in enumerate(g.tied_weights):
+                    users = [v for v in others if v in share]
+                    if not users or size <= 0:
+                        continue
+                    copy = prob.add_variable(f"tied_{index}_{s}", lowBound=0, upBound=1)
+                    for v in users:
+                        add(copy >= share[v] - share.get(first, 0))
+                    copies.append(float(size) * copy)
+                return pulp.lpSum(copies)
+            return pulp.lpSum(float(getattr(g, name)[v]) * share[v] for v in members)
+
+        sums = LayerSums(stage_sum)
         in_bytes = crossing[s - 1] if s > 0 else 0
         out_bytes = crossing[s] if s < k - 1 else 0
         mode = problem.recompute[s]

@@ -44,6 +44,7 @@ import time
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.plan.assemble import plan_from_partition
+from pipeplan.plan.bound import Incumbent, PrunedError, above
 from pipeplan.plan.candidates import RECOMPUTE_SEARCH_MAX_LAYERS, Candidate, tie_key
 from pipeplan.plan.chain import chain_bottleneck_ms
 from pipeplan.plan.explain import explain_choice, infeasible_message, runners_up
@@ -64,6 +65,7 @@ __all__ = [
     "schedule_space",
     "recompute_sets",
     "busy_lower_bound_ms",
+    "rank_end_lower_bounds_ms",
     "rank_peaks",
 ]
 
@@ -108,6 +110,14 @@ def busy_lower_bound_ms(costs: list[StageCost], placement: list[int], num_microb
     its at least two actions per stage and micro-batch (but the first, which may overlap the
     wait); no iteration is shorter than one micro-batch's trip forward and back either.
     """
+    trip, ranks = rank_end_lower_bounds_ms(costs, placement, num_microbatches)
+    return max(trip, max(ranks))
+
+
+def rank_end_lower_bounds_ms(costs: list[StageCost], placement: list[int],
+                             num_microbatches: int) -> tuple[float, list[float]]:
+    """One micro-batch's trip forward and back, and per rank the earliest its last action can end
+    (see :func:`busy_lower_bound_ms`, their maximum)."""
     ranks = max(placement) + 1
     busy = [0.0] * ranks
     first = [None] * ranks
@@ -124,8 +134,8 @@ def busy_lower_bound_ms(costs: list[StageCost], placement: list[int], num_microb
     for stage, cost in enumerate(costs):
         crossing = cost.send_ms if stage + 1 < len(costs) and placement[stage + 1] != placement[stage] else 0.0
         head.append(head[-1] + cost.forward_ms + crossing)
-    return max(trip, max(head[first[r]] + num_microbatches * busy[r] - costs[first[r]].action_overhead_ms
-                         for r in range(ranks)))
+    return trip, [head[first[r]] + num_microbatches * busy[r] - costs[first[r]].action_overhead_ms
+                  for r in range(ranks)]
 
 
 def rank_peaks(problem: PartitionProblem, partition: Partition, schedule: str, p: int, m: int, v: int):
@@ -357,7 +367,7 @@ def with_profile_defaults(profile, settings: PlanSettings) -> PlanSettings:
 
 
 def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False,
-              explain_infeasible: bool = True) -> Plan:
+              explain_infeasible: bool = True, incumbent: Incumbent | None = None) -> Plan:
     """The fastest plan of ``profile`` that fits ``settings``, as simulated.
 
     Parameters
@@ -376,6 +386,11 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
         Work out what would fit when nothing does (it solves a few more problems). False: the
         :class:`InfeasibleError` says only that nothing fits, and its ``explain()`` returns the
         full message on demand (the cluster search needs it for few of its layouts).
+    incumbent : Incumbent, optional
+        An outer search's best time and how it times a plan (:mod:`pipeplan.plan.bound`):
+        configurations whose bound in that time is above it are not planned. The plan returned
+        is the one the search without it returns; if that plan is proven slower than the
+        incumbent, :class:`~pipeplan.plan.bound.PrunedError` is raised instead.
 
     Returns
     -------
@@ -391,6 +406,9 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
     InfeasibleError
         Nothing fits the memory cap; the message says what would (a cap, more ranks, or
         recomputation).
+    PrunedError
+        With ``incumbent``: the plan is proven slower than it (its ``lower_bound_ms`` says by
+        how much at least).
 
     Notes
     -----
@@ -400,12 +418,36 @@ def make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_ti
     simulates each at most a few times; see the module docstring.
     """
     with planning_cache():
+        if incumbent is not None:
+            try:
+                return _make_plan(profile, settings, profile_sha256=profile_sha256, record_time=record_time,
+                                  explain_infeasible=explain_infeasible, incumbent=incumbent)
+            except _Undecided:
+                pass  # its best may beat the incumbent, but a pruned configuration may be faster still
         return _make_plan(profile, settings, profile_sha256=profile_sha256, record_time=record_time,
                           explain_infeasible=explain_infeasible)
 
 
+class _Undecided(Exception):
+    """A pruned search whose best may beat the incumbent: only the full search tells its plan."""
+
+
+def _rank_param_bytes(graph, partition: Partition, placement, ranks: int) -> list[float]:
+    out = [0.0] * ranks
+    for layers, rank in zip(partition.stages, placement):
+        out[rank] += float(graph.param_bytes[list(layers)].sum())
+    return out
+
+
+def _caller_bound_ms(cand: Candidate, incumbent: Incumbent, graph, p: int) -> float:
+    """A lower bound on a candidate's time in the incumbent's terms, from its split alone."""
+    placement = stage_ranks(cand.schedule, p, cand.virtual_stages)
+    _, ends = rank_end_lower_bounds_ms(stage_costs(cand.problem, cand.partition), placement, cand.num_microbatches)
+    return incumbent.time_ms(ends, _rank_param_bytes(graph, cand.partition, placement, p), cand.num_microbatches)
+
+
 def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool,
-               explain_infeasible: bool) -> Plan:
+               explain_infeasible: bool, incumbent: Incumbent | None = None) -> Plan:
     started = time.perf_counter()
     n = len(profile.layers)
     if settings.stages > n:
@@ -429,6 +471,7 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
     exact = len(space) == 1 and space[0][1] == 1 and settings.recompute == "none"
     candidates: list[Candidate] = []
     refusals: list[str] = []
+    cut_ms: list[float] = []  # the caller-time bounds of what the incumbent pruned
     for schedule, v in space:
         for b in sizes:
             m = settings.global_batch // b
@@ -439,6 +482,9 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
                 refusals.append(str(error))
                 candidates.append(Candidate(schedule, v, b, m, ("none",) * (p * v), status="refused",
                                             reason=f"refused: {error}"))
+                continue
+            if incumbent is not None and above(incumbent.microbatch_bound_ms.get(b, 0.0), incumbent):
+                cut_ms.append(incumbent.microbatch_bound_ms[b])
                 continue
             in_flight = stage_in_flight(schedule, p, m, v)
             placement = stage_ranks(schedule, p, v)
@@ -464,10 +510,28 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
         if best is not None and cand.lower_bound_ms > best.iteration_ms:
             cand.status = "pruned"
             continue
+        if incumbent is not None:
+            bound = _caller_bound_ms(cand, incumbent, graphs[cand.microbatch_size], p)
+            if above(bound, incumbent):
+                cand.status = "pruned"
+                cut_ms.append(bound)
+                continue
         evaluate_candidate(profile, graphs[cand.microbatch_size], settings, cand, cand.problem.in_flight)
         if cand.status == "fits" and (best is None or (cand.iteration_ms, tie_key(cand, space))
                                       < (best.iteration_ms, tie_key(best, space))):
             best = cand
+    if cut_ms:
+        if best is not None:
+            placement = stage_ranks(best.schedule, p, best.virtual_stages)
+            ends = [0.0] * p
+            for event in best.simulation.events:
+                ends[event.rank] = max(ends[event.rank], event.end_ms)
+            own_ms = incumbent.time_ms(ends, _rank_param_bytes(graphs[best.microbatch_size], best.partition,
+                                                               placement, p), best.num_microbatches)
+            if not above(own_ms, incumbent):
+                raise _Undecided()
+            cut_ms.append(own_ms)
+        raise PrunedError(min(cut_ms), incumbent.iteration_ms)
     if best is None:
         def explain() -> str:
             return infeasible_message(profile, settings, space, sizes, candidates)

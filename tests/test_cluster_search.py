@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from pipeplan.cli import app
 from pipeplan.cluster import search as search_module
 from pipeplan.cluster.presets import PRESETS
+from pipeplan.errors import InfeasibleError
 from pipeplan.formats.io import dump_model, file_sha256, load_plan, load_profile
 from pipeplan.formats.plan import PlanSettings
 
@@ -279,3 +280,18 @@ def test_a_tied_weight_is_sharded_like_its_first_user_at_degree_t():
     view = degree_view(profile, 2, PRESETS["dgx-h100"])
     assert [tie.param_bytes for tie in view.profile.tied_weights] == [500]
     assert degree_view(profile, 1, PRESETS["dgx-h100"]).profile.tied_weights[0].param_bytes == 1000
+
+
+@pytest.mark.parametrize("launcher", ["megatron", "deepspeed"])
+def test_a_searched_plan_for_a_launcher_uses_a_zero_stage_it_runs_and_exports(tmp_path, launcher):
+    # Megatron-LM keeps the whole gradient buffer and has no ZeRO 3; DeepSpeed's PipelineEngine
+    # refuses ZeRO 2 and 3 with pipeline parallelism: the search must not pick what the export refuses.
+    assert _plan(data_parallel=4, stages=4, memory_cap_bytes=16 * 2**30).parallelism.zero_stage == 2
+    with pytest.raises(InfeasibleError):  # ZeRO 1 does not fit 16 GiB
+        _plan(data_parallel=4, stages=4, memory_cap_bytes=16 * 2**30, launcher=launcher)
+    plan = _plan(data_parallel=4, stages=4, memory_cap_bytes=20 * 2**30, launcher=launcher)
+    assert plan.parallelism.zero_stage == 1
+    path = tmp_path / "plan.json"
+    path.write_text(dump_model(plan))
+    exported = runner.invoke(app, ["export", str(path), "--format", launcher, "--profile", str(PROFILE)])
+    assert exported.exit_code == 0, exported.output

@@ -100,14 +100,21 @@ class _Trial:
         return (self.data, self.tensor, self.pipeline)
 
 
-def _zero_stages(settings: PlanSettings, d: int) -> list[int]:
+def _zero_stages(settings: PlanSettings, d: int, p: int) -> list[int]:
     if settings.zero_stage is not None:
         return [settings.zero_stage]
     # At d = 1 nothing is sharded. ZeRO 1 moves no more bytes than ZeRO 0 (a ring all-reduce is a
     # reduce-scatter plus an all-gather) and holds less; it pays one more call's fixed latency per
     # iteration (8.4 us on the presets), which the search gives up for a third fewer candidates:
     # --zero 0 plans ZeRO 0.
-    return [0] if d == 1 else [1, 2, 3]
+    if d == 1:
+        return [0]
+    # A plan for a launcher holds only what that launcher shards: Megatron-LM's distributed optimizer
+    # keeps the whole gradient buffer (ZeRO 1 memory) and has no ZeRO 3; DeepSpeed's PipelineEngine
+    # asserts ZeRO < 2 under pipeline parallelism (the exports refuse the rest).
+    if settings.launcher == "megatron" or (settings.launcher == "deepspeed" and p > 1):
+        return [1]
+    return [1, 2, 3]
 
 
 def _families(settings: PlanSettings, view_has_selective: bool) -> list[tuple[str, str]]:
@@ -209,7 +216,7 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
     for d, t, p in runnable:
         if (t, "plain") not in views:
             views[(t, "plain")] = degree_view(profile, t, cluster)
-        for zero in _zero_stages(settings, d):
+        for zero in _zero_stages(settings, d, p):
             for family, _ in _families(settings, selective_ok):
                 trials.append(_Trial(d, t, p, zero, family, len(trials)))
 

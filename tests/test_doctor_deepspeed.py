@@ -125,23 +125,28 @@ def test_bad_input_names_the_file_and_setting(tmp_path, name, options, where):
         read_config("deepspeed", bad, llama3_8b(), DoctorOptions(num_stages=2))
 
 
-def test_fix_round_trips_and_keeps_other_keys(tmp_path):
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_fix_round_trips_and_keeps_other_keys(tmp_path, world_size):
     profile = llama3_8b()
     out = tmp_path / "fixed.json"
-    options = DoctorOptions(num_stages=4, world_size=4, partition_method="uniform")
+    options = DoctorOptions(num_stages=4, world_size=world_size, partition_method="uniform")
     result, _, written = _doctor(profile, tmp_path, options, fix_output=out)
     sidecar = tmp_path / "fixed.parts.json"
     assert written == [out, sidecar]
     before, after = json.loads(CONFIG.read_text()), json.loads(out.read_text())
     assert {k: v for k, v in after.items() if k not in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")} \
         == {k: v for k, v in before.items() if k != "train_micro_batch_size_per_gpu"}
-    parts = json.loads(sidecar.read_text())["parts"]
-    config, layout = read_config("deepspeed", out, profile, DoctorOptions(world_size=4, parts=tuple(parts)))
+    exported = json.loads(sidecar.read_text())
+    parts = exported["parts"]
+    # The sidecar speaks for the same job as the fixed config: its topology and batch, d included.
+    assert exported["topology"] == {"num_pp": 4, "num_mp": 1, "num_dp": world_size // 4}
+    assert exported["ds_config"]["train_batch_size"] == after["train_batch_size"]
+    config, layout = read_config("deepspeed", out, profile, DoctorOptions(world_size=world_size, parts=tuple(parts)))
     best = sorted(result.best.stages, key=lambda s: s.index)
     assert [len(s.units) for s in layout.stages] == [len(s.layers) for s in best]
     assert (config.microbatch_size, config.num_microbatches) == (result.best.microbatch_size,
                                                                  result.best.num_microbatches)
-    again, _, _ = _doctor(profile, tmp_path, DoctorOptions(world_size=4, parts=tuple(parts)), path=out)
+    again, _, _ = _doctor(profile, tmp_path, DoctorOptions(world_size=world_size, parts=tuple(parts)), path=out)
     assert again.exit_code == 0 and again.speedup == pytest.approx(1.0, abs=1e-6)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pipeplan.doctor.config import LauncherConfig
 from pipeplan.errors import BadInputError
+from pipeplan.export.common import compact_json
 from pipeplan.formats.plan import Plan
 
 __all__ = ["fix_config", "edit_flag", "edit_toml_key"]
@@ -314,7 +315,13 @@ def _deepspeed(config: LauncherConfig, text: str, plan: Plan, output: str) -> di
     if not ok:  # an unusual layout: re-serialise rather than risk a wrong edit
         edited = json.dumps(wanted, indent=2) + "\n"
     parts_path = str(Path(output).with_suffix("")) + ".parts.json"
-    return {output: edited, parts_path: export_deepspeed(plan)}
+    sidecar = json.loads(export_deepspeed(plan))
+    if plan.parallelism is None:  # doctor without --cluster plans one pipeline; the launcher runs d of them
+        d = config.data_degree or 1
+        sidecar["topology"].update({"num_dp": d, "num_mp": config.tensor_degree})
+        sidecar["ds_config"]["train_batch_size"] = plan.microbatch_size * plan.num_microbatches * d
+        sidecar["ds_config"]["zero_optimization"] = {"stage": config.zero_stage}
+    return {output: edited, parts_path: compact_json(sidecar) + "\n"}
 
 
 def fix_config(config: LauncherConfig, text: str, plan: Plan, profile, output: str) -> dict[str, str]:

@@ -201,6 +201,37 @@ def test_capture_fallback_finds_the_same_edges_when_fx_fails():
     assert seen.graph.edges == [("a", "b"), ("a", "c"), ("b", "c")]
 
 
+class _SharedDropout(nn.Module):
+    """T5Stack's shape: one dropout module called before and after the blocks."""
+
+    def __init__(self, shared_weights: bool = False):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.drop = nn.Linear(4, 4) if shared_weights else nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.drop(self.b(self.a(self.drop(x))))
+
+
+def test_a_unit_without_parameters_called_twice_is_code_between_units():
+    from pipeplan.profile.measure import capture
+
+    graph = trace_units(_SharedDropout(), ["drop", "a", "b"])
+    assert (graph.units, graph.repeated, graph.edges) == (["a", "b"], ["drop"], [("a", "b")])
+    seen = capture(_SharedDropout(), ["drop", "a", "b"], (torch.randn(2, 4),))
+    assert (seen.order, seen.graph.repeated, seen.graph.edges) == (["a", "b"], ["drop"], [("a", "b")])
+    assert sorted(seen.calls) == ["a", "b"]
+
+
+def test_a_unit_with_parameters_called_twice_is_refused_by_name():
+    from pipeplan.profile.measure import capture
+
+    for find in (lambda m, u: trace_units(m, u), lambda m, u: capture(m, u, (torch.randn(2, 4),))):
+        with pytest.raises(BadInputError, match=r"unit 'drop' ran more than once in one forward and holds "
+                                                r"parameters .*choose units that contain every call"):
+            find(_SharedDropout(shared_weights=True), ["drop", "a", "b"])
+
+
 # --------------------------------------------------------------------------- stages
 def test_stages_built_alone_equal_the_full_model():
     full = build_model("gpt2-tiny", seed=3, **TINY_GPT)

@@ -32,6 +32,7 @@ TINY = {
     "hf:qwen2": {"layers": 4, "hidden": 32, "heads": 2, "vocab": 64},
     "hf:bert": {"layers": 6, "hidden": 32, "heads": 2, "vocab": 64},
     "hf:vit": {"layers": 5, "hidden": 32, "heads": 2, "image_size": 16},
+    "hf:t5": {"layers": 4, "hidden": 32, "heads": 2, "vocab": 64},
 }
 
 _PROFILES: dict[str, object] = {}
@@ -57,6 +58,7 @@ def _plans(model: str, ranks: int, schedules: list[str]):
     # (1f1b on GPT-2 runs in the --verify failure test below.)
     ("hf:gpt2", 2, ["zbv"]),                             # tied embedding / LM head
     ("hf:llama", 2, ["zb"]),                             # rotary tables cross every boundary
+    ("hf:t5", 2, ["1f1b", "interleaved"]),               # encoder-decoder; tied three ways
     pytest.param("hf:bert", 2, ["interleaved"], marks=pytest.mark.slow),  # tied; B/W fallback on 'cls'
     # The rest of the matrix: every model at 2 and 4 ranks under 1f1b, interleaved and a
     # zero-bubble schedule.
@@ -104,6 +106,52 @@ def test_the_profile_counts_tied_weights_once_and_names_their_layers():
         reference = AutoModelForCausalLM.from_config(cfg)
     total = sum(p.numel() for p in reference.parameters()) * 4  # parameters() counts a tie once
     assert sum(layer.param_bytes for layer in profile.layers) == total
+
+
+def test_t5_profile_has_both_stacks_and_leaves_the_twice_called_dropouts_out():
+    profile = _profile("hf:t5")
+    names = [layer.name for layer in profile.layers]
+    assert [n for n in names if ".block." in n] == [f"encoder.block.{i}" for i in range(4)] + [
+        f"decoder.block.{i}" for i in range(4)]  # --layers sizes the decoder too
+    assert names[0] == "encoder.embed_tokens" and names[-1] == "lm_head"
+    # T5Stack calls its dropout after the embedding and after the last block.
+    assert profile.measurement["repeated_units"]["units"] == ["decoder.dropout", "encoder.dropout"]
+    assert not any(n.endswith("dropout") for n in names)
+    ties = profile.tied_weights
+    assert [(t.name, t.layers) for t in ties] == [
+        ("shared.weight", ["encoder.embed_tokens", "decoder.embed_tokens", "lm_head"])]
+    assert profile.measurement["stage_builders"]["run_uses"] == "traced"
+    # The encoder's output feeds every decoder block (cross-attention).
+    edges = set(profile.edge_list())
+    assert all(("encoder.final_layer_norm", f"decoder.block.{i}") in edges for i in range(4))
+
+
+def test_t5_stage_that_torch_split_backward_cannot_train_is_refused_by_name():
+    # torch 2.13's stage_backward_weight fails on a non-first stage holding the decoder's
+    # embedding and first block (its parameter groups share nodes): the zero-bubble schedules
+    # are refused there, with the stage, the cause and the schedules that run it.
+    from pipeplan.profile.loading import load_bundle, make_microbatch
+    from pipeplan.run.stages import build_rank_stages
+
+    stages = [["encoder.embed_tokens", "encoder.block.0", "encoder.block.1", "encoder.block.2"],
+              ["encoder.block.3", "encoder.final_layer_norm", "decoder.embed_tokens", "decoder.block.0"],
+              ["decoder.block.1", "decoder.block.2"],
+              ["decoder.block.3", "decoder.final_layer_norm", "lm_head"]]
+    def build(indices, schedule):
+        # A fresh model per build, as each plan of a run gets: torch's tracer leaves state on
+        # a transformers model that makes a second trace of it fail.
+        bundle = load_bundle("hf:t5", **TINY["hf:t5"])
+        example, _ = make_microbatch(bundle, 1, SEQ_LEN, seed=1, device=torch.device("cpu"), dtype=torch.float32)
+        return build_rank_stages("hf:t5", stages, indices, example_inputs=example, builder="traced",
+                                 bundle=bundle, split_backward_schedule=schedule, **TINY["hf:t5"])
+
+    with pytest.raises(BadInputError, match=r"stage 1 \(encoder.block.3 .. decoder.block.0\) cannot run under "
+                                            r"zbv: torch's split backward .*second time\); plan it with "
+                                            r"--schedule 1f1b"):
+        build([1, 2], "zbv")
+    # The other stages pass the same check; without a split-backward schedule nothing is checked.
+    assert len(build([2, 3], "zbv").modules) == 2
+    assert len(build([1], None).modules) == 1
 
 
 def test_llama_profile_records_the_rotary_edges_to_every_layer():

@@ -241,6 +241,7 @@ def profile_model(
         remeasured = 0
         split_fallbacks: dict[str, str] = {}
         order: Optional[list[str]] = None
+        repeated: list[str] = []
 
         bar = _progress(progress)
         with bar if bar is not None else nullcontext():
@@ -257,6 +258,7 @@ def profile_model(
                     raise _fail_forward(exc, size, seq, "the model's forward") from exc
                 if graph is None:
                     graph = seen.graph
+                repeated = sorted(set(repeated) | set(seen.graph.repeated) | set(graph.repeated))
                 if order is None:
                     order = list(seen.order)
                     if not order:
@@ -428,6 +430,11 @@ def profile_model(
             } if split_fallbacks else None,
             "remeasured_unit_sizes": remeasured,
             "unused_units": list(graph.unused),
+            "repeated_units": {
+                "units": list(repeated),
+                "method": "modules without parameters that the forward calls more than once: not "
+                          "units; their calls are code between units, run in the stage that needs them",
+            } if repeated else None,
             "stage_builders": builders,
             "load_average_before": load_before,
             "load_average_after": _load_average(),

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from pipeplan.errors import BadInputError
-from pipeplan.profile.units import Source, UnitGraph
+from pipeplan.profile.units import RepeatedUnit, Source, UnitGraph, repeated_call
 
 __all__ = [
     "exception_line",
@@ -223,11 +223,28 @@ def capture(model: nn.Module, units: list[str], inputs: Any) -> Capture:
     nearest outputs of other units gives its producers, so it also sees through operations
     between units. It is the fallback when torch.fx cannot trace the model.
 
+    A unit without parameters that runs more than once (T5's ``dropout``) is left out of the
+    units (``graph.repeated``) and the forward run again without it: its calls are code between
+    units.
+
     Raises
     ------
     BadInputError
-        If a unit runs more than once per forward.
+        If a unit with parameters runs more than once per forward.
     """
+    repeated: list[str] = []
+    while True:
+        try:
+            seen = _capture_once(model, [u for u in units if u not in repeated], inputs)
+        except RepeatedUnit as again:
+            repeated.append(again.name)
+            continue
+        seen.graph.repeated = list(repeated)
+        seen.graph.unused = [u for u in seen.graph.unused if u not in repeated]
+        return seen
+
+
+def _capture_once(model: nn.Module, units: list[str], inputs: Any) -> Capture:
     calls: dict[str, tuple[Any, Any]] = {}
     order: list[str] = []
     out_bytes: dict[str, int] = {}
@@ -261,10 +278,7 @@ def capture(model: nn.Module, units: list[str], inputs: Any) -> Capture:
     def pre_hook(name: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if name in calls:
-                raise BadInputError(
-                    f"unit {name!r} ran more than once in one forward; a unit must run once per "
-                    f"micro-batch: choose units that contain every call (--units)"
-                )
+                raise repeated_call(model, name)
             calls[name] = (args, kwargs)
             order.append(name)
             sources: list[Source] = []

@@ -85,7 +85,7 @@ ROWS = [
     ("Qwen2ForCausalLM", "hf:qwen2", TINY_LM),
     ("BertForMaskedLM (tied)", "hf:bert", TINY_LM),
     ("ViTForImageClassification", "hf:vit", ["--layers", "4", "--hidden", "32", "--heads", "2"]),
-    ("T5ForConditionalGeneration (encoder-decoder)", "hf:t5", TINY_LM),
+    ("T5ForConditionalGeneration (encoder-decoder; tied)", "hf:t5", TINY_LM),
     ("a conv net whose blocks return tuples", "pipeplan_table_models:tuples", []),
     ("a model without a loss", "pipeplan_table_models:no_loss", []),
 ]

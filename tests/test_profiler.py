@@ -25,11 +25,8 @@ from pipeplan.profile import (  # noqa: E402
     select_units,
     trace_units,
 )
-from pipeplan.profile.measure import (  # noqa: E402
-    measure_unit,
-    parameter_storages,
-    saved_activation_bytes,
-)
+from pipeplan.profile.measure import measure_unit  # noqa: E402
+from pipeplan.profile.memory import parameter_storages, saved_activation_bytes  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -193,7 +190,7 @@ def test_capture_fallback_finds_the_same_edges_when_fx_fails():
                 h = h * 2
             return self.c(torch.relu(self.b(h)) + h)
 
-    from pipeplan.profile.measure import capture
+    from pipeplan.profile.capture import capture
 
     with pytest.raises(Exception):
         trace_units(Untraceable(), ["a", "b", "c"])
@@ -214,7 +211,7 @@ class _SharedDropout(nn.Module):
 
 
 def test_a_unit_without_parameters_called_twice_is_code_between_units():
-    from pipeplan.profile.measure import capture
+    from pipeplan.profile.capture import capture
 
     graph = trace_units(_SharedDropout(), ["drop", "a", "b"])
     assert (graph.units, graph.repeated, graph.edges) == (["a", "b"], ["drop"], [("a", "b")])
@@ -224,7 +221,7 @@ def test_a_unit_without_parameters_called_twice_is_code_between_units():
 
 
 def test_a_unit_with_parameters_called_twice_is_refused_by_name():
-    from pipeplan.profile.measure import capture
+    from pipeplan.profile.capture import capture
 
     for find in (lambda m, u: trace_units(m, u), lambda m, u: capture(m, u, (torch.randn(2, 4),))):
         with pytest.raises(BadInputError, match=r"unit 'drop' ran more than once in one forward and holds "

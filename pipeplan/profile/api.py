@@ -83,7 +83,7 @@ def _r(value: float) -> float:
 
 
 def _fail_forward(exc: Exception, microbatch_size: int, seq_len: Optional[int], what: str) -> BadInputError:
-    from pipeplan.profile.measure import is_out_of_memory
+    from pipeplan.profile.memory import is_out_of_memory
 
     if is_out_of_memory(exc):
         return BadInputError(
@@ -188,14 +188,9 @@ def profile_model(
     import torch
 
     from pipeplan.profile.loading import load_bundle, make_microbatch
-    from pipeplan.profile.measure import (
-        capture,
-        is_out_of_memory,
-        UnitTimer,
-        WholeModelTimer,
-        parameter_storages,
-        timing_rounds,
-    )
+    from pipeplan.profile.capture import capture
+    from pipeplan.profile.measure import UnitTimer, WholeModelTimer, timing_rounds
+    from pipeplan.profile.memory import is_out_of_memory, parameter_storages
     from pipeplan.profile.allocator import keep_freed_memory
     from pipeplan.profile.models import _torch_dtype
     from pipeplan.profile.units import default_units, select_units, trace_units

@@ -5,7 +5,7 @@ stage. The *unit graph* says, for each unit, where each positional argument of i
 from (a model input or another unit's output); its edges are the producer -> consumer pairs.
 It is found by tracing the model's forward with ``torch.fx``, the units kept as leaves, so a
 skip connection (a unit's output used by a unit other than the next) appears as an edge. When
-fx cannot trace a model, :func:`pipeplan.profile.measure.capture` finds the edges from the
+fx cannot trace a model, :func:`pipeplan.profile.capture.capture` finds the edges from the
 autograd graph of one real forward instead.
 """
 
@@ -214,7 +214,7 @@ def trace_units(model: nn.Module, units: Sequence[str]) -> UnitGraph:
 class RepeatedUnit(Exception):
     """Raised while a graph is found: the unit ``name``, which holds no parameters, ran twice.
 
-    The finders (:func:`trace_units`, :func:`pipeplan.profile.measure.capture`) catch it and
+    The finders (:func:`trace_units`, :func:`pipeplan.profile.capture.capture`) catch it and
     look again without that unit; it never reaches a user.
     """
 

@@ -208,66 +208,16 @@ def test_hf_config_file_and_bad_options(tmp_path):
         hf_bundle("hf:/no/such/config.json")
 
 
-USER_MODEL = '''
-import torch
-from torch import nn
-from pipeplan.profile import InputSpec
-
-
-class Down(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv = nn.Conv2d(c, c, 3, padding=1)
-
-    def forward(self, x):
-        y = torch.relu(self.conv(x))
-        return y, y.mean(dim=(2, 3), keepdim=True)   # a tuple
-
-
-class Up(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv = nn.Conv2d(c, c, 3, padding=1)
-
-    def forward(self, pair, skip):
-        y, gate = pair
-        return torch.relu(self.conv(y * gate)) + skip
-
-
-class Net(nn.Module):
-    def __init__(self, hidden):
-        super().__init__()
-        self.stem = nn.Conv2d(3, hidden, 3, padding=1)
-        self.down1 = Down(hidden)
-        self.down2 = Down(hidden)
-        self.up1 = Up(hidden)
-        self.head = nn.Linear(hidden * 64, 10)
-
-    def forward(self, x):
-        h = self.stem(x)
-        d1 = self.down1(h)
-        d2 = self.down2(d1[0])          # a value computed outside every unit
-        return self.head(self.up1(d2, h).flatten(1))
-
-
-def build(hidden=4):
-    return Net(hidden), [InputSpec(shape=(3, 8, 8))]   # no loss: the default loss trains it
-'''
-
-
-def test_a_user_model_with_tuples_and_no_loss_runs_traced(tmp_path, monkeypatch):
-    (tmp_path / "unet_tuples.py").write_text(USER_MODEL)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    profile = profile_model("unet_tuples:build", microbatch_sizes=[1], repeats=1, warmup=0,
+def test_a_user_model_with_tuples_and_no_loss_runs_traced(tmp_path):
+    # pipeplan.profile.examples:tuples, through the module:callable contract: blocks that return
+    # tuples, a skip edge, a value computed outside every unit, no loss.
+    profile = profile_model("pipeplan.profile.examples:tuples", microbatch_sizes=[1], repeats=1, warmup=0,
                             whole_model_check=False)
     assert ("stem", "up1") in profile.edge_list()
     assert profile.measurement["stage_builders"]["run_uses"] == "traced"
     plans = [make_plan(profile, PlanSettings(stages=2, global_batch=4, microbatch_size=1, schedule=s),
                        profile_sha256="0" * 64) for s in ("1f1b", "zbv")]
-    import os
-
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    reports = run_plans(plans, profile=profile, steps=2, work_dir=tmp_path / "run", echo=False, env=env,
+    reports = run_plans(plans, profile=profile, steps=2, work_dir=tmp_path / "run", echo=False,
                         timeout_s=90, verify=True, alone_repeats=0)
     for report in reports:
         assert report["verify"]["passed"], report["verify"]["failures"]

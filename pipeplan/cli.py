@@ -501,15 +501,18 @@ def doctor(
     launcher: str = typer.Argument(..., metavar="LAUNCHER", help="megatron, torchtitan or deepspeed.", show_default=False),
     config_file: Path = typer.Argument(..., metavar="CONFIG", help="Launch script / argument list, TOML job config, or ds_config JSON.", show_default=False),
     profile: Path = typer.Option(..., "--profile", help="The model's profile (layers with their kind).", show_default=False),
-    memory_cap: Optional[str] = typer.Option(None, "--memory-cap", help="Per-GPU memory cap, e.g. 80GiB (default: the profile's device memory)."),
-    optimizer: str = _OPTIMIZER,
-    bandwidth: str = _BANDWIDTH,
-    world_size: Optional[int] = typer.Option(None, "--world-size", help="GPUs in the job (default: what the config says)."),
+    memory_cap: Optional[str] = typer.Option(None, "--memory-cap", help="Per-GPU memory cap, e.g. 80GiB (default: the cluster's GPU memory, else the profile's device memory)."),
+    optimizer: str = typer.Option("auto", "--optimizer", help="auto (adam-fp32-grads for Megatron-LM, else adam), adam (16 B/param), adam-fp32-grads (18), sgd (12) or none."),
+    bandwidth: str = typer.Option("25GB/s", "--bandwidth", help="Without --cluster: point-to-point bandwidth, e.g. 25GB/s; inf ignores transfers."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Cluster preset (pipeplan cluster) or TOML file: cost the layout at its real d x t x p, ZeRO stage and sequence parallelism."),
+    search_layouts: bool = typer.Option(True, "--search-layouts/--same-layout", help="With --cluster: also search every d x t x p of the same GPUs for the best plan (slower)."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", "--gpus", help="GPUs in the job (default: what the config says)."),
     var: Optional[list[str]] = typer.Option(None, "--var", help="Megatron: NAME=VALUE for a variable the script reads but does not set (repeatable)."),
     num_stages: Optional[int] = typer.Option(None, "--num-stages", help="DeepSpeed: PipelineModule num_stages."),
     partition_method: Optional[str] = typer.Option(None, "--partition-method", help="DeepSpeed: uniform, parameters (default) or type:REGEX."),
     parts: Optional[str] = typer.Option(None, "--parts", "--layers-per-part", help="DeepSpeed: stage boundaries, e.g. 0,20,40,60,83."),
     checkpoint_interval: Optional[int] = typer.Option(None, "--activation-checkpoint-interval", help="DeepSpeed: PipelineModule activation_checkpoint_interval."),
+    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="DeepSpeed: the tensor-parallel size (Megatron-DeepSpeed's; the ds_config does not carry it)."),
     fix: bool = typer.Option(False, "--fix", help="Write the same launcher's config with the best plan (needs -o)."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where --fix writes."),
     format: str = typer.Option("table", "--format", help="table, markdown or json."),
@@ -520,7 +523,7 @@ def doctor(
 
     text, written, code = run_doctor_command(
         launcher, config_file, profile, memory_cap=memory_cap, optimizer=optimizer, bandwidth=bandwidth,
-        world_size=world_size, variables=var or [], num_stages=num_stages, partition_method=partition_method,
+        cluster=cluster, search_layouts=search_layouts, world_size=world_size, tensor_degree=tensor_parallel, variables=var or [], num_stages=num_stages, partition_method=partition_method,
         parts=parts, checkpoint_interval=checkpoint_interval, fix_output=output if fix else None, fix=fix,
         output_format=format, junit=junit)
     typer.echo(text, nl=False)

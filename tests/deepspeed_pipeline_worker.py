@@ -46,12 +46,15 @@ def main(export_path: str, out_dir: str) -> None:
     width = 8
     layers = [torch.nn.Linear(width, width) for _ in exported["layers"]]
     Planned = documented_subclass()
-    model = Planned(layers, parts=exported["parts"], loss_fn=torch.nn.MSELoss(),
-                    partition_method="uniform")
-    ds_config = {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "steps_per_print": 1000}
-    ds_config.update(exported["ds_config"])
-    data_parallel = world // exported["num_stages"]
-    ds_config["train_batch_size"] = exported["ds_config"]["train_batch_size"] * data_parallel
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    topology = PipeModelDataParallelTopology(**exported["topology"])
+    assert topology.world_size() == world, (exported["topology"], world)
+    model = Planned(layers, parts=exported["parts"], loss_fn=torch.nn.MSELoss(), topology=topology,
+                    partition_method="uniform", **exported["pipeline_module"])
+    ds_config = {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "steps_per_print": 1000,
+                 "zero_allow_untested_optimizer": True}  # SGD under ZeRO 1 (an export with d > 1)
+    ds_config.update(exported["ds_config"])  # train_batch_size already counts the data-parallel replicas
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     micro = exported["ds_config"]["train_micro_batch_size_per_gpu"]
 

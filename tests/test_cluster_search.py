@@ -122,15 +122,14 @@ def test_infeasible_says_what_would_fit():
     assert "fits only from about" in result.output and "GPUs" in result.output
 
 
-def test_exports_and_run_refuse_data_or_tensor_parallel_plans(tmp_path):
+def test_a_data_parallel_plan_exports_with_its_degrees(tmp_path):
+    # run's own handling of such plans: tests/test_run_data_parallel.py; exports: tests/test_export_parallel.py.
     path = tmp_path / "plan.json"
     result = runner.invoke(app, ["plan", str(PROFILE), "--global-batch", "64", "-q", "--gpus", "16",
                                  "--cluster", "dgx-a100", "--data-parallel", "4", "--schedule", "1f1b", "-o", str(path)])
     assert result.exit_code == 0, result.output
-    for args in (["export", str(path), "--format", "torchtitan"], ["run", str(path), "--steps", "1"]):
-        refused = runner.invoke(app, args)
-        assert refused.exit_code == 2, refused.output
-        assert "not supported yet" in refused.output
+    exported = runner.invoke(app, ["export", str(path), "--format", "torchtitan"])
+    assert exported.exit_code == 0 and "global_batch_size = 64" in exported.output, exported.output
 
 
 def test_layers_per_stage_fixes_the_split(tmp_path):

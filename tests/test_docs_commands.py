@@ -41,6 +41,8 @@ SKIP = {
     "pipeplan diff old-plan.json new-plan.json": "placeholder file names (the diff of two plans runs in docs/ci.md)",
     "benchmarks/bench_schedule_auto.py": "a benchmark script, minutes long; docs/benchmarks.md reports its output",
     "pipeplan run plan-1f1b-2.json --profile gpt2-6.json --steps 5 -q": "needs the plan of the loop above",
+    "pipeplan run plan-d2.json --profile profiles/gpt2-tiny-cpu.json": "a 4-rank torchrun job (d = 2, p = 2): "
+        "tests/test_run_data_parallel.py runs one",
     "--rdzv-endpoint 127.0.0.1:29512": "two nodes on one rendezvous: tests/test_run_torch.py runs it",
     "pipeplan run bad-plan.json": "bad-plan.json is made by hand in the prose",
     "PYTHONPATH=. pipeplan run tagger-plan.json": "a torchrun job (tests/test_run_torch.py runs real jobs)",

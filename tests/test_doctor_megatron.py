@@ -238,7 +238,7 @@ def test_example_scripts_raise_no_alarm(tmp_path, name, profile):
     result, text, _ = _doctor(name, profile(), tmp_path)
     assert result.exit_code == 0 and not _flagged(result), text
     assert result.plan is not None and result.best is not None
-    assert any("issue 13" in note for note in result.notes)  # t > 1: memory is not claimed
+    assert any("give --cluster" in note for note in result.notes)  # t > 1: memory is not claimed
 
 
 # ------------------------------------------------------------------------ --fix

@@ -5,8 +5,10 @@
                     --fix--> the same launcher's config with the best plan, other settings kept
 
 One module per step: ``megatron.py`` / ``torchtitan.py`` / ``deepspeed.py`` (parse and layout),
-``units.py`` (launcher units to profile layers), ``evaluate.py`` (the planner), ``diagnose.py``
-(findings), ``fix.py`` (rewrite the config), ``report.py`` (text, markdown, JSON, JUnit).
+``units.py`` (launcher units to profile layers), ``evaluate.py`` (the pipeline planner),
+``cluster.py`` (the cluster planner, ``--cluster``: d x t x p, ZeRO, memory per rank by part),
+``diagnose.py`` and ``diagnose_cluster.py`` (findings), ``fix.py`` (rewrite the config),
+``report.py`` (text, markdown, JSON, JUnit).
 See docs/doctor.md.
 """
 
@@ -40,6 +42,10 @@ class DoctorOptions:
     """DeepSpeed: ``PipelineModule(activation_checkpoint_interval=...)``."""
     tensor_degree: int = 1
     """DeepSpeed: the tensor-parallel size (its config does not carry it)."""
+    cluster: str | None = None
+    """A cluster preset or TOML file: cost the layout at its real d x t x p and ZeRO stage."""
+    search_layouts: bool = True
+    """With ``cluster``: also search every d x t x p of the same GPUs for the best plan."""
 
 
 def read_config(launcher: str, path: str | Path, profile, options: DoctorOptions = DoctorOptions()
@@ -69,9 +75,10 @@ def read_config(launcher: str, path: str | Path, profile, options: DoctorOptions
         from pipeplan.doctor.units import unit_positions
 
         blocks = sum(layer.kind == "block" for layer in profile.layers)
-        config = parse_torchtitan(path, text)
+        config = parse_torchtitan(path, text, world_size=options.world_size)
         if config.num_layers is None:
-            config = parse_torchtitan(path, text, num_layers=blocks, validate_with_torchtitan=False)
+            config = parse_torchtitan(path, text, num_layers=blocks, validate_with_torchtitan=False,
+                                      world_size=options.world_size)
         units, _ = unit_positions("torchtitan", profile, config.num_layers)
         raw = load_toml(path, text).get("parallelism", {}).get("module_fqns_per_model_part")
         return config, torchtitan_layout_of(config, units, raw)
@@ -124,8 +131,14 @@ def doctor_file(launcher: str, path: str | Path, profile_path: str | Path, setti
     if output_format not in ("table", "markdown", "json"):
         raise BadInputError(f"--format: {output_format!r} is not one of table, markdown, json")
     profile = load_profile(profile_path)
+    cluster = None
+    if options.cluster is not None:
+        from pipeplan.cluster import resolve_cluster
+
+        cluster = resolve_cluster(options.cluster)
     config, layout = read_config(launcher, path, profile, options)
-    result = diagnose(config, layout, profile, settings, profile_sha256=file_sha256(profile_path))
+    result = diagnose(config, layout, profile, settings, profile_sha256=file_sha256(profile_path), cluster=cluster,
+                      search_layouts=options.search_layouts)
     written: list[Path] = []
     if fix_output is not None:
         from pipeplan.doctor.fix import fix_config
@@ -144,7 +157,8 @@ def doctor_file(launcher: str, path: str | Path, profile_path: str | Path, setti
 
 
 def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: str | None = None,
-                       optimizer: str = "adam", bandwidth: str = "25GB/s", world_size: int | None = None,
+                       optimizer: str = "auto", bandwidth: str = "25GB/s", world_size: int | None = None,
+                       cluster: str | None = None, search_layouts: bool = True, tensor_degree: int = 1,
                        variables=(), num_stages: int | None = None, partition_method: str | None = None,
                        parts: str | None = None, checkpoint_interval: int | None = None, fix: bool = False,
                        fix_output=None, output_format: str = "table", junit=None) -> tuple[str, list[Path], int]:
@@ -159,8 +173,15 @@ def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: 
     from pipeplan.formats.plan import PlanSettings
     from pipeplan.quantities import parse_bandwidth, parse_bytes
 
-    if optimizer not in ("adam", "sgd", "none"):
-        raise BadInputError(f"--optimizer: {optimizer!r} is not one of adam, sgd, none")
+    from pipeplan.cluster.optimizers import OPTIMIZERS
+
+    if optimizer == "auto":
+        # Megatron-LM keeps fp32 main gradients in 16-bit training (--accumulate-allreduce-grads-in-fp32).
+        optimizer = "adam-fp32-grads" if launcher == "megatron" else "adam"
+    if optimizer not in OPTIMIZERS:
+        raise BadInputError(f"--optimizer: {optimizer!r} is not one of auto, {', '.join(OPTIMIZERS)}")
+    if tensor_degree < 1:
+        raise BadInputError(f"--tensor-parallel: {tensor_degree} must be at least 1")
     if fix and fix_output is None:
         raise BadInputError("--fix: give -o FILE for the fixed config")
     pairs = []
@@ -175,13 +196,20 @@ def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: 
             boundaries = tuple(int(x) for x in parts.split(","))
         except ValueError:
             raise BadInputError(f"--parts: {parts!r} is not a comma-separated list of integers") from None
-    cap = parse_bytes(memory_cap) if memory_cap else load_profile(profile_path).device.memory_bytes
+    if memory_cap:
+        cap = parse_bytes(memory_cap)
+    elif cluster is not None:
+        cap = None  # the cluster's GPU memory
+    else:
+        cap = load_profile(profile_path).device.memory_bytes
     rate = parse_bandwidth(bandwidth)
     settings = PlanSettings(stages=1, global_batch=1, memory_cap_bytes=cap, optimizer=optimizer,
                             bandwidth_bytes_per_s=None if rate == float("inf") else rate)
     options = DoctorOptions(world_size=world_size, variables=tuple(pairs), num_stages=num_stages,
                             partition_method=partition_method, parts=boundaries,
-                            activation_checkpoint_interval=checkpoint_interval)
+                            activation_checkpoint_interval=checkpoint_interval, tensor_degree=tensor_degree,
+                            cluster=cluster,
+                            search_layouts=search_layouts)
     result, text, written = doctor_file(launcher, config_path, profile_path, settings, options=options,
                                         fix_output=fix_output, output_format=output_format, junit_path=junit)
     return text, written, result.exit_code

@@ -38,7 +38,7 @@ class LauncherConfig:
     num_microbatches: int | None
     """Micro-batches per iteration on one pipeline (one data-parallel replica); None if unknown."""
     tensor_degree: int = 1
-    """Tensor-parallel size ``t``: parsed and carried; the cost model is at ``t = 1`` (issue 13)."""
+    """Tensor-parallel size ``t`` (costed on a cluster: ``doctor --cluster``)."""
     data_degree: int | None = None
     """Data-parallel size ``d``, where the file (or ``--world-size``) gives it."""
     context_degree: int = 1
@@ -49,7 +49,12 @@ class LauncherConfig:
     """``none``, ``full`` or ``selective``: what the launcher recomputes."""
     sharded_optimizer: bool = False
     """ZeRO / distributed optimizer (``--use-distributed-optimizer``, ``zero_optimization.stage``)."""
+    zero_stage: int = 0
+    """The ZeRO stage the launcher runs: Megatron's distributed optimizer is 1, DeepSpeed's
+    ``zero_optimization.stage`` as given, torchtitan's FSDP (``data_parallel_shard_degree`` above 1) 3."""
     sequence_parallel: bool = False
+    """Megatron's sequence parallelism (``--sequence-parallel``; torchtitan's tensor parallelism
+    always shards the norms' activations this way)."""
     settings: dict[str, str] = field(default_factory=dict)
     """Launcher setting name to the value as written, for the ones doctor read."""
 

@@ -179,6 +179,8 @@ def parse_deepspeed(path: str, text: str, *, num_stages: int | None = None, part
                             f"train_batch_size / (gradient_accumulation_steps x data-parallel size)")
     zero = data.get("zero_optimization", {})
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise BadInputError(f"{path}: zero_optimization.stage: {stage!r} is not one of 0, 1, 2, 3")
     settings = {key: str(data[key]) for key in _INT_KEYS if key in data}
     settings["num_stages"] = str(num_stages)
     settings["partition_method"] = "parts" if parts is not None else method
@@ -192,7 +194,8 @@ def parse_deepspeed(path: str, text: str, *, num_stages: int | None = None, part
     return LauncherConfig(
         launcher="deepspeed", path=path, pipeline_degree=p, virtual_stages=1, schedule="1f1b",
         microbatch_size=micro, num_microbatches=gas, tensor_degree=t, data_degree=d,
-        recompute="full" if interval else "none", sharded_optimizer=bool(stage), settings=settings,
+        recompute="full" if interval else "none", sharded_optimizer=bool(stage),
+        zero_stage=stage, settings=settings,
     )
 
 

@@ -19,7 +19,8 @@ from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.quantities import format_bytes
 
-__all__ = ["Finding", "Diagnosis", "diagnose", "GAP_WARNING", "launcher_refusal"]
+__all__ = ["Finding", "Diagnosis", "diagnose", "GAP_WARNING", "launcher_refusal", "gap_findings", "time_findings",
+           "split_setting"]
 
 #: The best plan must be predicted at least this much faster for the gap to be a warning.
 GAP_WARNING = 1.10
@@ -51,7 +52,11 @@ class Diagnosis:
     """Profile layer names of each stage of the config's layout."""
     notes: list[str] = field(default_factory=list)
     memory_checked: bool = True
-    """Whether peaks were checked against a cap (not with t > 1 or ZeRO: issue 13)."""
+    """Whether peaks were checked against a cap (without ``--cluster``, not with t > 1 or ZeRO)."""
+    cluster_cost: object = None
+    """With ``--cluster``: the layout's :class:`pipeplan.doctor.cluster.ClusterCost` (memory per rank)."""
+    best_any: Plan | None = None
+    """With ``--cluster``: the best plan over every d x t x p of the same GPUs."""
 
     @property
     def exit_code(self) -> int:
@@ -143,6 +148,10 @@ def _batch_findings(config: LauncherConfig) -> list[Finding]:
                                f"size {d or 1}; Megatron-LM refuses it",
                                f"use a multiple of {config.microbatch_size * (d or 1)}"))
     if config.launcher == "deepspeed":
+        if config.zero_stage >= 2 and config.pipeline_degree > 1:
+            out.append(Finding("refused", "error", f"zero_optimization.stage {config.zero_stage}",
+                               "DeepSpeed's PipelineEngine asserts the ZeRO stage is below 2 (\"ZeRO-2 and ZeRO-3 are "
+                               "incompatible with pipeline parallelism\")", "use zero_optimization.stage 1"))
         total = s.get("train_batch_size")
         if total is not None and d is not None:
             expected = config.microbatch_size * config.num_microbatches * d
@@ -184,7 +193,7 @@ def _settings_for(config: LauncherConfig, base: PlanSettings) -> PlanSettings:
 
 
 def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: PlanSettings, *,
-             profile_sha256: str) -> Diagnosis:
+             profile_sha256: str, cluster=None, search_layouts: bool = True) -> Diagnosis:
     """Findings about ``config``, its layout costed, and the best plan for the same ranks.
 
     Parameters
@@ -192,21 +201,29 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
     base_settings : PlanSettings
         Memory cap, optimizer, bandwidth (its ``stages`` and ``global_batch`` are replaced by the
         config's ranks and one replica's samples).
+    cluster : ClusterSpec, optional
+        Cost the layout at its real d x t x p, ZeRO stage and sequence parallelism on this
+        cluster (:mod:`pipeplan.doctor.diagnose_cluster`); without it, one pipeline replica at
+        t = 1, unsharded, on ``base_settings``' bandwidth.
+    search_layouts : bool
+        With ``cluster``: also search every d x t x p of the same GPUs for the best plan.
 
     Raises
     ------
     BadInputError
-        When the profile is not the config's model (block count, missing roles).
+        When the profile is not the config's model (block count, missing roles, or no entries at
+        the config's tensor-parallel degree with ``cluster``).
     """
     result = Diagnosis(config, layout)
     result.findings += _layout_findings(config, layout)
     result.findings += _batch_findings(config)
     result.findings += _schedule_findings(config, layout)
-    if config.tensor_degree > 1 or (config.data_degree or 1) > 1 or config.sharded_optimizer:
+    parallel = config.tensor_degree > 1 or (config.data_degree or 1) > 1 or config.sharded_optimizer
+    if parallel and cluster is None:
         result.notes.append(
             f"tensor-parallel {config.tensor_degree}, data-parallel {config.data_degree or 'unknown'}"
             f"{', sharded optimizer' if config.sharded_optimizer else ''}: parsed, but time and memory here are "
-            f"for one pipeline at tensor-parallel 1 without sharding (cluster planning, issue 13)")
+            f"for one pipeline at tensor-parallel 1 without sharding; give --cluster to cost them")
     if config.samples_per_replica is None:
         return result
     units, mapping = unit_positions(config.launcher, profile, config.num_layers)
@@ -221,12 +238,13 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
         result.notes.append("the profile has no selective-recomputation costs (selective_activation_bytes): "
                             "selective recomputation is costed as none")
     sharded = config.sharded_optimizer and (config.data_degree or 1) > 1
-    if settings.memory_cap_bytes is not None and (config.tensor_degree > 1 or sharded):
-        # The cost model is per pipeline rank at t = 1 without sharding: against the cap it would
-        # flag every rank of a tensor-parallel or ZeRO job. Memory with t and ZeRO is issue 13.
+    if cluster is None and settings.memory_cap_bytes is not None and (config.tensor_degree > 1 or sharded):
+        # One pipeline rank at t = 1 without sharding: against the cap it would flag every rank
+        # of a tensor-parallel or ZeRO job.
         settings = settings.model_copy(update={"memory_cap_bytes": None})
-        result.notes.append("memory is not checked against the cap: the cost model has no tensor parallelism "
-                            "or optimizer sharding yet (issue 13); per-rank peaks shown are at t = 1, unsharded")
+        result.notes.append("memory is not checked against the cap without --cluster: per-rank peaks shown are "
+                            "at t = 1, unsharded")
+    positions, costable = [], False
     if layout.stages:
         positions = stage_positions(profile, [s.units for s in layout.stages], mapping)
         result.stage_layers = [[profile.layers[i].name for i in pos] for pos in positions]
@@ -236,12 +254,19 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
             result.notes.append(f"micro-batch size {config.microbatch_size} was not profiled "
                                 f"({profile.microbatch_sizes}): the config's own layout is not costed")
             costable = False
-        if costable:
-            result.plan = cost_split(profile, settings, positions, schedule=config.schedule,
-                                     virtual_stages=config.virtual_stages, microbatch_size=config.microbatch_size,
-                                     num_microbatches=config.num_microbatches,
-                                     recompute=mode, profile_sha256=profile_sha256)
-            result.findings += _cost_findings(config, result.plan, settings)
+    if cluster is not None:
+        from pipeplan.doctor.diagnose_cluster import diagnose_on_cluster
+
+        options = ("none", "selective", "all") if selective_known else ("none", "all")
+        return diagnose_on_cluster(result, profile, settings, positions, mode=mode, recompute_options=options,
+                                   cluster=cluster, search_layouts=search_layouts, costable=costable,
+                                   profile_sha256=profile_sha256)
+    if costable:
+        result.plan = cost_split(profile, settings, positions, schedule=config.schedule,
+                                 virtual_stages=config.virtual_stages, microbatch_size=config.microbatch_size,
+                                 num_microbatches=config.num_microbatches,
+                                 recompute=mode, profile_sha256=profile_sha256)
+        result.findings += _cost_findings(config, result.plan, settings)
     refuse = (lambda schedule, p, m, v: launcher_refusal(config.launcher, schedule, p, m, v))
     memory_checked = settings.memory_cap_bytes is not None
     # Without a memory check, dropping recomputation always looks faster: keep the user's.
@@ -255,7 +280,7 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
     if skipped:
         result.notes.append(f"{len(skipped)} schedule / micro-batch combination(s) left out of the best plan because "
                             f"{config.launcher} refuses them, e.g. {skipped[0]}")
-    result.findings += _gap_findings(result)
+    result.findings += gap_findings(result)
     return result
 
 
@@ -272,26 +297,37 @@ def _cost_findings(config: LauncherConfig, plan: Plan, settings: PlanSettings) -
                 heavy = [n for n in _rank_layers(plan, rank.rank)
                          if not n.split(".")[-1].isdigit()][:3]
                 out.append(Finding(
-                    "over-memory", "error", _split_setting(config),
+                    "over-memory", "error", split_setting(config),
                     f"rank {rank.rank} is predicted to peak at {format_bytes(rank.peak_memory_bytes)}, "
                     f"{format_bytes(rank.peak_memory_bytes - cap)} over the {format_bytes(cap)} cap"
                     + (f" ({', '.join(heavy)} sit there)" if heavy else ""),
                     "move layers off this rank or recompute (--fix writes a plan that fits)"))
+    return out + time_findings(config, plan)
+
+
+def time_findings(config: LauncherConfig, plan: Plan) -> list[Finding]:
+    """The imbalance (slowest stage vs the mean) and the iteration by parts."""
+    out = []
     times = [s.forward_ms + s.backward_ms for s in plan.stages]
     if times and min(times) >= 0 and sum(times) > 0:
         ratio = max(times) / (sum(times) / len(times))
         slow = max(range(len(times)), key=lambda i: times[i])
-        out.append(Finding("imbalance", "info", _split_setting(config),
+        out.append(Finding("imbalance", "info", split_setting(config),
                            f"slowest stage {slow} (rank {plan.stages[slow].rank}) takes {ratio:.2f}x the mean "
                            f"stage time ({max(times):.4g} ms vs {sum(times) / len(times):.4g} ms per micro-batch)"))
+    if plan.parallelism is not None:
+        from pipeplan.doctor.diagnose_cluster import parts_text
+
+        text = f"predicted {parts_text(plan)}"
+    else:
+        text = (f"predicted iteration {plan.predicted.iteration_ms:.6g} ms: compute {plan.predicted.compute_ms:.6g} "
+                f"+ bubble {plan.predicted.bubble_ms:.6g} + transfer {plan.predicted.transfer_ms:.6g} ms")
     out.append(Finding("bubble", "info", "schedule / micro-batches",
-                       f"predicted iteration {plan.predicted.iteration_ms:.6g} ms: compute "
-                       f"{plan.predicted.compute_ms:.6g} + bubble {plan.predicted.bubble_ms:.6g} + transfer "
-                       f"{plan.predicted.transfer_ms:.6g} ms ({100 * plan.predicted.bubble_fraction:.3g}% idle)"))
+                       f"{text} ({100 * plan.predicted.bubble_fraction:.3g}% idle)"))
     return out
 
 
-def _split_setting(config: LauncherConfig) -> str:
+def split_setting(config: LauncherConfig) -> str:
     return {"megatron": "--pipeline-model-parallel-layout (or the even split)",
             "torchtitan": "parallelism.module_fqns_per_model_part",
             "deepspeed": "PipelineModule parts / partition_method"}[config.launcher]
@@ -315,6 +351,11 @@ def _recipe(result: Diagnosis) -> str:
                 steps.append(f"move {delta} layer{'s' * (delta > 1)} off rank {r}")
     if best.schedule != config.schedule or best.virtual_stages != config.virtual_stages:
         steps.append(f"use {best.schedule}" + (f" with v = {best.virtual_stages}" if best.virtual_stages > 1 else ""))
+    zero = best.parallelism.zero_stage if best.parallelism is not None else config.zero_stage
+    if zero != config.zero_stage:
+        from pipeplan.doctor.diagnose_cluster import zero_setting
+
+        steps.append(f"use {zero_setting(config.launcher, zero)} (ZeRO {zero})")
     if best.microbatch_size != config.microbatch_size:
         steps.append(f"micro-batch size {best.microbatch_size} ({best.num_microbatches} micro-batches)")
     modes = {("selective" if s.recompute_granularity == "selective" else "full") if s.recompute else "none"
@@ -326,7 +367,7 @@ def _recipe(result: Diagnosis) -> str:
     return ", ".join(steps) or "same schedule, different split"
 
 
-def _gap_findings(result: Diagnosis) -> list[Finding]:
+def gap_findings(result: Diagnosis) -> list[Finding]:
     best, config = result.best, result.config
     if best is None:
         return [Finding("no-plan", "warning", "memory cap",
@@ -343,7 +384,7 @@ def _gap_findings(result: Diagnosis) -> list[Finding]:
                         f"({result.plan.predicted.iteration_ms:.6g} ms per iteration)")]
     # A gap found without checking memory may not fit: report it, do not flag it.
     severity = "warning" if speedup >= GAP_WARNING and result.memory_checked else "info"
-    return [Finding("gap-to-best", severity, _split_setting(config),
+    return [Finding("gap-to-best", severity, split_setting(config),
                     f"pipeplan's plan is predicted {speedup:.2f}x faster "
                     f"({best.predicted.iteration_ms:.6g} vs {result.plan.predicted.iteration_ms:.6g} ms): "
                     f"{_recipe(result)}", "--fix writes it" if speedup > 1 + 1e-9 else "")]

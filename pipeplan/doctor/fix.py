@@ -238,6 +238,9 @@ def _megatron(config: LauncherConfig, text: str, plan: Plan, profile) -> str:
         text = edit_flag(text, flag, None, switch=flag in _SWITCHES)
     text = edit_flag(text, "--pipeline-model-parallel-layout", layout, after=anchors)
     text = edit_flag(text, "--micro-batch-size", str(plan.microbatch_size), after=anchors)
+    zero = plan.parallelism.zero_stage if plan.parallelism is not None else config.zero_stage
+    if zero != config.zero_stage:  # the distributed optimizer is ZeRO 1 (doctor --cluster)
+        text = edit_flag(text, "--use-distributed-optimizer", "" if zero else None, switch=True, after=anchors)
     mode = _recompute_mode(plan)
     if mode == config.recompute or (config.recompute == "selective" and mode == "none"):
         return text  # selective recomputation is kept unless the plan needs more
@@ -296,6 +299,10 @@ def _deepspeed(config: LauncherConfig, text: str, plan: Plan, output: str) -> di
     wanted["gradient_accumulation_steps"] = plan.num_microbatches
     if "train_batch_size" in data and config.data_degree:
         wanted["train_batch_size"] = plan.microbatch_size * plan.num_microbatches * config.data_degree
+    zero = plan.parallelism.zero_stage if plan.parallelism is not None else config.zero_stage
+    if zero != config.zero_stage:  # doctor --cluster found the plan at another ZeRO stage
+        section = data.get("zero_optimization") if isinstance(data.get("zero_optimization"), dict) else {}
+        wanted["zero_optimization"] = {**section, "stage": zero}
     edited = text
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
         if key in wanted:

@@ -208,6 +208,7 @@ def parse_megatron(path: str, text: str, *, variables: dict[str, str] | None = N
         schedule="interleaved" if v > 1 else "1f1b", microbatch_size=mbs, num_microbatches=m,
         tensor_degree=t, data_degree=d, context_degree=cp, num_layers=num_layers, recompute=recompute,
         sharded_optimizer="--use-distributed-optimizer" in flags,
+        zero_stage=1 if "--use-distributed-optimizer" in flags else 0,
         sequence_parallel="--sequence-parallel" in flags, settings=settings,
     )
 

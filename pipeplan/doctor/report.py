@@ -25,7 +25,10 @@ def _stage_rows(result: Diagnosis) -> list[tuple[str, ...]]:
         if plan is not None:
             ps = plan.stages[i]
             ms = f"{ps.forward_ms + ps.backward_ms:.4g}"
-            peak = format_bytes(next(r.peak_memory_bytes for r in plan.ranks if r.rank == ps.rank))
+            if result.cluster_cost is not None:  # per GPU, the reserve included
+                peak = format_bytes(next(r.total_bytes for r in result.cluster_cost.memory if r.rank == ps.rank))
+            else:
+                peak = format_bytes(next(r.peak_memory_bytes for r in plan.ranks if r.rank == ps.rank))
         rows.append((str(stage.index), str(stage.rank), str(stage.vstage), str(len(names)), span, ms, peak))
     return rows
 
@@ -35,7 +38,15 @@ def _summary(result: Diagnosis) -> list[str]:
     lines = [f"{c.path}: {c.launcher}, {c.pipeline_degree} pipeline ranks x {c.virtual_stages} virtual stages, "
              f"{c.schedule}, tensor {c.tensor_degree}, data {c.data_degree or '?'}, micro-batch {c.microbatch_size} "
              f"x {c.num_microbatches if c.num_microbatches is not None else '?'} per replica, recompute {c.recompute}"]
-    if result.plan is not None:
+    if result.plan is not None and result.plan.parallelism is not None:
+        from pipeplan.doctor.diagnose_cluster import parts_text
+
+        par, plan = result.plan.parallelism, result.plan
+        lines.append(f"on {plan.settings.cluster.name}: {par.num_gpus} GPUs as d={par.data} x t={par.tensor} x "
+                     f"p={par.pipeline}, ZeRO {par.zero_stage}" + (", sequence parallel" if par.sequence_parallel else "")
+                     + f", optimizer {plan.settings.optimizer}, cap {format_bytes(result.cluster_cost.cap_bytes)} per GPU")
+        lines.append(f"predicted: {parts_text(plan)}; {plan.predicted.samples_per_second:.6g} samples/s")
+    elif result.plan is not None:
         pr = result.plan.predicted
         lines.append(f"predicted: {pr.iteration_ms:.6g} ms per iteration = compute {pr.compute_ms:.6g} + bubble "
                      f"{pr.bubble_ms:.6g} + transfer {pr.transfer_ms:.6g}"
@@ -46,8 +57,34 @@ def _summary(result: Diagnosis) -> list[str]:
         lines.append(f"best plan ({c.launcher} can run it): {b.schedule}, v = {b.virtual_stages}, "
                      f"{b.num_microbatches} x {b.microbatch_size}, layers per stage "
                      f"{[len(s.layers) for s in sorted(b.stages, key=lambda s: s.index)]}, predicted "
-                     f"{b.predicted.iteration_ms:.6g} ms")
+                     f"{b.predicted.iteration_ms:.6g} ms"
+                     + (f" (ZeRO {b.parallelism.zero_stage})" if b.parallelism is not None else ""))
+    if result.best_any is not None:
+        b, par = result.best_any, result.best_any.parallelism
+        lines.append(f"best plan for the same {par.num_gpus} GPUs: d={par.data} x t={par.tensor} x p={par.pipeline}, "
+                     f"ZeRO {par.zero_stage}, {b.schedule}, v = {b.virtual_stages}, {b.num_microbatches} x "
+                     f"{b.microbatch_size} per replica, predicted {b.predicted.iteration_ms:.6g} ms")
     return lines
+
+
+_MEMORY_HEADER = ("rank", "weights", "gradients", "optimizer", "activations", "reserve", "total", "cap")
+
+
+def _memory_rows(result: Diagnosis) -> list[tuple[str, ...]]:
+    """Memory per GPU of each pipeline rank, by part (with --cluster)."""
+    cost = result.cluster_cost
+    if cost is None:
+        return []
+    return [(str(r.rank), format_bytes(r.weight_bytes), format_bytes(r.gradient_bytes), format_bytes(r.optimizer_bytes),
+             format_bytes(r.activation_bytes), format_bytes(r.reserve_bytes), format_bytes(r.total_bytes),
+             format_bytes(cost.cap_bytes) + (" OVER" if r.total_bytes > cost.cap_bytes else ""))
+            for r in cost.memory]
+
+
+def _table(header, rows) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    return ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()] + \
+        ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
 
 
 def _findings(result: Diagnosis):
@@ -63,19 +100,27 @@ def as_dict(result: Diagnosis) -> dict:
                 "microbatch_size": plan.microbatch_size, "num_microbatches": plan.num_microbatches,
                 "layers_per_stage": [len(s.layers) for s in sorted(plan.stages, key=lambda s: s.index)],
                 "predicted": plan.predicted.model_dump(),
-                "rank_peak_memory_bytes": [r.peak_memory_bytes for r in plan.ranks]}
+                "rank_peak_memory_bytes": [r.peak_memory_bytes for r in plan.ranks],
+                "parallelism": plan.parallelism.model_dump() if plan.parallelism is not None else None}
 
     c = result.config
     return {
         "config": {"launcher": c.launcher, "path": c.path, "pipeline_degree": c.pipeline_degree,
                    "virtual_stages": c.virtual_stages, "schedule": c.schedule, "tensor_degree": c.tensor_degree,
                    "data_degree": c.data_degree, "microbatch_size": c.microbatch_size,
-                   "num_microbatches": c.num_microbatches, "recompute": c.recompute},
+                   "num_microbatches": c.num_microbatches, "recompute": c.recompute, "zero_stage": c.zero_stage,
+                   "sequence_parallel": c.sequence_parallel},
         "layout": [{"index": s.index, "rank": s.rank, "vstage": s.vstage, "units": list(s.units)}
                    for s in result.layout.stages],
         "findings": [f.__dict__ for f in _findings(result)],
         "plan": plan_data(result.plan),
         "best": plan_data(result.best),
+        "best_for_same_gpus": plan_data(result.best_any),
+        "memory_per_rank": None if result.cluster_cost is None else [
+            {"rank": r.rank, "weight_bytes": r.weight_bytes, "gradient_bytes": r.gradient_bytes,
+             "optimizer_bytes": r.optimizer_bytes, "activation_bytes": r.activation_bytes,
+             "reserve_bytes": r.reserve_bytes, "total_bytes": r.total_bytes} for r in result.cluster_cost.memory],
+        "memory_cap_bytes": None if result.cluster_cost is None else result.cluster_cost.cap_bytes,
         "speedup": result.speedup,
         "notes": result.notes,
         "exit_code": result.exit_code,
@@ -97,13 +142,18 @@ def render(result: Diagnosis, output_format: str = "table") -> str:
             out.append(f"| {f.severity} | {f.code} | `{f.setting}` | {f.message} | {f.fix} |")
         out += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         out += ["| " + " | ".join(r) + " |" for r in rows]
+        memory = _memory_rows(result)
+        if memory:
+            out += ["", "| " + " | ".join(_MEMORY_HEADER) + " |", "|" + "---|" * len(_MEMORY_HEADER)]
+            out += ["| " + " | ".join(r) + " |" for r in memory]
         out += [""] + [f"> note: {n}" for n in result.notes]
         return "\n".join(out).rstrip() + "\n"
     out = list(_summary(result))
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     out.append("")
-    out.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    out += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    out += _table(header, rows)
+    memory = _memory_rows(result)
+    if memory:
+        out += ["", "memory per GPU:"] + _table(_MEMORY_HEADER, memory)
     out.append("")
     for f in findings:
         out.append(f"{f.severity}: [{f.code}] {f.message}")

@@ -129,7 +129,7 @@ def model_layer_count(name: str, flavor: str) -> int | None:
 
 
 def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
-                     validate_with_torchtitan: bool = True) -> LauncherConfig:
+                     validate_with_torchtitan: bool = True, world_size: int | None = None) -> LauncherConfig:
     """Read torchtitan's pipeline settings from a TOML job config.
 
     Parameters
@@ -141,6 +141,9 @@ def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
         Llama 3 flavors), else the profile's.
     validate_with_torchtitan : bool
         Also run torchtitan's ``ConfigManager`` on the file when it is installed.
+    world_size : int, optional
+        GPUs in the job (torchrun's ``NGPU``): fills in ``data_parallel_shard_degree = -1``
+        ("the rest"), as torchtitan's ``ParallelDims`` does.
 
     Raises
     ------
@@ -178,6 +181,8 @@ def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
     layers = num_layers if num_layers is not None else model_layer_count(model_name, flavor)
     replicate = par("data_parallel_replicate_degree", 1)
     shard = par("data_parallel_shard_degree", -1)
+    if shard == -1 and world_size and world_size % (replicate * t * p * cp) == 0:
+        shard = world_size // (replicate * t * p * cp)  # ParallelDims: -1 takes the GPUs left over
     d = replicate * shard if shard > 0 else None
     parts = par("module_fqns_per_model_part")
     lps = par("pipeline_parallel_layers_per_stage")
@@ -204,7 +209,8 @@ def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
         microbatch_size=mbs, num_microbatches=local // mbs if local % mbs == 0 else None,
         tensor_degree=t, data_degree=d, context_degree=cp, num_layers=layers,
         recompute={"full": "full", "selective": "selective", "memory_budget": "selective"}.get(mode, "none"),
-        sharded_optimizer=shard != 1, settings=settings,
+        sharded_optimizer=shard != 1, zero_stage=3 if d and shard > 1 else 0,
+        sequence_parallel=t > 1, settings=settings,
     )
 
 

@@ -76,7 +76,8 @@ def export_plan(
         check_profile_matches(plan, profile, profile_sha256)
     suffix = FORMATS[format]
     if format == "torchtitan":
-        csv = with_schedule_csv or plan.schedule not in TORCH_SCHEDULE_NAME
+        # one pipeline rank runs no schedule: no CSV
+        csv = (with_schedule_csv or plan.schedule not in TORCH_SCHEDULE_NAME) and plan.settings.stages > 1
         files = {suffix: export_torchtitan(plan, schedule_csv_path=stem + _CSV_SUFFIX if csv else None,
                                            profile=profile)}
         if csv:
@@ -127,11 +128,6 @@ def run_export(
     from pipeplan.formats.io import file_sha256, load_plan, load_profile, write_text_atomic
 
     plan = load_plan(plan_path)
-    par = plan.parallelism
-    if par is not None and (par.data > 1 or par.tensor > 1 or par.zero_stage):
-        raise BadInputError(
-            f"{plan_path}: parallelism: d={par.data} t={par.tensor} ZeRO {par.zero_stage}: exports of data- or "
-            f"tensor-parallel plans are not supported yet; plan with --data-parallel 1 --tensor-parallel 1 --zero 0")
     if format not in FORMATS:
         raise BadInputError(f"--format: {format!r} is not one of {', '.join(FORMATS)}")
     profile = sha = None

@@ -1,23 +1,63 @@
-"""DeepSpeed: a plan's stage boundaries as ``PipelineModule.parts``, and the ds_config batch keys.
+"""DeepSpeed: a plan's stage boundaries as ``PipelineModule.parts``, its topology, and the ds_config keys.
 
 DeepSpeed's ``PipelineModule`` runs one stage per rank over a flat list of layers, layers
 ``parts[s]`` to ``parts[s + 1] - 1`` on stage ``s``. Its ``partition_method`` ('uniform',
 'parameters', 'type:regex') cannot take given boundaries, so docs/launchers.md shows a small
 subclass that sets ``self.parts`` from this export. The layer list must follow ``layers`` here
 (stage after stage), which is the profile's order for chains.
+
+Degrees: ``topology`` is ``PipeModelDataParallelTopology(num_pp=p, num_mp=t, num_dp=d)`` (ranks
+model-innermost, then data, then pipe: Megatron's order, which the plan uses); ``ds_config`` has
+``zero_optimization.stage`` and ``train_batch_size = b x m x d``. What DeepSpeed cannot combine:
+its ``PipelineEngine`` asserts ``zero_optimization_stage() < ZeroStageEnum.gradients`` ("ZeRO-2 and
+ZeRO-3 are incompatible with pipeline parallelism", deepspeed/runtime/pipe/engine.py, 0.19.8), so
+ZeRO 2-3 with ``p > 1`` is refused; it runs one stage per rank (no virtual stages); it does not
+split a layer over ``t`` GPUs itself (the layers must be tensor-parallel, e.g. Megatron-DeepSpeed's).
 """
 
 from __future__ import annotations
 
 from pipeplan.errors import BadInputError
 from pipeplan.export.common import compact_json, header_lines, pipeline_shape
+from pipeplan.export.degrees import degree_line, degrees_of, recompute_of
 from pipeplan.formats.plan import Plan
 
-__all__ = ["export_deepspeed"]
+__all__ = ["export_deepspeed", "DEEPSPEED_PIPELINE_ZERO_RULE"]
+
+#: DeepSpeed 0.19.8's PipelineEngine.__init__ assertion, verbatim.
+DEEPSPEED_PIPELINE_ZERO_RULE = "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
+
+
+def _zero(degrees, notes: list[str]) -> dict:
+    zero = degrees.zero_stage
+    if zero >= 2 and degrees.pipeline > 1:
+        raise BadInputError(
+            f"plan: ZeRO {zero} with p={degrees.pipeline} pipeline ranks: DeepSpeed's PipelineEngine asserts "
+            f"zero_optimization.stage < 2 ({DEEPSPEED_PIPELINE_ZERO_RULE!r}, deepspeed/runtime/pipe/engine.py); "
+            f"re-plan with --zero 1 (or 0) for DeepSpeed, or with --stages 1 for ZeRO {zero} without a pipeline")
+    if zero >= 2:
+        notes.append(f"p = 1 with ZeRO {zero}: give deepspeed.initialize the plain model, not a PipelineModule "
+                     f"(its PipelineEngine refuses ZeRO 2-3: {DEEPSPEED_PIPELINE_ZERO_RULE})")
+    return {"stage": zero}
+
+
+def _activation_checkpoint_interval(plan: Plan, notes: list[str]) -> int:
+    recompute = recompute_of(plan)
+    if recompute.mode == "none":
+        return 0
+    if recompute.mode == "selective":
+        notes.append("the plan recomputes the attention core (selective); PipelineModule has no such setting "
+                     "(activation_checkpoint_interval checkpoints whole layers): recompute it inside your layers "
+                     "(Megatron-DeepSpeed: --recompute-granularity selective), else DeepSpeed holds more than planned")
+        return 0
+    if recompute.mixed:
+        notes.append(f"the plan recomputes stages {list(recompute.stages)} only; PipelineModule's "
+                     f"activation_checkpoint_interval applies to every stage (slower than planned, never more memory)")
+    return 1  # checkpoint each layer: each keeps its input and rebuilds its activations alone
 
 
 def export_deepspeed(plan: Plan) -> str:
-    """The plan as JSON: ``layers``, ``parts`` and a ``ds_config`` fragment.
+    """The plan as JSON: ``layers``, ``parts``, ``topology``, ``pipeline_module`` and a ``ds_config`` fragment.
 
     Parameters
     ----------
@@ -27,21 +67,25 @@ def export_deepspeed(plan: Plan) -> str:
     -------
     str
         JSON with ``parts`` (S + 1 layer indices for S stages), ``layers`` (names in that
-        indexing), ``num_stages`` and ``ds_config`` (``train_micro_batch_size_per_gpu``,
-        ``gradient_accumulation_steps`` = micro-batches, ``train_batch_size``).
+        indexing), ``num_stages``, ``topology`` (``num_pp``, ``num_mp``, ``num_dp`` for
+        ``PipeModelDataParallelTopology``), ``pipeline_module`` (``activation_checkpoint_interval``)
+        and ``ds_config`` (``train_micro_batch_size_per_gpu`` = b, ``gradient_accumulation_steps``
+        = m, ``train_batch_size`` = b x m x d, ``zero_optimization.stage``).
 
     Raises
     ------
     BadInputError
-        If the plan puts more than one stage on a rank (DeepSpeed's pipeline engine runs one).
+        If the plan puts more than one stage on a rank (DeepSpeed's pipeline engine runs one), or
+        uses ZeRO 2-3 with more than one pipeline rank (the engine asserts ZeRO < 2).
 
     Notes
     -----
     DeepSpeed checks ``train_batch_size == train_micro_batch_size_per_gpu x
-    gradient_accumulation_steps x data-parallel size``; the values here are for one
-    data-parallel replica (multiply ``train_batch_size`` by the data-parallel size). O(L).
+    gradient_accumulation_steps x`` its data-parallel world size (``d``, from the topology's grid)
+    and runs ``gradient_accumulation_steps`` micro-batches through the pipeline per step. O(L).
     """
     shape = pipeline_shape(plan)
+    degrees = degrees_of(plan)
     if shape.virtual_stages != 1:
         raise BadInputError(
             f"plan: {shape.virtual_stages} stages per rank; DeepSpeed's PipelineModule runs one "
@@ -50,25 +94,29 @@ def export_deepspeed(plan: Plan) -> str:
     parts = [0]
     for stage in shape.stages:
         parts.append(parts[-1] + len(stage.layers))
-    notes = list(header_lines(plan, "DeepSpeed"))
+    notes = list(header_lines(plan, "DeepSpeed")) + [degree_line(degrees)]
     if plan.schedule not in ("1f1b", "gpipe"):
         notes.append(f"DeepSpeed runs its own 1F1B-like TrainSchedule; the plan's numbers are for {plan.schedule}")
-    recompute = [s.index for s in shape.stages if s.recompute]
-    if recompute:
+    zero = _zero(degrees, notes)
+    interval = _activation_checkpoint_interval(plan, notes)
+    if degrees.tensor > 1:
         notes.append(
-            f"the plan recomputes activations on stages {recompute}; PipelineModule's "
-            f"activation_checkpoint_interval applies to every stage"
-        )
+            f"t = {degrees.tensor}: DeepSpeed places ranks by the topology but does not split layers itself; the "
+            f"layers must be tensor-parallel over the topology's 'model' axis (e.g. Megatron-DeepSpeed's)"
+            + (", with sequence parallelism" if degrees.sequence_parallel else ""))
     data = {
         "pipeplan": {"launcher": "deepspeed", "model": plan.profile.model,
                      "profile_sha256": plan.profile.sha256, "notes": notes},
         "num_stages": shape.num_ranks,
         "parts": parts,
         "layers": shape.layer_order,
+        "topology": {"num_pp": degrees.pipeline, "num_mp": degrees.tensor, "num_dp": degrees.data},
+        "pipeline_module": {"activation_checkpoint_interval": interval},
         "ds_config": {
-            "train_micro_batch_size_per_gpu": plan.microbatch_size,
-            "gradient_accumulation_steps": plan.num_microbatches,
-            "train_batch_size": plan.microbatch_size * plan.num_microbatches,
+            "train_micro_batch_size_per_gpu": degrees.microbatch_size,
+            "gradient_accumulation_steps": degrees.num_microbatches,
+            "train_batch_size": degrees.global_batch,
+            "zero_optimization": zero,
         },
     }
     return compact_json(data) + "\n"

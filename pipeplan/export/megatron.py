@@ -12,6 +12,11 @@ come first); each ``block`` is one ``t``; ``norm`` and ``head`` layers after the
 one ``L``, on the stage of the last of them (Megatron builds the final norm with the loss, so a
 final norm that the plan put one stage earlier moves there, and the export says so); ``other``
 layers (e.g. a parameter-free rotary embedding) have no symbol and are left out, with a note.
+
+Degrees (a plan made with ``--gpus``): ``--tensor-model-parallel-size``, ``--sequence-parallel``,
+``--use-distributed-optimizer`` for ZeRO 1 (and 2, which Megatron-LM runs with ZeRO 1's memory:
+checked against the cap), no ZeRO 3 (refused), and ``--global-batch-size`` with ``d`` in it, so
+that megatron-core's ``ConstantNumMicroBatchesCalculator`` derives the plan's micro-batch count.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import shlex
 
 from pipeplan.errors import BadInputError
 from pipeplan.export.common import check_profile_matches, header_lines, pipeline_shape
+from pipeplan.export.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
 from pipeplan.formats.plan import Plan
 from pipeplan.plan.schedules import megatron_interleaved_refusal as interleaved_refusal
 
@@ -159,6 +165,44 @@ def megatron_layout(plan: Plan, profile) -> tuple[str, int, list[str]]:
     return layout, pattern.count("t"), notes
 
 
+def _recompute_flags(plan: Plan, notes: list[str]) -> list[tuple[str, str | None]]:
+    recompute = recompute_of(plan)
+    if recompute.mode == "none":
+        return []
+    if recompute.mode == "selective":
+        if recompute.mixed:
+            notes.append(f"the plan recomputes the attention core on stages {list(recompute.stages)}; "
+                         "Megatron-LM applies --recompute-granularity selective to every layer")
+        return [("--recompute-granularity", "selective")]
+    if recompute.mixed:
+        notes.append(f"the plan recomputes stages {list(recompute.stages)} only; Megatron-LM applies full "
+                     "recomputation to every rank, so it recomputes more than planned (slower, never more memory)")
+    # uniform, 1 layer per chunk: each layer keeps its input and rebuilds its activations alone
+    return [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
+            ("--recompute-num-layers", "1")]
+
+
+def _optimizer_flags(plan: Plan, degrees, notes: list[str]) -> list[tuple[str, str | None]]:
+    zero = degrees.zero_stage
+    if zero == 0:
+        return []
+    if zero == 3:
+        raise BadInputError(
+            f"plan: ZeRO 3 (weights sharded over d={degrees.data}): Megatron-LM's distributed optimizer shards "
+            f"only the optimizer state, and its sharded-weights mode (Megatron FSDP, --use-megatron-fsdp) is "
+            f"a different runtime that pipeplan does not export; re-plan with --zero 1 for Megatron-LM "
+            f"(--use-distributed-optimizer), or export this plan --format torchtitan")
+    if zero == 2:
+        note = check_fits(
+            plan, unsharded_extra_bytes(plan, gradients=True, weights=False), "Megatron-LM",
+            "keeps the whole gradient buffer under --use-distributed-optimizer (it reduce-scatters "
+            "gradients, as ZeRO 2 does, but shards only the optimizer state: ZeRO 1 memory)",
+            "re-plan with --zero 1 (--use-distributed-optimizer) so that the plan counts the whole gradients")
+        if note:
+            notes.append(note)
+    return [("--use-distributed-optimizer", None)]
+
+
 def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -> str:
     """The plan as a bash array of Megatron-LM flags.
 
@@ -179,12 +223,18 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
     Raises
     ------
     BadInputError
-        See :func:`megatron_layout`; also a profile that is not the plan's.
+        See :func:`megatron_layout`; also a profile that is not the plan's, ZeRO 3 (Megatron-LM's
+        distributed optimizer shards only the optimizer state), ZeRO 2 when the whole gradient
+        buffer Megatron-LM keeps no longer fits the cap, and interleaved micro-batch counts
+        Megatron-LM refuses.
 
     Notes
     -----
-    ``--global-batch-size`` is micro-batch size x micro-batches, for one data-parallel replica;
-    multiply it by the data-parallel size. O(L).
+    Flags: ``--tensor-model-parallel-size t``, ``--pipeline-model-parallel-size p``, the layout
+    (which sets the virtual stages), ``--sequence-parallel``, ``--use-distributed-optimizer`` (ZeRO 1
+    and 2), recomputation, ``--micro-batch-size b`` and ``--global-batch-size b x m x d``: Megatron-LM
+    takes ``d`` from the world size (``N / (t p)``) and runs ``global / (b d) = m`` micro-batches per
+    replica. O(L).
     """
     if profile is None:
         raise BadInputError(
@@ -192,27 +242,25 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
             "by role, which only the profile's 'kind' fields give"
         )
     check_profile_matches(plan, profile, profile_sha256)
+    degrees = degrees_of(plan)
     layout, num_layers, notes = megatron_layout(plan, profile)
     shape = pipeline_shape(plan)
     lines = ["# " + line for line in header_lines(plan, "Megatron-LM")]
     if plan.schedule not in ("1f1b", "interleaved"):
-        runs = "interleaved 1F1B" if shape.virtual_stages > 1 else "1F1B"
+        runs = "interleaved 1F1B" if shape.virtual_stages > 1 and shape.num_ranks > 1 else "1F1B"
         notes.append(
             f"Megatron-LM runs {runs} with this split; the plan's numbers are for {plan.schedule}"
         )
-    full = [s.index for s in shape.stages if s.recompute and s.recompute_granularity != "selective"]
-    selective = [s.index for s in shape.stages if s.recompute and s.recompute_granularity == "selective"]
-    if full:
+    recompute = _recompute_flags(plan, notes)
+    optimizer = _optimizer_flags(plan, degrees, notes)
+    if degrees.tensor > 1 and not degrees.sequence_parallel:
+        notes.append("the plan has no sequence parallelism: --sequence-parallel is left out")
+    if shape.num_ranks == 1:
         notes.append(
-            f"the plan recomputes activations on stages {full}: see --recompute-granularity full "
-            "with --recompute-num-layers (Megatron-LM applies it per rank)"
-        )
-    if selective:
-        notes.append(
-            f"the plan recomputes the attention core on stages {selective}: --recompute-granularity "
-            "selective (Megatron-LM applies it to every layer)"
-        )
-    if shape.virtual_stages > 1:
+            f"one pipeline rank: no layout (Megatron-LM runs no pipeline schedule at p = 1"
+            + (f"; the plan's {shape.virtual_stages} stages are one model chunk there)" if shape.virtual_stages > 1
+               else ")"))
+    elif shape.virtual_stages > 1:
         why = interleaved_refusal(shape.num_ranks, plan.num_microbatches)
         if why is not None:
             good = next(k for k in range(plan.num_microbatches, 2 * plan.num_microbatches + shape.num_ranks)
@@ -220,23 +268,31 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
             raise BadInputError(
                 f"plan: Megatron-LM's interleaved schedule refuses {plan.num_microbatches} micro-batches on "
                 f"{shape.num_ranks} ranks ({why}): re-plan with a global batch of {good} x the micro-batch size "
-                f"(or any micro-batch count it accepts), or with --schedule 1f1b"
+                f"x d (or any micro-batch count it accepts), or with --schedule 1f1b"
             )
         notes.append(
             f"the layout sets {shape.virtual_stages} virtual stages per rank; Megatron-LM refuses "
             f"--num-virtual-stages-per-pipeline-rank beside it"
         )
+    lines.append("# " + degree_line(degrees))
     lines += [f"# note: {note}" for note in notes]
-    lines.append("# Usage: source this file, then pass \"${PIPEPLAN_MEGATRON_ARGS[@]}\" to pretrain_gpt.py.")
-    lines.append("# --global-batch-size is for one data-parallel replica: multiply it by the data-parallel size.")
-    flags = [
+    lines.append("# Usage: source this file, then pass \"${PIPEPLAN_MEGATRON_ARGS[@]}\" to pretrain_gpt.py on "
+                 f"{degrees.num_gpus} GPUs (Megatron-LM takes d = {degrees.data} from the world size).")
+    flags: list[tuple[str, str | None]] = [
+        ("--tensor-model-parallel-size", str(degrees.tensor)),
         ("--pipeline-model-parallel-size", str(shape.num_ranks)),
-        ("--pipeline-model-parallel-layout", layout),
-        ("--num-layers", str(num_layers)),
-        ("--micro-batch-size", str(plan.microbatch_size)),
-        ("--global-batch-size", str(plan.microbatch_size * plan.num_microbatches)),
+    ]
+    if shape.num_ranks > 1:
+        flags.append(("--pipeline-model-parallel-layout", layout))
+    flags.append(("--num-layers", str(num_layers)))
+    if degrees.sequence_parallel:
+        flags.append(("--sequence-parallel", None))
+    flags += optimizer + recompute
+    flags += [
+        ("--micro-batch-size", str(degrees.microbatch_size)),
+        ("--global-batch-size", str(degrees.global_batch)),
     ]
     lines.append("PIPEPLAN_MEGATRON_ARGS=(")
-    lines += [f"    {flag} {shlex.quote(value)}" for flag, value in flags]
+    lines += [f"    {flag}" + ("" if value is None else f" {shlex.quote(value)}") for flag, value in flags]
     lines.append(")")
     return "\n".join(lines) + "\n"

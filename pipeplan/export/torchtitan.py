@@ -7,6 +7,12 @@ class does (stage ``s`` on rank ``s % p``; ``ZBVZeroBubble`` and ``DualPipeV`` i
 With ``pipeline_parallel_schedule_csv`` it runs ``_PipelineScheduleRuntime`` on the actions listed
 in the file (one row per rank, ``0F0``, ``1B0``, ``2I1``, ``2W1``; torch adds the sends and
 receives). See docs/launchers.md.
+
+Degrees: ``tensor_parallel_degree``, and ``d`` as ``data_parallel_replicate_degree`` (DDP, which
+torchtitan runs only alone: ZeRO 0 at t = p = 1) or ``data_parallel_shard_degree`` (FSDP:
+``fsdp_reshard_after_forward`` ``always`` for ZeRO 3, ``never`` for ZeRO 0-2, whose weights stay
+whole through the step). ``global_batch_size`` is ``b x m x d``. ``[activation_checkpoint] mode``
+is always written: torchtitan's default (selective) would recompute what the plan does not.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import re
 
 from pipeplan.errors import BadInputError
 from pipeplan.export.common import TORCH_SCHEDULE_NAME, header_lines, pipeline_shape
+from pipeplan.export.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
 from pipeplan.formats.plan import Plan
 
 __all__ = ["export_torchtitan", "schedule_csv", "torchtitan_module_names", "TORCHTITAN_NAME"]
@@ -109,8 +116,63 @@ def schedule_csv(plan: Plan) -> str:
     return "".join(",".join(str(action) for action in row) + "\n" for row in rows)
 
 
+def _data_parallel(plan: Plan, degrees, notes: list[str]) -> tuple[int, int, str]:
+    """(replicate degree, shard degree, fsdp_reshard_after_forward) for the plan's d and ZeRO stage."""
+    d, zero, p = degrees.data, degrees.zero_stage, degrees.pipeline
+    if d == 1:
+        return 1, 1, "default"
+    if zero == 0:
+        if degrees.tensor == 1 and p == 1:
+            return d, 1, "default"  # DDP: torchtitan's replicate degree
+        notes.append(
+            f"ZeRO 0 with d={d}: torchtitan runs DDP (data_parallel_replicate_degree) only as the sole "
+            f"parallelism ('DDP has not supported > 1D parallelism'), so the export shards over d with FSDP and "
+            f"keeps the weights gathered through the step (reshard after forward: never): the same bytes on the "
+            f"wire as an all-reduce, less optimizer memory than planned")
+        return 1, d, "never"
+    if zero in (1, 2):
+        notes.append(
+            f"ZeRO {zero} with d={d}: torchtitan has no optimizer-only sharding, so the export shards over d with "
+            f"FSDP and keeps the weights whole from forward to backward (reshard after forward: never); the "
+            f"optimizer state is sharded and the gradients "
+            + ("are reduce-scattered after each micro-batch (ZeRO 2's memory; FSDP then all-gathers and "
+               "reduce-scatters once per micro-batch, more traffic than the plan's one sync per step)" if p == 1 else
+               "are held whole until the step ends (torch's pipelining defers FSDP's reduce-scatter): ZeRO 1's memory"))
+        if zero == 2 and p > 1:
+            note = check_fits(plan, unsharded_extra_bytes(plan, gradients=True, weights=False), "torchtitan",
+                              "under pipelining holds each stage's whole gradients until the step ends (torch's "
+                              "stage defers FSDP's reduce-scatter to the last micro-batch)",
+                              "re-plan with --zero 1 so that the plan counts the whole gradients")
+            if note:
+                notes.append(note)
+        return 1, d, "never"
+    if p > 1:
+        note = check_fits(plan, unsharded_extra_bytes(plan, gradients=True, weights=True), "torchtitan",
+                          "under pipelining holds each stage's whole weights and gradients until the step ends "
+                          "(torch's stage defers FSDP's reshard and reduce-scatter to the last micro-batch)",
+                          "re-plan with --zero 1, or with --stages 1 for FSDP without pipelining")
+        if note:
+            notes.append(note)
+    return 1, d, "always"  # ZeRO 3: FSDP, weights gathered per use
+
+
+def _activation_checkpoint(plan: Plan, notes: list[str]) -> list[str]:
+    recompute = recompute_of(plan)
+    if recompute.mode == "none":
+        return ['mode = "none"  # torchtitan\'s default is selective: the plan recomputes nothing']
+    if recompute.mixed:
+        notes.append(f"the plan recomputes stages {list(recompute.stages)} only; torchtitan's "
+                     f"[activation_checkpoint] mode applies to every stage, so it recomputes more than planned")
+    if recompute.mode == "full":
+        return ['mode = "full"']
+    notes.append("selective recomputation: torchtitan's per-op policy (selective_ac_option \"op\") keeps the "
+                 "attention outputs and recomputes every other matmul, not Megatron's attention core: its memory "
+                 "and time differ from the plan's")
+    return ['mode = "selective"', 'selective_ac_option = "op"']
+
+
 def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profile=None) -> str:
-    """The plan as torchtitan TOML (``[parallelism]`` and ``[training]`` keys).
+    """The plan as torchtitan TOML (``[parallelism]``, ``[training]`` and ``[activation_checkpoint]``).
 
     Parameters
     ----------
@@ -132,16 +194,24 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profi
     ------
     BadInputError
         If the plan's stages are inconsistent, its schedule has no torchtitan name and no
-        CSV path was given, or its layer names are not torchtitan's and cannot be mapped.
+        CSV path was given, its layer names are not torchtitan's and cannot be mapped, or the
+        whole weights or gradients torchtitan holds under pipelining (ZeRO 2-3) exceed the cap.
 
     Notes
     -----
-    ``training.local_batch_size`` is micro-batch size x micro-batches: torchtitan derives the
-    micro-batch count from it (per data-parallel replica). O(L) for L layers.
+    Degrees: ``tensor_parallel_degree = t``, ``pipeline_parallel_degree = p``; ``d`` goes to
+    ``data_parallel_replicate_degree`` (ZeRO 0 alone: DDP) or ``data_parallel_shard_degree`` (FSDP:
+    ZeRO 3 resharding after forward, ZeRO 0-2 keeping the weights gathered). With ``p > 1``,
+    ``training.local_batch_size`` is ``b x m`` (torchtitan cuts it into ``m`` micro-batches of
+    ``pipeline_parallel_microbatch_size``); with ``p = 1`` it is ``b`` and torchtitan accumulates
+    ``global_batch_size / (b x d) = m`` micro-batches. ``global_batch_size`` is ``b x m x d``.
+    O(L) for L layers.
     """
     shape = pipeline_shape(plan)
+    degrees = degrees_of(plan)
     name = TORCH_SCHEDULE_NAME.get(plan.schedule)
-    if name is None and schedule_csv_path is None:
+    pipelined = shape.num_ranks > 1
+    if pipelined and name is None and schedule_csv_path is None:
         raise BadInputError(
             f"plan: torchtitan has no schedule named for {plan.schedule!r}; export with a "
             f"schedule CSV (`--schedule-csv`)"
@@ -150,44 +220,61 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profi
         rename = torchtitan_module_names(profile)
     else:
         foreign = [n for n in shape.layer_order if not TORCHTITAN_NAME.fullmatch(n)]
-        if foreign:
+        if foreign and pipelined:
             raise BadInputError(
                 f"plan: layers {foreign[:3]} are not torchtitan module names (tok_embeddings, layers.N, norm, "
                 f"output), and torchtitan silently builds empty stages from names its model lacks: give the "
                 f"plan's --profile (layers with their kind) so the export can map them"
             )
         rename = {n: n for n in shape.layer_order}
+    notes: list[str] = []
+    replicate, shard, reshard = _data_parallel(plan, degrees, notes)
+    checkpoint = _activation_checkpoint(plan, notes)
+    if degrees.tensor > 1 and not degrees.sequence_parallel:
+        notes.append("torchtitan's tensor parallelism always shards the norms' sequence (sequence parallel): "
+                     "less activation memory than this plan counts")
+    if not pipelined and shape.virtual_stages > 1:
+        notes.append(f"one pipeline rank: torchtitan runs no pipeline schedule; the plan's {shape.virtual_stages} "
+                     f"stages are one model there")
     lines = ["# " + line for line in header_lines(plan, "torchtitan")]
+    lines.append("# " + degree_line(degrees))
     dropped = [n for n in shape.layer_order if not rename.get(n)]
     renamed = [n for n in shape.layer_order if rename.get(n) and rename[n] != n]
-    if renamed:
+    if pipelined and renamed:
         lines.append(f"# Layer names mapped to torchtitan's by role ({renamed[0]} -> {rename[renamed[0]]}, ...).")
-    if dropped:
+    if pipelined and dropped:
         lines.append(f"# No torchtitan module for {', '.join(dropped)} (kind 'other'): left out.")
-    lines.append("# Merge into your torchtitan job config (TOML, --job.config_file); see docs/launchers.md.")
-    recompute = [s.index for s in shape.stages if s.recompute]
-    if recompute:
-        lines.append(
-            f"# The plan recomputes activations on stages {recompute}"
-            + (" (selective: the attention core)" if any(s.recompute_granularity == "selective" for s in shape.stages) else "")
-            + "; torchtitan's [activation_checkpoint] mode applies to every stage."
-        )
-    lines += ["", "[parallelism]", f"pipeline_parallel_degree = {shape.num_ranks}"]
-    # With a CSV, torchtitan still reads the schedule name to place stages (loop or V).
-    placement_name = name or ("ZBVZeroBubble" if shape.v_placement else "Interleaved1F1B")
-    lines.append(f"pipeline_parallel_schedule = {_toml_string(placement_name)}")
-    if schedule_csv_path is not None:
-        lines.append(f"pipeline_parallel_schedule_csv = {_toml_string(schedule_csv_path)}")
-    lines.append(f"pipeline_parallel_microbatch_size = {plan.microbatch_size}")
-    lines.append("module_fqns_per_model_part = [")
-    for stage in shape.stages:
-        names = ", ".join(_toml_string(rename[n]) for n in stage.layers if rename.get(n))
-        lines.append(f"    [{names}],  # stage {stage.index}, rank {stage.rank}")
-    lines.append("]")
-    lines += [
-        "",
-        "[training]",
-        "# micro-batch size x micro-batches, per data-parallel replica",
-        f"local_batch_size = {plan.microbatch_size * plan.num_microbatches}",
-    ]
+    lines += [f"# note: {note}" for note in notes]
+    lines.append(f"# Merge into your torchtitan job config (TOML, --job.config_file) and launch on {degrees.num_gpus} "
+                 f"GPUs; see docs/launchers.md.")
+    lines += ["", "[parallelism]",
+              f"data_parallel_replicate_degree = {replicate}",
+              f"data_parallel_shard_degree = {shard}"]
+    if reshard != "default":
+        lines.append(f"fsdp_reshard_after_forward = {_toml_string(reshard)}")
+    lines += [f"tensor_parallel_degree = {degrees.tensor}",
+              f"pipeline_parallel_degree = {shape.num_ranks}"]
+    if pipelined:
+        # With a CSV, torchtitan still reads the schedule name to place stages (loop or V).
+        placement_name = name or ("ZBVZeroBubble" if shape.v_placement else "Interleaved1F1B")
+        lines.append(f"pipeline_parallel_schedule = {_toml_string(placement_name)}")
+        if schedule_csv_path is not None:
+            lines.append(f"pipeline_parallel_schedule_csv = {_toml_string(schedule_csv_path)}")
+        lines.append(f"pipeline_parallel_microbatch_size = {plan.microbatch_size}")
+        lines.append("module_fqns_per_model_part = [")
+        for stage in shape.stages:
+            names = ", ".join(_toml_string(rename[n]) for n in stage.layers if rename.get(n))
+            lines.append(f"    [{names}],  # stage {stage.index}, rank {stage.rank}")
+        lines.append("]")
+    lines += ["", "[training]"]
+    if pipelined:
+        lines += ["# micro-batch size x micro-batches, per data-parallel replica (the pipeline's batch)",
+                  f"local_batch_size = {degrees.replica_batch}"]
+    else:
+        lines += ["# one micro-batch per step of gradient accumulation (no pipeline)",
+                  f"local_batch_size = {degrees.microbatch_size}"]
+    lines += [f"# local_batch_size x data-parallel replicas x {1 if pipelined else degrees.num_microbatches} "
+              f"accumulation step(s)",
+              f"global_batch_size = {degrees.global_batch}",
+              "", "[activation_checkpoint]", *checkpoint]
     return "\n".join(lines) + "\n"

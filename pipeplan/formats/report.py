@@ -49,7 +49,10 @@ class _Open(BaseModel):
 class RankReport(_Open):
     """What one rank measured, medians over the timed steps (milliseconds per iteration)."""
 
-    rank: Count = Field(description="The rank.")
+    rank: Count = Field(description="The rank (global: data_rank + d x pipeline_rank).")
+    pipeline_rank: Optional[Count] = Field(default=None, description="The plan's rank this process ran (the rank "
+                                                                     "itself without data parallelism).")
+    data_rank: Optional[Count] = Field(default=None, description="Which data-parallel replica it belongs to.")
     stages: list[Count] = Field(default_factory=list, description="The plan's stages it ran.")
     forward_ms: PlanMs = Field(description="Time in forward calls per iteration.")
     backward_ms: PlanMs = Field(description="Time in backward (input gradient) calls per iteration.")
@@ -76,9 +79,12 @@ class RunReport(_Open):
     model: Optional[Name] = Field(default=None, description="The model that ran.")
     schedule: Literal[SCHEDULES]
     virtual_stages: Optional[PositiveCount] = None
-    num_ranks: Optional[PositiveCount] = None
+    num_ranks: Optional[PositiveCount] = Field(default=None, description="Processes: d x p.")
+    data_parallel: Optional[PositiveCount] = Field(
+        default=None, description="Data-parallel replicas d of the pipeline (absent in older reports: 1).")
+    pipeline_ranks: Optional[PositiveCount] = Field(default=None, description="Pipeline ranks p per replica.")
     microbatch_size: PositiveCount
-    num_microbatches: PositiveCount
+    num_microbatches: PositiveCount = Field(description="Micro-batches per replica per iteration.")
     measured: MeasuredTimes = Field(default_factory=MeasuredTimes)
     ranks: list[RankReport] = Field(min_length=1)
     notes: list[Text] = Field(default_factory=list)

@@ -94,13 +94,16 @@ def calibrate_profile(plan: Any, report: dict[str, Any], profile: Any,
             f"give the profile the plan was made from"
         )
     by_name = {layer.name: layer for layer in profile.layers}
-    rows = {row.rank: row for row in report.ranks}
+    # With data parallelism, each pipeline rank's replicas are pooled (the mean of their times).
+    replicas: dict[int, list[Any]] = {}
+    for row in report.ranks:
+        replicas.setdefault(row.rank if row.pipeline_rank is None else row.pipeline_rank, []).append(row)
     m = plan.num_microbatches
     stage_ranks = {s.index: s.rank for s in plan.stages}
     factors = []
     scale: dict[str, tuple[float, float]] = {}
     for rank in sorted(set(stage_ranks.values())):
-        if rank not in rows:
+        if rank not in replicas:
             raise BadInputError(f"report: no measurement of rank {rank}; give the report of a run of this plan")
         layers = [name for s in sorted(plan.stages, key=lambda s: s.index) if s.rank == rank for name in s.layers]
         missing = [name for name in layers if name not in by_name]
@@ -109,11 +112,12 @@ def calibrate_profile(plan: Any, report: dict[str, Any], profile: Any,
                 f"profile: layer {missing[0]!r} of the plan is not in the profile of {profile.model}; give the "
                 f"profile the plan was made from"
             )
-        row = rows[rank]
+        rows = replicas[rank]
         predicted_forward = m * sum(by_name[n].cost_at(size).forward_ms for n in layers)
         predicted_backward = m * sum(by_name[n].cost_at(size).backward_ms for n in layers)
-        measured_forward = row.forward_ms + (row.loss_ms or 0.0)
-        measured_backward = row.backward_ms + (row.weight_ms or 0.0)
+        measured_forward = sum(row.forward_ms + (row.loss_ms or 0.0) for row in rows) / len(rows)
+        measured_backward = sum(row.backward_ms + (row.weight_ms or 0.0) for row in rows) / len(rows)
+        shares = [row.cpu_share for row in rows if row.cpu_share is not None]
         if measured_forward <= 0 or measured_backward <= 0:
             raise BadInputError(f"report: rank {rank} has no measured compute time; rerun with more --steps")
         forward = measured_forward / predicted_forward if predicted_forward > 0 else 1.0
@@ -126,7 +130,7 @@ def calibrate_profile(plan: Any, report: dict[str, Any], profile: Any,
                         "predicted_forward_ms": round(predicted_forward, 4),
                         "measured_backward_ms": round(measured_backward, 4),
                         "predicted_backward_ms": round(predicted_backward, 4),
-                        "cpu_share": row.cpu_share})
+                        "cpu_share": min(shares) if shares else None})
     data = profile.model_dump()
     new_layers = []
     for layer in profile.layers:

@@ -50,6 +50,7 @@ __all__ = [
     "torchrun_command",
     "worker_config",
     "resolve_model",
+    "check_parallelism",
 ]
 
 #: Seconds a rank waits for a peer in any collective or transfer before it gives up.
@@ -190,10 +191,52 @@ def run_plan(plan: Any, **kwargs: Any) -> dict[str, Any]:
     return run_plans([plan], **kwargs)[0]
 
 
+def check_parallelism(plan: Any, where: str = "plan") -> int:
+    """The plan's data-parallel degree ``d``, after refusing what ``run`` does not run.
+
+    ``run`` runs ``d`` replicas of the pipeline (:mod:`pipeplan.run.gradsync`), with ZeRO 1 (the
+    optimizer state sharded over the replicas: torch's ``ZeroRedundancyOptimizer``) or without.
+    It refuses tensor parallelism (the stage builders build whole layers; torch's
+    tensor-parallel API is not wired to them) and ZeRO 2 and 3 (every replica keeps whole
+    gradients and weights, so a run would not have the plan's memory): the exports hand those to
+    a launcher.
+
+    Raises
+    ------
+    BadInputError
+        ``t > 1`` or ZeRO above 1, naming ``where`` (the plan file).
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace
+    >>> check_parallelism(SimpleNamespace(parallelism=None))
+    1
+    >>> check_parallelism(SimpleNamespace(parallelism=SimpleNamespace(data=2, tensor=1, zero_stage=1)))
+    2
+    """
+    par = getattr(plan, "parallelism", None)
+    if par is None:
+        return 1
+    if par.tensor > 1:
+        raise BadInputError(
+            f"{where}: parallelism.tensor: t={par.tensor}: pipeplan run does not run tensor parallelism (its stage "
+            f"builders build whole layers); train this plan with a launcher (pipeplan export {where} --format "
+            f"megatron or torchtitan), or plan with --tensor-parallel 1 to run it here")
+    if par.zero_stage >= 2:
+        sharded = "gradients" if par.zero_stage == 2 else "gradients and weights"
+        raise BadInputError(
+            f"{where}: parallelism.zero_stage: ZeRO {par.zero_stage}: pipeplan run shards only the optimizer "
+            f"state (ZeRO 1) and keeps whole {sharded} on every replica, so it would not run the plan's memory; "
+            f"train it with a launcher (pipeplan export {where} --format deepspeed or megatron), or plan with "
+            f"--zero 1 or --zero 0 to run it here")
+    return int(par.data)
+
+
 def _check_plan(plan: Any) -> int:
-    """The plan's rank count, after checking it can run as written."""
+    """The plan's process count (``d x p``), after checking it can run as written."""
     from pipeplan.plan.schedules import check_schedule
 
+    data = check_parallelism(plan)
     num_ranks = 1 + max(s.rank for s in plan.stages)
     ranks_used = {s.rank for s in plan.stages}
     if ranks_used != set(range(num_ranks)):
@@ -208,7 +251,7 @@ def _check_plan(plan: Any) -> int:
             f"plan: {len(plan.stages)} stages for {num_ranks} ranks x {plan.virtual_stages} virtual stages; "
             f"give {num_ranks * plan.virtual_stages}"
         )
-    return num_ranks
+    return num_ranks * data
 
 
 def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any = None,
@@ -227,7 +270,8 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
     Parameters
     ----------
     plans : sequence of Plan
-        All with the same number of ranks. One job saves torchrun's start-up (seconds) per plan.
+        All with the same number of processes (``d x p``: data-parallel replicas times pipeline
+        ranks; t = 1, ZeRO 0 or 1). One job saves torchrun's start-up (seconds) per plan.
     model : str, optional
         Built-in name or ``module:callable``; default: the profile's model.
     profile : Profile, optional
@@ -310,7 +354,8 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
         raise BadInputError(f"--device: {device!r} is not known; use cpu or cuda")
     rank_counts = [_check_plan(plan) for plan in plans]
     if len(set(rank_counts)) != 1:
-        raise BadInputError(f"run: the plans have {sorted(set(rank_counts))} ranks; one job runs plans of one size")
+        raise BadInputError(f"run: the plans have {sorted(set(rank_counts))} ranks (d x p); one job runs plans of "
+                            f"one size")
     num_ranks = rank_counts[0]
     if nproc_per_node is None:
         if num_ranks % nnodes:
@@ -408,11 +453,7 @@ def run_plan_file(plan_path: str | Path, *, report_path: Optional[str | Path] = 
     from pipeplan.formats.io import file_sha256, load_plan, load_profile, write_text_atomic
 
     plan = load_plan(plan_path)
-    par = plan.parallelism
-    if par is not None and (par.data > 1 or par.tensor > 1 or par.zero_stage):
-        raise BadInputError(
-            f"{plan_path}: parallelism: d={par.data} t={par.tensor} ZeRO {par.zero_stage}: pipeplan run of data- or "
-            f"tensor-parallel plans are not supported yet; plan with --data-parallel 1 --tensor-parallel 1 --zero 0")
+    check_parallelism(plan, str(plan_path))
     profile = None
     if profile_path is not None:
         profile = load_profile(profile_path)

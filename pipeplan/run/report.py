@@ -3,6 +3,7 @@
 A report is a JSON object (written by ``pipeplan run --report``)::
 
     {"schema": "pipeplan-run-report/1", "schedule": ..., "microbatch_size": ..., "num_microbatches": ...,
+     "num_ranks": d x p, "data_parallel": d, "pipeline_ranks": p,
      "measured": {"iteration_ms": ..., "iteration_ms_steps": [...], "samples_per_second": ...},
      "predicted": {"iteration_ms": ..., "simulated_iteration_ms": ...},
      "ratio": measured / predicted iteration,
@@ -14,8 +15,17 @@ A report is a JSON object (written by ``pipeplan run --report``)::
 Definitions (all times are medians over the steps after the first, a warm-up):
 
 - ``pipeline_ms``: wall time of ``schedule.step()`` on the rank, from a barrier that starts every
-  rank together; the iteration time is the largest over ranks, per step.
-- ``step_ms``: the same plus the optimizer step.
+  rank together; the iteration time is the largest over ranks, per step, of ``pipeline_ms`` plus
+  ``data_parallel_sync_ms``.
+- Data parallelism (``data_parallel`` d > 1): ``ranks`` holds every process, with its
+  ``pipeline_rank`` (the plan's ``rank``) and ``data_rank``; predictions per rank are the plan's
+  for its pipeline rank. ``data_parallel_sync_ms`` (per rank; ``measured``: the largest over
+  ranks) is the gradient all-reduce over the replicas after the backward, which includes waiting
+  for the slowest replica; ``predicted.data_parallel_ms`` is the plan's term for it.
+  ``num_microbatches`` is per replica and ``samples_per_second`` counts the global batch
+  (``d x m x b``). The replayed and adjusted predictions scale each pipeline rank by its
+  slowest replica. ``loss`` is the loss over the global batch.
+- ``step_ms``: the same plus the gradient sync and the optimizer step.
 - ``busy_ms``: time inside the rank's compute calls: forward, backward (input and, where not
   split, weight gradients), weight-gradient and loss; ``idle_ms = pipeline_ms - busy_ms``
   (bubble, waiting for transfers, the schedule's own overhead).
@@ -123,9 +133,15 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
     (11.5, 1.15, [2.0, 1.5, 1.2])
     """
     results = sorted(results, key=lambda r: r["rank"])
+    data = int(results[0].get("data_parallel", 1))
     steps = len(results[0]["pipeline_ms"])
     timed = range(1, steps) if steps > 1 else range(steps)
-    iteration_steps = [max(r["pipeline_ms"][i] for r in results) for i in range(steps)]
+
+    def sync(r: dict[str, Any], i: int) -> float:
+        return (r.get("data_parallel_sync_ms") or [0.0] * steps)[i]
+
+    # The iteration includes the data-parallel gradient sync, as the plan's does.
+    iteration_steps = [max(r["pipeline_ms"][i] + sync(r, i) for r in results) for i in range(steps)]
     iteration_ms = _median([iteration_steps[i] for i in timed])
 
     predicted_rank = {summary.rank: summary for summary in plan.ranks}
@@ -142,6 +158,7 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
 
     ranks = []
     for r in results:
+        pipeline_rank = r.get("pipeline_rank", r["rank"])
         compute = [r["compute_ms"][i] for i in timed]
         forward = _median([c["forward"] for c in compute])
         backward = _median([c["backward"] for c in compute])
@@ -160,7 +177,7 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
         if compute and all("cpu" in c for c in compute) and sum(compute_walls) > 0:
             cpu_share = sum(c["cpu"] for c in compute) / sum(compute_walls)
             busy_cpu = _median([c["cpu"] for c in compute])
-        summary = predicted_rank.get(r["rank"])
+        summary = predicted_rank.get(pipeline_rank)
         stages = [stage_by_index[i] for i in r["stages"]]
         if summary is not None:
             predicted_busy = summary.busy_ms
@@ -173,6 +190,8 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             predicted_peak = sum(s.peak_memory_bytes for s in stages)
         row = {
             "rank": r["rank"],
+            "pipeline_rank": pipeline_rank,
+            "data_rank": r.get("data_rank", 0),
             "stages": r["stages"],
             "layers": [layer for s in stages for layer in s.layers],
             "step_ms": _r(_median([r["step_ms"][i] for i in timed])),
@@ -189,7 +208,7 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             "wait_ms": _r(wait),
             "post_ms": _r(post),
             "overhead_ms": _r(overhead),
-            "actions": actions_per_rank[r["rank"]] if r["rank"] < len(actions_per_rank) else None,
+            "actions": actions_per_rank[pipeline_rank] if pipeline_rank < len(actions_per_rank) else None,
             "predicted_busy_ms": _r(predicted_busy),
             "predicted_forward_ms": _r(plan.num_microbatches * sum(s.forward_ms for s in stages)),
             "predicted_backward_ms": _r(plan.num_microbatches * sum(s.backward_ms for s in stages)),
@@ -198,6 +217,8 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             "predicted_peak_memory_bytes": predicted_peak,
             "memory_ratio": _ratio(r.get("peak_memory_bytes"), predicted_peak),
             "memory_method": r.get("memory_method"),
+            "optimizer": r.get("optimizer"),
+            "optimizer_state_bytes": r.get("optimizer_state_bytes"),
             "cpu_share": _r(cpu_share, 3),
             "busy_cpu_ms": _r(busy_cpu),
             "busy_cpu_ratio": _ratio(busy_cpu, predicted_busy),
@@ -207,12 +228,14 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             "threads": r.get("threads"),
             "pipeline_ms_steps": [_r(x, 3) for x in r["pipeline_ms"]],
         }
+        if data > 1:
+            row["data_parallel_sync_ms"] = _r(_median([sync(r, i) for i in timed]))
         if overhead is not None and row["actions"]:
             row["overhead_per_action_ms"] = _r((post + overhead) / row["actions"])
         row.update(_alone(r.get("alone") or [], stages))
         if simulation is not None:
-            row["simulated_busy_ms"] = _r(simulation.rank_busy_ms[r["rank"]])
-            row["simulated_busy_ratio"] = _ratio(busy, simulation.rank_busy_ms[r["rank"]])
+            row["simulated_busy_ms"] = _r(simulation.rank_busy_ms[pipeline_rank])
+            row["simulated_busy_ratio"] = _ratio(busy, simulation.rank_busy_ms[pipeline_rank])
         ranks.append(row)
 
     losses = next((r["losses"] for r in results if r.get("losses") and
@@ -236,13 +259,15 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             with_link = simulate_plan(plan, profile, bandwidth_bytes_per_s=link["bandwidth_bytes_per_s"],
                                       latency_ms=link.get("median_latency_ms", link["latency_ms"]))
             predicted["simulated_with_link_iteration_ms"] = _r(with_link.iteration_ms)
-    batch = plan.microbatch_size * plan.num_microbatches
+    batch = plan.microbatch_size * plan.num_microbatches * data  # the global batch
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "model": (run or {}).get("model", plan.profile.model),
         "schedule": plan.schedule,
         "virtual_stages": plan.virtual_stages,
         "num_ranks": len(results),
+        "data_parallel": data,
+        "pipeline_ranks": plan.settings.stages,
         "microbatch_size": plan.microbatch_size,
         "num_microbatches": plan.num_microbatches,
         "measured": {
@@ -260,21 +285,27 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
         "run": dict(run or {}),
         "notes": [],
     }
+    if data > 1:
+        report["measured"]["data_parallel_sync_ms"] = _r(_median([max(sync(r, i) for r in results) for i in timed]))
+        if plan.predicted.data_parallel_ms is not None:
+            predicted["data_parallel_ms"] = plan.predicted.data_parallel_ms
     if all(row.get("overhead_per_action_ms") is not None for row in ranks):
         report["measured"]["action_overhead_ms"] = _r(
             sum(row["post_ms"] + row["overhead_ms"] for row in ranks) / sum(row["actions"] for row in ranks))
     from pipeplan.plan import plan_simulation
 
     planned_busy_ms = plan_simulation(plan).rank_busy_ms
-    if all(row["busy_ms"] is not None and planned_busy_ms[row["rank"]] > 0 for row in ranks):
+    if all(row["busy_ms"] is not None and planned_busy_ms[row["pipeline_rank"]] > 0 for row in ranks):
         replayed_ms = _scaled_iteration_ms(
-            plan, {row["rank"]: row["busy_ms"] / planned_busy_ms[row["rank"]] for row in ranks})
+            plan, _slowest_replica([(row["pipeline_rank"], row["busy_ms"] / planned_busy_ms[row["pipeline_rank"]])
+                                    for row in ranks]))
         predicted["replayed_iteration_ms"] = _r(replayed_ms)
         report["replayed_ratio"] = _ratio(iteration_ms, replayed_ms)
     if all(row.get("alone_ms") and row.get("alone_ratio") is not None for row in ranks):
         report["alone_ratio"] = _ratio(sum(row["alone_ms"] for row in ranks),
                                        sum(row["predicted_alone_ms"] for row in ranks))
-        adjusted_ms = _scaled_iteration_ms(plan, {row["rank"]: row["alone_ratio"] for row in ranks})
+        adjusted_ms = _scaled_iteration_ms(
+            plan, _slowest_replica([(row["pipeline_rank"], row["alone_ratio"]) for row in ranks]))
         predicted["adjusted_iteration_ms"] = _r(adjusted_ms)
         report["adjusted_ratio"] = _ratio(iteration_ms, adjusted_ms)
     if simulation is not None:
@@ -334,6 +365,20 @@ def _alone(timings: Sequence[dict[str, Any]], stages: Sequence[Any]) -> dict[str
     }
 
 
+def _slowest_replica(factors: Sequence[tuple[int, float]]) -> dict[int, float]:
+    """Per pipeline rank, the largest factor over its replicas (the slowest one bounds the iteration).
+
+    Examples
+    --------
+    >>> _slowest_replica([(0, 1.1), (0, 1.3), (1, 0.9)])
+    {0: 1.3, 1: 0.9}
+    """
+    out: dict[int, float] = {}
+    for pipeline_rank, factor in factors:
+        out[pipeline_rank] = max(factor, out.get(pipeline_rank, factor))
+    return out
+
+
 def _scaled_iteration_ms(plan: Any, factors: dict[int, float]) -> float:
     """The plan's schedule simulated again with each rank's compute times multiplied by its factor."""
     from dataclasses import replace
@@ -367,9 +412,12 @@ def report_table(report: dict[str, Any]) -> Any:
     from pipeplan.quantities import format_bytes
 
     measured, predicted = report["measured"], report["predicted"]
-    title = (f"{report['model']}: {report['schedule']}, {report['num_ranks']} ranks x "
+    data = report.get("data_parallel") or 1
+    replicas = f"{data} replicas of " if data > 1 else ""
+    ranks = (report.get("pipeline_ranks") or report["num_ranks"] // data) if data > 1 else report["num_ranks"]
+    title = (f"{report['model']}: {report['schedule']}, {replicas}{ranks} ranks x "
              f"{report['virtual_stages']} stages, {report['num_microbatches']} micro-batches of "
-             f"{report['microbatch_size']}")
+             f"{report['microbatch_size']}{' per replica' if data > 1 else ''}")
     table = Table(title=title)
     for column in ("rank", "stages", "step ms", "busy ms", "predicted busy", "busy ratio",
                    "idle ms", "core share", "peak memory", "predicted memory"):
@@ -408,6 +456,10 @@ def report_table(report: dict[str, Any]) -> Any:
         if predicted.get("simulated_with_link_iteration_ms") is not None:
             parts.append(f"simulated with that link {_ms(predicted['simulated_with_link_iteration_ms'])} ms "
                          f"(ratio {_x(report.get('simulated_with_link_ratio'))})")
+    if measured.get("data_parallel_sync_ms") is not None:
+        planned = predicted.get("data_parallel_ms")
+        parts.append(f"gradient sync over {data} replicas {_ms(measured['data_parallel_sync_ms'])} ms, waiting for the "
+                     f"slowest included" + (f" (planned {planned:.1f})" if planned is not None else ""))
     if predicted.get("replayed_iteration_ms") is not None:
         parts.append(f"replayed with the measured compute {_ms(predicted['replayed_iteration_ms'])} ms "
                      f"(ratio {_x(report.get('replayed_ratio'))}: the non-compute terms)")

@@ -24,7 +24,7 @@ travels from the first stage to the one that uses it). The wrapped modules go in
 the traced ``_PipelineStage`` fails under the V schedules on gloo (docs/running.md).
 
 Tied weights (GPT-2's and BERT's embedding and output matrix) are copied into every stage that
-uses them; :class:`TiedGrads` sums their gradients over those stages after each step, as
+uses them; :class:`pipeplan.run.gradsync.TiedGrads` sums their gradients over those stages after each step, as
 Megatron does for its embedding group, so the copies stay equal and the step equals a single
 process.
 """
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from pipeplan.errors import BadInputError
+from pipeplan.run.gradsync import TiedGrads  # re-exported: it lived here before gradsync
 
 __all__ = [
     "RankStages",
@@ -501,46 +502,3 @@ def _loss_position(output: Any) -> int:
     raise BadInputError(
         f"the model returned no loss ({type(output).__name__}); give its batch 'labels' or a loss_fn"
     )
-
-
-class TiedGrads:
-    """Sums the gradients of tied weights over the stages (and ranks) that hold a copy.
-
-    Every rank makes the same process groups in the same order (``new_group`` is collective),
-    one per tied weight, of the ranks whose stages use it.
-    """
-
-    def __init__(self, tied: dict[str, list[int]], stage_rank: dict[int, int], modules: Sequence[Any],
-                 param_names: Sequence[dict[str, str]], rank: int) -> None:
-        import torch.distributed as dist
-
-        self.groups: list[tuple[str, Any, list[Any]]] = []
-        for canonical, stages in sorted(tied.items()):
-            ranks = sorted({stage_rank[s] for s in stages})
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if rank not in ranks:
-                continue
-            params, seen = [], set()
-            for module, mapping in zip(modules, param_names):
-                for name, param in module.named_parameters(remove_duplicate=False):
-                    if mapping.get(name) == canonical and id(param) not in seen:
-                        seen.add(id(param))
-                        params.append(param)
-            self.groups.append((canonical, group, params))
-
-    def sync(self) -> None:
-        """After backward, before the optimizer: every copy gets the sum of all copies' gradients."""
-        import torch
-        import torch.distributed as dist
-
-        for _, group, params in self.groups:
-            if not params:
-                continue
-            total = torch.zeros_like(params[0])
-            for p in params:
-                if p.grad is not None:
-                    total += p.grad
-            if group is not None:
-                dist.all_reduce(total, group=group)
-            for p in params:
-                p.grad = total.clone()

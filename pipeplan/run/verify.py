@@ -3,9 +3,12 @@
 Before the timed steps, every rank runs the first step's batch through the whole model in one
 process (the same weights from the same seed), micro-batch by micro-batch as the schedule splits
 it, each loss divided by the micro-batch count (torch's schedules scale the gradients the same
-way), and keeps the loss and the gradients. After the pipelined first step (and the tied-weight
-sync), each rank compares the gradients of its own stages' parameters, by the full model's
-names; the last stage compares the loss. Per stage, the figure is the largest over its
+way), and keeps the loss and the gradients. With data parallelism (``d`` replicas) the batch
+is the global one, ``d x m`` micro-batches, of which each replica ran its ``m``
+(:mod:`pipeplan.run.gradsync`). After the pipelined first step (and the tied-weight sync and
+the data-parallel gradient average), each rank compares the gradients of its own stages'
+parameters, by the full model's names; the last stage compares the loss (over the global
+batch). Every replica is checked: each stage appears once per replica (``data_rank``). Per stage, the figure is the largest over its
 parameters of ``max|g_pipe - g_ref| / max|g_ref|`` (relative to the parameter's largest
 gradient, so that entries near zero do not blow it up), and the loss's ``|l_pipe - l_ref| /
 |l_ref|``. Above the tolerance the run fails (exit 1).
@@ -169,7 +172,8 @@ def summarize(per_rank: Sequence[Optional[list[dict[str, Any]]]], tolerance: flo
         figure = max(row["max_rel_grad_diff"], row.get("loss_rel_diff", 0.0))
         row["max_rel_diff"] = figure
         if figure > tolerance:
-            failures.append(f"stage {row['stage']}: {figure:.3g} (worst {row.get('worst_parameter')})")
+            replica = f" replica {row['data_rank']}" if "data_rank" in row else ""
+            failures.append(f"stage {row['stage']}{replica}: {figure:.3g} (worst {row.get('worst_parameter')})")
         if row.get("missing_gradients"):
             failures.append(f"stage {row['stage']}: no gradient for {', '.join(row['missing_gradients'][:3])}")
     worst = max(stages, key=lambda r: r["max_rel_diff"])
@@ -198,7 +202,8 @@ def verdict_lines(verdict: dict[str, Any]) -> list[str]:
     lines = []
     for row in verdict.get("stages", []):
         loss = f", loss {row['loss_rel_diff']:.2e}" if "loss_rel_diff" in row else ""
-        lines.append(f"verify: stage {row['stage']}: largest relative gradient difference "
+        replica = f" (replica {row['data_rank']})" if "data_rank" in row else ""
+        lines.append(f"verify: stage {row['stage']}{replica}: largest relative gradient difference "
                      f"{row['max_rel_grad_diff']:.2e} ({row.get('worst_parameter')}){loss}")
     if verdict["passed"]:
         lines.append(f"verify: passed: every stage within {verdict['tolerance']:g} of one process "

@@ -1,15 +1,21 @@
-"""One pipeline rank: ``python -m pipeplan.run.worker CONFIG.json`` (started by torchrun).
+"""One rank: ``python -m pipeplan.run.worker CONFIG.json`` (started by torchrun).
 
 The launcher (:mod:`pipeplan.run.launch`) writes one JSON config and starts one process per
-pipeline rank under torchrun. Each process:
+rank under torchrun: ``d x p`` of them for a plan with ``d`` data-parallel replicas of a
+``p``-rank pipeline, numbered in Megatron's order (:mod:`pipeplan.run.gradsync`). Each process:
 
 1. joins the process group (gloo on CPU, NCCL on CUDA) with a bounded ``timeout``, so that a
-   hung peer ends the job instead of waiting gloo's default 30 minutes;
+   hung peer ends the job instead of waiting gloo's default 30 minutes; with ``d > 1`` it
+   makes each replica's pipeline group and each pipeline rank's data group;
 2. builds only the units of its own stages, by the plan's layer names
-   (:func:`pipeplan.profile.build_stage`), and wraps each in a ``PipelineStage``;
+   (:func:`pipeplan.profile.build_stage`), and wraps each in a ``PipelineStage`` (talking in
+   its replica's pipeline group);
 3. runs the torch schedule class the plan names, with the plan's micro-batch size and count,
    for ``steps`` iterations with an optimizer, on synthetic batches (or the model's own batch
-   factory);
+   factory); with ``d > 1`` each replica takes its 1/d share of the global batch, and after the
+   backward the gradients are averaged over the data group
+   (:class:`pipeplan.run.gradsync.DataParallelGrads`), so every replica steps as one process
+   on the whole global batch would;
 4. times every step (after a barrier, so all ranks start together), the compute actions
    (forward, backward, weight-gradient chunks), and the peak memory;
 4b. re-times each of its stages alone (forward and whole backward of one micro-batch, outside the
@@ -30,21 +36,27 @@ abbreviations of its own options, so a script option such as ``--run`` is taken 
 Test hook: the environment variable ``PIPEPLAN_RUN_FAULT=<rank>:<kind>`` makes that rank fail on
 purpose at its first step: ``raise`` (an exception), ``exit`` (``os._exit(3)``, a crash without
 a Python traceback), or ``hang`` (sleeps until the others time out); ``all:untie`` skips the
-tied-weight gradient sync on every rank (``--verify`` must then fail).
+tied-weight gradient sync on every rank and ``all:nosync`` the data-parallel one (``--verify``
+must then fail); ``hang-sync`` hangs after the first pipelined step, before the gradient
+all-reduce, where its replicas wait for it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["main", "run_rank", "measure_link", "RESULT_FILE", "error_file"]
+from pipeplan.run.gradsync import plan_data_parallel
+from pipeplan.run.timing import (ComputeTimer, capture_inputs, measure_link, read_status_bytes, reset_peak_rss,
+                                  time_alone, time_transfers)
+
+__all__ = ["main", "run_rank", "build_optimizer", "optimizer_state_bytes", "measure_link", "RESULT_FILE",
+           "error_file"]
 
 #: The file, in ``out_dir``, with every rank's results (a JSON list, by rank).
 RESULT_FILE = "ranks.json"
@@ -53,179 +65,6 @@ RESULT_FILE = "ranks.json"
 def error_file(out_dir: str | Path, rank: int) -> Path:
     """Where rank ``rank`` records why it failed."""
     return Path(out_dir) / f"error-rank{rank}.json"
-
-
-def _read_status_bytes(field: str) -> Optional[int]:
-    """``VmRSS`` / ``VmHWM`` of this process from ``/proc/self/status``, in bytes (Linux)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (``VmHWM``); Linux >= 4.0."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
-
-
-class _Timer:
-    """Sums the wall time of a stage's compute calls, per kind, for the current step."""
-
-    def __init__(self, device: Any) -> None:
-        import torch
-
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.torch = torch
-        self.ms = {"forward": 0.0, "backward": 0.0, "weight": 0.0, "wait": 0.0, "post": 0.0}
-        # CPU time of this thread inside the same calls: on CPU with one torch thread, the share
-        # cpu / wall tells whether the rank had its core (1.0) or shared it with other work.
-        self.cpu_ms = 0.0
-        self._pending: list[tuple[str, Any, Any]] = []
-
-    def wrap(self, kind: str, func: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self.cuda:
-                start = self.torch.cuda.Event(enable_timing=True)
-                end = self.torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = func(*args, **kwargs)
-                end.record()
-                self._pending.append((kind, start, end))
-                return out
-            started, cpu_started = time.perf_counter(), time.thread_time()
-            out = func(*args, **kwargs)
-            self.ms[kind] += (time.perf_counter() - started) * 1000.0
-            self.cpu_ms += (time.thread_time() - cpu_started) * 1000.0
-            return out
-
-        return timed
-
-    def take(self) -> dict[str, float]:
-        """This step's totals (after the step: CUDA events are read here), then reset."""
-        if self._pending:
-            self.torch.cuda.synchronize(self.device)
-            for kind, start, end in self._pending:
-                self.ms[kind] += start.elapsed_time(end)
-            self._pending.clear()
-        out = dict(self.ms)
-        if not self.cuda:
-            out["cpu"] = self.cpu_ms
-        self.ms = {k: 0.0 for k in self.ms}
-        self.cpu_ms = 0.0
-        return out
-
-
-def _time_transfers(module: Any, timer: _Timer) -> None:
-    """Time the schedule's transfer calls: posting them (``_batch_p2p``) and waiting on them
-    (``_wait_batch_p2p``), so that idle time splits into waiting for peers and the schedule's own
-    work. torch 2.13 calls both by their module-level names; where they are missing (another
-    torch), nothing is timed."""
-    for name, kind in (("_batch_p2p", "post"), ("_wait_batch_p2p", "wait")):
-        func = getattr(module, name, None)
-        if func is None:
-            continue
-        func = getattr(func, "__wrapped_by_pipeplan__", func)
-        timed = _wall_timed(timer, kind, func)
-        timed.__wrapped_by_pipeplan__ = func
-        setattr(module, name, timed)
-
-
-def _wall_timed(timer: _Timer, kind: str, func: Any) -> Any:
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return func(*args, **kwargs)
-        finally:
-            timer.ms[kind] += (time.perf_counter() - started) * 1000.0
-
-    return timed
-
-
-def _capture_inputs(module: Any) -> dict[str, Any]:
-    """Keep a copy of the inputs of the stage module's second call (a real micro-batch).
-
-    Not the first: a stage that infers its shapes (``PipelineStage`` without example inputs)
-    first runs its module on ``torch.empty`` tensors made from metadata, whose values are
-    garbage (NaN, denormals, out-of-range ids) and would make the stage's timing alone
-    meaningless. The second call is always a real micro-batch (at the latest, the next step's).
-    """
-    import torch
-
-    box: dict[str, Any] = {}
-    calls = [0]
-
-    def hook(_module: Any, args: tuple, kwargs: dict) -> None:
-        if calls[0] >= 2 or any(torch.is_tensor(a) and a.is_meta for a in (*args, *kwargs.values())):
-            return
-        calls[0] += 1
-        copy = (lambda a: a.detach().clone() if torch.is_tensor(a) else a)
-        box["args"] = tuple(copy(a) for a in args)
-        box["kwargs"] = {k: copy(a) for k, a in kwargs.items()}
-
-    module.register_forward_pre_hook(hook, with_kwargs=True)
-    return box
-
-
-def _time_alone(module: Any, inputs: dict[str, Any], *, input_grads: bool, loss: Any, target: Any,
-                device: Any, repeats: int) -> Optional[dict[str, float]]:
-    """Median forward and whole-backward time of one micro-batch through ``module``, alone.
-
-    The profiler times each unit the same way (a random output gradient drives the backward; the
-    last stage's forward includes the loss), so measured / predicted here is how the machine's
-    speed moved between profiling and this run, free of the schedule's bubbles and transfers.
-    The gradients it makes are dropped.
-    """
-    import torch
-
-    if "args" not in inputs or repeats <= 0:
-        return None
-
-    def prepare(a: Any) -> Any:
-        if torch.is_tensor(a) and input_grads and a.is_floating_point():
-            return a.detach().requires_grad_(True)
-        return a
-
-    args = tuple(prepare(a) for a in inputs["args"])
-    kwargs = {k: prepare(a) for k, a in inputs["kwargs"].items()}
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    forward_ms, backward_ms, grads = [], [], None
-    # One untimed pass first: the first call after a pipelined step is slower (caches,
-    # allocator), as the profiler's warm-up rounds know.
-    for repeat in range(repeats + 1):
-        sync()
-        started = time.perf_counter()
-        out = module(*args, **kwargs)
-        value = loss(out, target) if loss is not None else out
-        sync()
-        forwarded = time.perf_counter()
-        outs = [t for t in (value if isinstance(value, (tuple, list)) else [value])
-                if torch.is_tensor(t) and t.requires_grad]
-        if loss is None and grads is None:
-            generator = torch.Generator(device=outs[0].device).manual_seed(0) if outs else None
-            grads = [torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=generator) for t in outs]
-        torch.autograd.backward(outs, None if loss is not None else grads)
-        sync()
-        finished = time.perf_counter()
-        if repeat > 0:
-            forward_ms.append((forwarded - started) * 1000.0)
-            backward_ms.append((finished - forwarded) * 1000.0)
-    for p in module.parameters():
-        p.grad = None
-    return {"forward_ms": statistics.median(forward_ms), "backward_ms": statistics.median(backward_ms)}
 
 
 def _fault(rank: int) -> Optional[str]:
@@ -287,65 +126,15 @@ def run_rank(config: dict[str, Any]) -> list[dict[str, Any]]:
 
     plans = [Plan.model_validate(p) for p in config["plans"]]
     largest = max(s.send_bytes for plan in plans for s in plan.stages)
-    link = measure_link(rank, world_size, device, largest) if config.get("measure_link", True) else None
+    # Rank 0's pipeline neighbour: rank d in Megatron's order (rank 1 without data parallelism).
+    peer = plan_data_parallel(plans[0])
+    link = measure_link(rank, world_size, device, largest, peer=peer) if config.get("measure_link", True) else None
     results = []
     for index, plan in enumerate(plans):
         result = _run_one(index, plan, config, rank, world_size, device, backend)
         result["link"] = link
         results.append(result)
     return results
-
-
-def measure_link(rank: int, world_size: int, device: Any, large_bytes: int, repeats: int = 30) -> Optional[dict]:
-    """Point-to-point latency and bandwidth between ranks 0 and 1, by ping-pong.
-
-    One-way time is taken as ``latency + bytes / bandwidth``: half the fastest round trip of a
-    4-byte tensor gives the latency, that of a ``large_bytes`` tensor (at least 4 MiB) the
-    bandwidth. The fastest, not the median: on a shared machine a round trip also waits for
-    both processes to be scheduled, which is not the link's cost. Every rank joins the barriers; only ranks 0 and 1 exchange.
-
-    Returns
-    -------
-    dict or None
-        ``latency_ms``, ``bandwidth_bytes_per_s``, ``large_bytes``, ``large_one_way_ms`` (on every
-        rank, broadcast from rank 0), or None with one rank.
-    """
-    import torch
-    import torch.distributed as dist
-
-    if world_size < 2:
-        return None
-    # At least 4 MiB: smaller messages take about the latency alone, leaving the bandwidth noise.
-    large_bytes = max(int(large_bytes), 4 * 2**20)
-    one_way, typical = [], []
-    for size in (4, large_bytes):
-        tensor = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
-        times = []
-        dist.barrier()
-        for i in range(repeats + 2):
-            started = time.perf_counter()
-            if rank == 0:
-                dist.send(tensor, 1)
-                dist.recv(tensor, 1)
-            elif rank == 1:
-                dist.recv(tensor, 0)
-                dist.send(tensor, 0)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= 2:  # the first exchanges set up the connection
-                times.append((time.perf_counter() - started) * 1000.0 / 2)
-        one_way.append(min(times) if rank == 0 else 0.0)
-        typical.append(sorted(times)[len(times) // 2] if rank == 0 else 0.0)
-    values = torch.tensor(one_way + typical, dtype=torch.float64, device=device)
-    dist.broadcast(values, 0)
-    latency_ms, large_ms, median_latency_ms, median_large_ms = (float(v) for v in values.cpu())
-    per_byte_ms = max(large_ms - latency_ms, 1e-9) / large_bytes
-    return {"latency_ms": round(latency_ms, 4), "bandwidth_bytes_per_s": round(1000.0 / per_byte_ms, 1),
-            "large_bytes": large_bytes, "large_one_way_ms": round(large_ms, 4),
-            # The median includes waiting for the peer to be scheduled: on a shared machine,
-            # that (not the link) is what a transfer on the critical path costs.
-            "median_latency_ms": round(median_latency_ms, 4), "median_large_one_way_ms": round(median_large_ms, 4),
-            "method": "ping-pong between ranks 0 and 1 before the plans: fastest of 30 round trips / 2"}
 
 
 def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, world_size: int, device: Any,
@@ -359,30 +148,37 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
     from pipeplan.plan.schedules import SPLIT_BACKWARD_SCHEDULES, TORCH_SCHEDULE_CLASS
     from pipeplan.profile import load_bundle, make_microbatch
     from pipeplan.profile.loading import split_inputs
-    from pipeplan.run.stages import TiedGrads, build_rank_stages, stage_builder
+    from pipeplan.run.gradsync import DataParallelGrads, ReplicaGroups, TiedGrads, replica_share
+    from pipeplan.run.stages import build_rank_stages, stage_builder
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     num_ranks = 1 + max(stage.rank for stage in plan.stages)
-    if world_size != num_ranks:
+    data = plan_data_parallel(plan)
+    if world_size != num_ranks * data:
         raise RuntimeError(
-            f"the plan has {num_ranks} ranks but torchrun started {world_size} processes; "
-            f"start one process per pipeline rank"
+            f"the plan has {data} replica(s) of {num_ranks} pipeline ranks but torchrun started {world_size} "
+            f"processes; start d x p = {data * num_ranks}"
         )
-    stages_here = sorted((s for s in plan.stages if s.rank == rank), key=lambda s: s.index)
+    # Collective: every rank makes every replica's groups, in the same order, before any stage.
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=float(config.get("timeout_s") or 60))  # as init_process_group's
+    groups = ReplicaGroups(data, num_ranks, rank, timeout=timeout)
+    stages_here = sorted((s for s in plan.stages if s.rank == groups.pipeline_rank), key=lambda s: s.index)
     num_stages = len(plan.stages)
     fault = _fault(rank)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    peak_reset = _reset_peak_rss()
-    baseline_rss_bytes = _read_status_bytes("VmRSS")
+    peak_reset = reset_peak_rss()
+    baseline_rss_bytes = read_status_bytes("VmRSS")
 
     model = config["model"]
     options = dict(config.get("model_options") or {})
     seed = int(config.get("seed", 0))
     dtype = config.get("dtype") or "fp32"
-    m = plan.num_microbatches
-    batch_size = plan.microbatch_size * m
+    m = plan.num_microbatches  # per replica
+    batch_size = plan.microbatch_size * m  # this replica's share of the global batch
     seq_len = config.get("seq_len")
     # Batches: only the ranks holding the first stage (inputs) or the last (targets) need them,
     # but every rank loads the factory (built-ins: without weights; the traced builder traces
@@ -390,16 +186,21 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
     bundle = load_bundle(model, seed=seed, device=device, dtype=dtype,
                          **({"materialise": []} if ":" not in model else {}), **options)
 
-    def batch_of(step: int) -> tuple[Any, Any]:
+    def global_batch_of(step: int) -> tuple[Any, Any]:
+        # The same global batch on every rank; each replica takes its share (replica_share).
         if bundle.config.get("family") is None:
             torch.manual_seed(seed + 1 + step)
-        return make_microbatch(bundle, batch_size, seq_len, seed=seed + 1 + step, device=device, dtype=dtype)
+        return make_microbatch(bundle, batch_size * data, seq_len, seed=seed + 1 + step, device=device, dtype=dtype)
+
+    def batch_of(step: int) -> tuple[Any, Any]:
+        return replica_share(*global_batch_of(step), groups.data_rank, data)
 
     example = None
     whole = bundle if ":" in model else None  # user and hf: models: the whole model, built
     builder = stage_builder(model, [s.layers for s in plan.stages], seed=seed, device=device, dtype=dtype,
                             unit_patterns=config.get("unit_patterns"), bundle=whole, **options)
-    first_inputs, first_target_batch = batch_of(0)
+    global_inputs, global_target = global_batch_of(0)
+    first_inputs, first_target_batch = replica_share(global_inputs, global_target, groups.data_rank, data)
     reference = None
     if config.get("verify"):
         from pipeplan.run.verify import reference_step
@@ -407,8 +208,10 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         # Before the stages are built from the same model: the reference leaves the weights as
         # they were and clears its gradients.
         ref_bundle = whole or load_bundle(model, seed=seed, device=device, dtype=dtype, **options)
-        reference = reference_step(ref_bundle, first_inputs, first_target_batch, m)
+        # One process on the whole global batch, cut into the d x m micro-batches the replicas run.
+        reference = reference_step(ref_bundle, global_inputs, global_target, m * data)
         del ref_bundle
+    del global_inputs, global_target
     if builder == "traced":
         from pipeplan.run.verify import microbatches
 
@@ -420,15 +223,17 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
                               split_backward_schedule=plan.schedule if plan.schedule in SPLIT_BACKWARD_SCHEDULES
                               else None, **options)
     modules = built.modules
-    tied = TiedGrads(built.tied, {s.index: s.rank for s in plan.stages}, modules, built.param_names, rank)
+    tied = TiedGrads(built.tied, groups.stage_ranks({s.index: s.rank for s in plan.stages}), modules,
+                     built.param_names, rank, timeout=timeout)
     pipeline_stages = []
     for i, (module, stage) in enumerate(zip(modules, stages_here)):
         static = built.static_args[i] if built.static_args else None
         extra = {} if static is None else {"input_args": static[0], "output_args": static[1]}
-        pipeline_stages.append(PipelineStage(module, stage.index, num_stages, device, **extra))
-    captured = [_capture_inputs(module) for module in modules]
-    timer = _Timer(device)
-    _time_transfers(torch_schedules, timer)
+        pipeline_stages.append(PipelineStage(module, stage.index, num_stages, device, group=groups.pipeline_group,
+                                             **extra))
+    captured = [capture_inputs(module) for module in modules]
+    timer = ComputeTimer(device)
+    time_transfers(torch_schedules, timer)
     for ps in pipeline_stages:
         ps.forward_one_chunk = timer.wrap("forward", ps.forward_one_chunk)
         ps.backward_one_chunk = timer.wrap("backward", ps.backward_one_chunk)
@@ -459,19 +264,15 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         schedule = schedule_class(pipeline_stages, m, loss_fn=timed_loss)
 
     params = [p for module in modules for p in module.parameters()]
-    optimizer_name = plan.settings.optimizer
-    lr = float(config.get("lr", 1e-3))
-    if optimizer_name == "adam":
-        optimizer = torch.optim.Adam(params, lr=lr)
-    elif optimizer_name == "sgd":
-        optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9)
-    else:
-        optimizer = None
+    replica_grads = DataParallelGrads(params, groups.data_group, data)
+    zero_stage = plan.parallelism.zero_stage if plan.parallelism is not None else 0
+    optimizer = build_optimizer(params, plan.settings.optimizer, float(config.get("lr", 1e-3)),
+                                shard_group=groups.data_group if zero_stage >= 1 else None)
 
     has_first = any(s.index == 0 for s in stages_here)
     has_last = any(s.index == num_stages - 1 for s in stages_here)
 
-    step_ms, pipeline_ms, compute, losses = [], [], [], []
+    step_ms, pipeline_ms, sync_ms, compute, losses = [], [], [], [], []
     verified: Optional[list[dict[str, Any]]] = None
     alone: list[dict[str, Any]] = []
     alone_repeats = int(config.get("alone_repeats", 2))
@@ -481,7 +282,7 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
             last = stage.index == num_stages - 1
             if last and "target" not in first_target:
                 continue
-            times = _time_alone(module, box, input_grads=stage.index > 0,
+            times = time_alone(module, box, input_grads=stage.index > 0,
                                 loss=loss if last else None, target=first_target.get("target"),
                                 device=device, repeats=alone_repeats)
             if times is not None:
@@ -498,7 +299,7 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
             # The schedule's loss call wants a target per micro-batch; a model with its own loss
             # (or none) ignores it.
             target = torch.zeros(batch_size, device=device)
-        if fault not in (None, "untie") and step == 0:
+        if fault not in (None, "untie", "nosync", "hang-sync") and step == 0:
             if fault == "raise":
                 raise RuntimeError(f"fault injected on rank {rank} (PIPEPLAN_RUN_FAULT)")
             if fault == "exit":
@@ -523,10 +324,22 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         pipeline_done = time.perf_counter()
+        if fault == "hang-sync":
+            time.sleep(3600)  # its data-parallel peers wait in the gradient all-reduce
+        if fault != "nosync":
+            replica_grads.sync()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        synced = time.perf_counter()
+        step_loss = _global_loss(step_losses, groups.data_group, data) if has_last else None
         if step == 0 and reference is not None:
             from pipeplan.run.verify import compare_rank
 
-            verified = compare_rank(modules, stages_here, built.param_names, reference, step_losses, num_stages)
+            verified = compare_rank(modules, stages_here, built.param_names, reference,
+                                    [step_loss] if step_loss is not None else [], num_stages)
+            if data > 1:
+                for record in verified:
+                    record["data_rank"] = groups.data_rank
         if step == 0 and config.get("dump_grads"):
             grads = {mapping.get(name, name): p.grad.detach().cpu().clone()
                      for module, mapping in zip(modules, built.param_names)
@@ -547,22 +360,26 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
             time_stages_alone(step)
         step_ms.append((finished - started) * 1000.0)
         pipeline_ms.append((pipeline_done - started) * 1000.0)
+        sync_ms.append((synced - pipeline_done) * 1000.0)
         times = timer.take()
         times["loss"] = loss_ms[0]
         loss_ms[0] = 0.0
         compute.append(times)
-        if has_last:
-            losses.append(float(torch.stack([x.detach().float() for x in step_losses]).mean()))
+        if step_loss is not None:
+            losses.append(float(step_loss))
 
     if device.type == "cuda":
         peak_bytes = int(torch.cuda.max_memory_allocated(device))
         memory_method = "torch.cuda.max_memory_allocated"
     else:
-        hwm = _read_status_bytes("VmHWM")
+        hwm = read_status_bytes("VmHWM")
         peak_bytes = (hwm - baseline_rss_bytes) if (hwm and baseline_rss_bytes and peak_reset) else None
         memory_method = "peak RSS (VmHWM) minus RSS before the stages were built"
     return {
         "rank": rank,
+        "pipeline_rank": groups.pipeline_rank,
+        "data_rank": groups.data_rank,
+        "data_parallel": data,
         "host": os.uname().nodename,
         "local_rank": local_rank,
         "stages": [s.index for s in stages_here],
@@ -571,17 +388,67 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         "threads": torch.get_num_threads(),
         "step_ms": step_ms,
         "pipeline_ms": pipeline_ms,
+        "data_parallel_sync_ms": sync_ms,
         "compute_ms": compute,
         "losses": losses,
         "peak_memory_bytes": peak_bytes,
         "memory_method": memory_method,
         "baseline_rss_bytes": baseline_rss_bytes,
         "param_count": sum(p.numel() for p in params),
+        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "alone": alone,
         "stage_builder": built.builder,
         "tied_weights": built.tied,
         "verify": verified,
     }
+
+
+def build_optimizer(params: list, name: str, lr: float, *, shard_group: Any = None) -> Any:
+    """The plan's optimizer over ``params``: ``adam`` and ``adam-fp32-grads`` (the same update; the
+    names differ in the memory they count), ``sgd`` with momentum 0.9, or None for ``none``.
+
+    With ``shard_group`` (ZeRO 1 over the data group), torch's ``ZeroRedundancyOptimizer``: each
+    replica keeps the optimizer state of its share of the parameters, updates them, and
+    broadcasts them to the others; the update is the same as unsharded.
+    """
+    import torch
+
+    if name in ("adam", "adam-fp32-grads"):
+        optimizer_class, options = torch.optim.Adam, {"lr": lr}
+    elif name == "sgd":
+        optimizer_class, options = torch.optim.SGD, {"lr": lr, "momentum": 0.9}
+    else:
+        return None
+    if shard_group is None:
+        return optimizer_class(params, **options)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=shard_group, **options)
+
+
+def optimizer_state_bytes(optimizer: Any) -> Optional[int]:
+    """Bytes of the tensors this rank's optimizer keeps (its share, under ZeRO 1), or None."""
+    import torch
+
+    if optimizer is None:
+        return None
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps its share's optimizer
+    return sum(value.numel() * value.element_size() for state in local.state.values()
+               for value in state.values() if torch.is_tensor(value))
+
+
+def _global_loss(step_losses: list, data_group: Any, data: int) -> Any:
+    """The step's loss over the global batch: the mean of this replica's micro-batch losses,
+    averaged over the last stage's replicas (all of which call this, in the same step)."""
+    import torch
+    import torch.distributed as dist
+
+    loss = torch.stack([x.detach().float() for x in step_losses]).mean()
+    if data_group is not None and data > 1:
+        dist.all_reduce(loss, group=data_group)
+        loss = loss / data
+    return loss
 
 
 def main(argv: Optional[list[str]] = None) -> int:

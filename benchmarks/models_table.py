@@ -6,7 +6,8 @@
 Each row builds a model from a tiny config (no weights), and runs, through the CLI as a user
 would: ``pipeplan profile`` (1 repeat, no warm-up: the table is about what runs, not timing),
 ``pipeplan plan --stages R --schedule S`` and ``pipeplan run --verify --steps 2`` for each
-schedule. A cell is ``ok`` or the first line of the error. Prints markdown rows, and the load
+schedule. A cell is ``ok`` or the first line of the error. The two user models are
+:mod:`pipeplan.profile.examples`, loaded through the ``module:callable`` contract as a user's own. Prints markdown rows, and the load
 average beside them. Needs torch and transformers (``pip install -e ".[dev,hf]"``).
 """
 
@@ -25,59 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PIPEPLAN = [sys.executable, "-m", "pipeplan"]
 TINY_LM = ["--layers", "4", "--hidden", "32", "--heads", "2", "--vocab", "64"]
 
-USER_MODELS = '''
-import torch
-from torch import nn
-from pipeplan.profile import InputSpec
-
-
-class Down(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv = nn.Conv2d(c, c, 3, padding=1)
-
-    def forward(self, x):
-        y = torch.relu(self.conv(x))
-        return y, y.mean(dim=(2, 3), keepdim=True)
-
-
-class Up(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv = nn.Conv2d(c, c, 3, padding=1)
-
-    def forward(self, pair, skip):
-        y, gate = pair
-        return torch.relu(self.conv(y * gate)) + skip
-
-
-class TupleNet(nn.Module):
-    """A conv net whose blocks return tuples, with a skip connection and a slice outside units."""
-
-    def __init__(self, hidden):
-        super().__init__()
-        self.stem = nn.Conv2d(3, hidden, 3, padding=1)
-        self.down1 = Down(hidden)
-        self.down2 = Down(hidden)
-        self.up1 = Up(hidden)
-        self.head = nn.Linear(hidden * 64, 10)
-
-    def forward(self, x):
-        h = self.stem(x)
-        d1 = self.down1(h)
-        d2 = self.down2(d1[0])
-        return self.head(self.up1(d2, h).flatten(1))
-
-
-def tuples(hidden=4):
-    return TupleNet(hidden), [InputSpec(shape=(3, 8, 8))]
-
-
-def no_loss(hidden=16, layers=4):
-    """An MLP with no loss: it trains on the documented default (mean square of the output)."""
-    return nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(layers)]), [InputSpec(shape=(hidden,))]
-'''
-
 #: (row label, MODEL, profile options)
 ROWS = [
     ("GPT2LMHeadModel (tied)", "hf:gpt2", TINY_LM),
@@ -85,9 +33,9 @@ ROWS = [
     ("Qwen2ForCausalLM", "hf:qwen2", TINY_LM),
     ("BertForMaskedLM (tied)", "hf:bert", TINY_LM),
     ("ViTForImageClassification", "hf:vit", ["--layers", "4", "--hidden", "32", "--heads", "2"]),
-    ("T5ForConditionalGeneration (encoder-decoder)", "hf:t5", TINY_LM),
-    ("a conv net whose blocks return tuples", "pipeplan_table_models:tuples", []),
-    ("a model without a loss", "pipeplan_table_models:no_loss", []),
+    ("T5ForConditionalGeneration (encoder-decoder; tied)", "hf:t5", TINY_LM),
+    ("a conv net whose blocks return tuples", "pipeplan.profile.examples:tuples", []),
+    ("a model without a loss", "pipeplan.profile.examples:no_loss", []),
 ]
 
 
@@ -148,8 +96,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pipeplan-models-") as tmp:
         work = Path(tmp)
-        (work / "pipeplan_table_models.py").write_text(USER_MODELS)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(work), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         print(f"ranks {args.ranks}, schedules {args.schedules}; load average before {os.getloadavg()}")
         print("| model | MODEL | profile | plan | run --verify | stage builder; notes |")
         print("|---|---|---|---|---|---|")

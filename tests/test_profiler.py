@@ -25,11 +25,8 @@ from pipeplan.profile import (  # noqa: E402
     select_units,
     trace_units,
 )
-from pipeplan.profile.measure import (  # noqa: E402
-    measure_unit,
-    parameter_storages,
-    saved_activation_bytes,
-)
+from pipeplan.profile.measure import measure_unit  # noqa: E402
+from pipeplan.profile.memory import parameter_storages, saved_activation_bytes  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -193,12 +190,43 @@ def test_capture_fallback_finds_the_same_edges_when_fx_fails():
                 h = h * 2
             return self.c(torch.relu(self.b(h)) + h)
 
-    from pipeplan.profile.measure import capture
+    from pipeplan.profile.capture import capture
 
     with pytest.raises(Exception):
         trace_units(Untraceable(), ["a", "b", "c"])
     seen = capture(Untraceable(), ["a", "b", "c"], (torch.randn(2, 4),))
     assert seen.graph.edges == [("a", "b"), ("a", "c"), ("b", "c")]
+
+
+class _SharedDropout(nn.Module):
+    """T5Stack's shape: one dropout module called before and after the blocks."""
+
+    def __init__(self, shared_weights: bool = False):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.drop = nn.Linear(4, 4) if shared_weights else nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.drop(self.b(self.a(self.drop(x))))
+
+
+def test_a_unit_without_parameters_called_twice_is_code_between_units():
+    from pipeplan.profile.capture import capture
+
+    graph = trace_units(_SharedDropout(), ["drop", "a", "b"])
+    assert (graph.units, graph.repeated, graph.edges) == (["a", "b"], ["drop"], [("a", "b")])
+    seen = capture(_SharedDropout(), ["drop", "a", "b"], (torch.randn(2, 4),))
+    assert (seen.order, seen.graph.repeated, seen.graph.edges) == (["a", "b"], ["drop"], [("a", "b")])
+    assert sorted(seen.calls) == ["a", "b"]
+
+
+def test_a_unit_with_parameters_called_twice_is_refused_by_name():
+    from pipeplan.profile.capture import capture
+
+    for find in (lambda m, u: trace_units(m, u), lambda m, u: capture(m, u, (torch.randn(2, 4),))):
+        with pytest.raises(BadInputError, match=r"unit 'drop' ran more than once in one forward and holds "
+                                                r"parameters .*choose units that contain every call"):
+            find(_SharedDropout(shared_weights=True), ["drop", "a", "b"])
 
 
 # --------------------------------------------------------------------------- stages

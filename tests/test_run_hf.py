@@ -32,6 +32,7 @@ TINY = {
     "hf:qwen2": {"layers": 4, "hidden": 32, "heads": 2, "vocab": 64},
     "hf:bert": {"layers": 6, "hidden": 32, "heads": 2, "vocab": 64},
     "hf:vit": {"layers": 5, "hidden": 32, "heads": 2, "image_size": 16},
+    "hf:t5": {"layers": 4, "hidden": 32, "heads": 2, "vocab": 64},
 }
 
 _PROFILES: dict[str, object] = {}
@@ -57,6 +58,7 @@ def _plans(model: str, ranks: int, schedules: list[str]):
     # (1f1b on GPT-2 runs in the --verify failure test below.)
     ("hf:gpt2", 2, ["zbv"]),                             # tied embedding / LM head
     ("hf:llama", 2, ["zb"]),                             # rotary tables cross every boundary
+    ("hf:t5", 2, ["1f1b", "interleaved"]),               # encoder-decoder; tied three ways
     pytest.param("hf:bert", 2, ["interleaved"], marks=pytest.mark.slow),  # tied; B/W fallback on 'cls'
     # The rest of the matrix: every model at 2 and 4 ranks under 1f1b, interleaved and a
     # zero-bubble schedule.
@@ -104,6 +106,52 @@ def test_the_profile_counts_tied_weights_once_and_names_their_layers():
         reference = AutoModelForCausalLM.from_config(cfg)
     total = sum(p.numel() for p in reference.parameters()) * 4  # parameters() counts a tie once
     assert sum(layer.param_bytes for layer in profile.layers) == total
+
+
+def test_t5_profile_has_both_stacks_and_leaves_the_twice_called_dropouts_out():
+    profile = _profile("hf:t5")
+    names = [layer.name for layer in profile.layers]
+    assert [n for n in names if ".block." in n] == [f"encoder.block.{i}" for i in range(4)] + [
+        f"decoder.block.{i}" for i in range(4)]  # --layers sizes the decoder too
+    assert names[0] == "encoder.embed_tokens" and names[-1] == "lm_head"
+    # T5Stack calls its dropout after the embedding and after the last block.
+    assert profile.measurement["repeated_units"]["units"] == ["decoder.dropout", "encoder.dropout"]
+    assert not any(n.endswith("dropout") for n in names)
+    ties = profile.tied_weights
+    assert [(t.name, t.layers) for t in ties] == [
+        ("shared.weight", ["encoder.embed_tokens", "decoder.embed_tokens", "lm_head"])]
+    assert profile.measurement["stage_builders"]["run_uses"] == "traced"
+    # The encoder's output feeds every decoder block (cross-attention).
+    edges = set(profile.edge_list())
+    assert all(("encoder.final_layer_norm", f"decoder.block.{i}") in edges for i in range(4))
+
+
+def test_t5_stage_that_torch_split_backward_cannot_train_is_refused_by_name():
+    # torch 2.13's stage_backward_weight fails on a non-first stage holding the decoder's
+    # embedding and first block (its parameter groups share nodes): the zero-bubble schedules
+    # are refused there, with the stage, the cause and the schedules that run it.
+    from pipeplan.profile.loading import load_bundle, make_microbatch
+    from pipeplan.run.stages import build_rank_stages
+
+    stages = [["encoder.embed_tokens", "encoder.block.0", "encoder.block.1", "encoder.block.2"],
+              ["encoder.block.3", "encoder.final_layer_norm", "decoder.embed_tokens", "decoder.block.0"],
+              ["decoder.block.1", "decoder.block.2"],
+              ["decoder.block.3", "decoder.final_layer_norm", "lm_head"]]
+    def build(indices, schedule):
+        # A fresh model per build, as each plan of a run gets: torch's tracer leaves state on
+        # a transformers model that makes a second trace of it fail.
+        bundle = load_bundle("hf:t5", **TINY["hf:t5"])
+        example, _ = make_microbatch(bundle, 1, SEQ_LEN, seed=1, device=torch.device("cpu"), dtype=torch.float32)
+        return build_rank_stages("hf:t5", stages, indices, example_inputs=example, builder="traced",
+                                 bundle=bundle, split_backward_schedule=schedule, **TINY["hf:t5"])
+
+    with pytest.raises(BadInputError, match=r"stage 1 \(encoder.block.3 .. decoder.block.0\) cannot run under "
+                                            r"zbv: torch's split backward .*second time\); plan it with "
+                                            r"--schedule 1f1b"):
+        build([1, 2], "zbv")
+    # The other stages pass the same check; without a split-backward schedule nothing is checked.
+    assert len(build([2, 3], "zbv").modules) == 2
+    assert len(build([1], None).modules) == 1
 
 
 def test_llama_profile_records_the_rotary_edges_to_every_layer():
@@ -160,66 +208,16 @@ def test_hf_config_file_and_bad_options(tmp_path):
         hf_bundle("hf:/no/such/config.json")
 
 
-USER_MODEL = '''
-import torch
-from torch import nn
-from pipeplan.profile import InputSpec
-
-
-class Down(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv = nn.Conv2d(c, c, 3, padding=1)
-
-    def forward(self, x):
-        y = torch.relu(self.conv(x))
-        return y, y.mean(dim=(2, 3), keepdim=True)   # a tuple
-
-
-class Up(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv = nn.Conv2d(c, c, 3, padding=1)
-
-    def forward(self, pair, skip):
-        y, gate = pair
-        return torch.relu(self.conv(y * gate)) + skip
-
-
-class Net(nn.Module):
-    def __init__(self, hidden):
-        super().__init__()
-        self.stem = nn.Conv2d(3, hidden, 3, padding=1)
-        self.down1 = Down(hidden)
-        self.down2 = Down(hidden)
-        self.up1 = Up(hidden)
-        self.head = nn.Linear(hidden * 64, 10)
-
-    def forward(self, x):
-        h = self.stem(x)
-        d1 = self.down1(h)
-        d2 = self.down2(d1[0])          # a value computed outside every unit
-        return self.head(self.up1(d2, h).flatten(1))
-
-
-def build(hidden=4):
-    return Net(hidden), [InputSpec(shape=(3, 8, 8))]   # no loss: the default loss trains it
-'''
-
-
-def test_a_user_model_with_tuples_and_no_loss_runs_traced(tmp_path, monkeypatch):
-    (tmp_path / "unet_tuples.py").write_text(USER_MODEL)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    profile = profile_model("unet_tuples:build", microbatch_sizes=[1], repeats=1, warmup=0,
+def test_a_user_model_with_tuples_and_no_loss_runs_traced(tmp_path):
+    # pipeplan.profile.examples:tuples, through the module:callable contract: blocks that return
+    # tuples, a skip edge, a value computed outside every unit, no loss.
+    profile = profile_model("pipeplan.profile.examples:tuples", microbatch_sizes=[1], repeats=1, warmup=0,
                             whole_model_check=False)
     assert ("stem", "up1") in profile.edge_list()
     assert profile.measurement["stage_builders"]["run_uses"] == "traced"
     plans = [make_plan(profile, PlanSettings(stages=2, global_batch=4, microbatch_size=1, schedule=s),
                        profile_sha256="0" * 64) for s in ("1f1b", "zbv")]
-    import os
-
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    reports = run_plans(plans, profile=profile, steps=2, work_dir=tmp_path / "run", echo=False, env=env,
+    reports = run_plans(plans, profile=profile, steps=2, work_dir=tmp_path / "run", echo=False,
                         timeout_s=90, verify=True, alone_repeats=0)
     for report in reports:
         assert report["verify"]["passed"], report["verify"]["failures"]

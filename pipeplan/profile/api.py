@@ -83,7 +83,7 @@ def _r(value: float) -> float:
 
 
 def _fail_forward(exc: Exception, microbatch_size: int, seq_len: Optional[int], what: str) -> BadInputError:
-    from pipeplan.profile.measure import is_out_of_memory
+    from pipeplan.profile.memory import is_out_of_memory
 
     if is_out_of_memory(exc):
         return BadInputError(
@@ -188,14 +188,9 @@ def profile_model(
     import torch
 
     from pipeplan.profile.loading import load_bundle, make_microbatch
-    from pipeplan.profile.measure import (
-        capture,
-        is_out_of_memory,
-        UnitTimer,
-        WholeModelTimer,
-        parameter_storages,
-        timing_rounds,
-    )
+    from pipeplan.profile.capture import capture
+    from pipeplan.profile.measure import UnitTimer, WholeModelTimer, timing_rounds
+    from pipeplan.profile.memory import is_out_of_memory, parameter_storages
     from pipeplan.profile.allocator import keep_freed_memory
     from pipeplan.profile.models import _torch_dtype
     from pipeplan.profile.units import default_units, select_units, trace_units
@@ -241,6 +236,7 @@ def profile_model(
         remeasured = 0
         split_fallbacks: dict[str, str] = {}
         order: Optional[list[str]] = None
+        repeated: list[str] = []
 
         bar = _progress(progress)
         with bar if bar is not None else nullcontext():
@@ -257,6 +253,7 @@ def profile_model(
                     raise _fail_forward(exc, size, seq, "the model's forward") from exc
                 if graph is None:
                     graph = seen.graph
+                repeated = sorted(set(repeated) | set(seen.graph.repeated) | set(graph.repeated))
                 if order is None:
                     order = list(seen.order)
                     if not order:
@@ -428,6 +425,11 @@ def profile_model(
             } if split_fallbacks else None,
             "remeasured_unit_sizes": remeasured,
             "unused_units": list(graph.unused),
+            "repeated_units": {
+                "units": list(repeated),
+                "method": "modules without parameters that the forward calls more than once: not "
+                          "units; their calls are code between units, run in the stage that needs them",
+            } if repeated else None,
             "stage_builders": builders,
             "load_average_before": load_before,
             "load_average_after": _load_average(),

@@ -12,8 +12,9 @@ What the source fixes, so that a pipeline computes exactly what one process does
 - ``use_cache=False`` (a ``DynamicCache`` output does not trace) and every dropout probability 0
   (a pipelined step and a single process draw different dropout masks); ``keep_dropout=True``
   keeps the config's;
-- the units are the items of the model's longest ``ModuleList`` (its repeated blocks), the rest of
-  the model coarser units around them (:func:`pipeplan.profile.units.select_units`);
+- the units are the items of the model's outermost ``ModuleList``s (its repeated blocks: the
+  encoder's and the decoder's in an encoder-decoder), the rest of the model coarser units around
+  them (:func:`pipeplan.profile.units.select_units`); ``--layers`` sizes both stacks;
 - batches are dicts of keyword inputs with ``labels``, so that the model computes its own loss
   (``ModelOutput.loss``): random tokens for language models (``labels`` = the tokens; the model
   shifts them itself), random images and class ids for image classifiers.
@@ -128,10 +129,22 @@ def hf_config(name: str, config: Any = None, keep_dropout: bool = False, **optio
         if option == "hidden" and getattr(cfg, "model_type", "") == "gpt2":
             field = "n_embd"
         setattr(cfg, field, int(value))
-        if option == "hidden" and hasattr(cfg, "intermediate_size") and options.get("ffn") is None:
-            cfg.intermediate_size = 4 * int(value)
+        if option == "layers":
+            # Encoder-decoders (T5, BART) size their decoder apart; --layers sets both stacks.
+            for decoder_field in ("num_decoder_layers", "decoder_layers"):
+                if hasattr(cfg, decoder_field):
+                    setattr(cfg, decoder_field, int(value))
+        if option == "hidden" and options.get("ffn") is None:
+            for ffn_field in ("intermediate_size", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim"):
+                if hasattr(cfg, ffn_field):
+                    setattr(cfg, ffn_field, 4 * int(value))
         if option == "heads" and hasattr(cfg, "num_key_value_heads") and options.get("kv_heads") is None:
             cfg.num_key_value_heads = int(value)
+        if option == "heads" and hasattr(cfg, "decoder_attention_heads"):
+            cfg.decoder_attention_heads = int(value)
+    if hasattr(cfg, "d_kv") and (options.get("hidden") is not None or options.get("heads") is not None):
+        # T5's head size is its own field (64 by default), not hidden / heads.
+        cfg.d_kv = max(1, int(cfg.d_model) // int(cfg.num_heads))
     cfg.use_cache = False
     if not keep_dropout:
         for key, value in list(cfg.to_dict().items()):
@@ -167,15 +180,30 @@ def _model_class(cfg: Any) -> Any:
     return auto
 
 
-def _repeated_blocks(model: Any) -> Optional[str]:
-    """The dotted name of the model's longest ``ModuleList`` (its blocks), or None."""
+def _repeated_blocks(model: Any) -> list[str]:
+    """The dotted names of the model's outermost ``ModuleList``s of two or more items (its blocks:
+    one list for a decoder-only or encoder-only model, the encoder's and the decoder's for T5 or
+    BART), in registration order; lists inside a block (T5's ``block.0.layer``) are not blocks.
+
+    Examples
+    --------
+    >>> import torch
+    >>> block = torch.nn.Module(); block.layer = torch.nn.ModuleList([torch.nn.Linear(1, 1)] * 2)
+    >>> m = torch.nn.Module(); m.enc = torch.nn.ModuleList([block, block])
+    >>> m.dec = torch.nn.ModuleList([torch.nn.Linear(1, 1)] * 3)
+    >>> _repeated_blocks(m)
+    ['enc', 'dec']
+    """
     import torch
 
-    best, best_len = None, 1
+    found: list[str] = []
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > best_len:
-            best, best_len = name, len(module)
-    return best
+        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
+            continue
+        if any(name.startswith(outer + ".") for outer in found):
+            continue
+        found.append(name)
+    return found
 
 
 def _batch_factory(cfg: Any, device: Any, dtype: Any):
@@ -239,7 +267,7 @@ def hf_bundle(name: str, *, seed: int = 0, device: Any = "cpu", dtype: Any = Non
     return ModelBundle(
         model=model,
         make_batch=_batch_factory(cfg, device, torch_dtype),
-        units=[f"{blocks}.*"] if blocks else None,
+        units=[f"{name}.*" for name in blocks] or None,
         kinds=kinds,
         config={"hf": name, "model_type": cfg.model_type, "hf_class": type(model).__name__,
                 "config": cfg.to_diff_dict(), **recorded},

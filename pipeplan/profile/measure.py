@@ -1,10 +1,10 @@
-"""Timing and memory measurement of one unit, and of the whole model for the check.
+"""Timing of one unit, and of the whole model for the check.
 
 Each unit is measured alone: its inputs are captured from one real forward of the whole
-model (:func:`capture`), then it is rerun on detached copies of them, and its backward is
-driven by a fixed random output gradient (or by the loss, for the last unit). Module
-backward hooks are not used: they miss time (an embedding's weight gradient, modules without
-parameters).
+model (:func:`pipeplan.profile.capture.capture`), then it is rerun on detached copies of them,
+and its backward is driven by a fixed random output gradient (or by the loss, for the last
+unit); its memory is counted as it runs (:mod:`pipeplan.profile.memory`). Module backward hooks
+are not used: they miss time (an embedding's weight gradient, modules without parameters).
 """
 
 from __future__ import annotations
@@ -18,21 +18,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from pipeplan.errors import BadInputError
-from pipeplan.profile.units import Source, UnitGraph
+from pipeplan.profile.memory import saved_activation_bytes, tensor_bytes
 
 __all__ = [
     "exception_line",
     "UnitMeasurement",
-    "Capture",
-    "capture",
     "measure_unit",
     "measure_whole_model",
     "UnitTimer",
     "WholeModelTimer",
     "timing_rounds",
-    "saved_activation_bytes",
-    "tensor_bytes",
     "spread",
 ]
 
@@ -51,74 +46,6 @@ def spread(samples: list[float]) -> float:
         return 0.0
     mean = statistics.fmean(samples)
     return statistics.pstdev(samples) / mean if mean > 0 else 0.0
-
-
-def tensor_bytes(value: Any) -> int:
-    """Bytes of every tensor in a (nested) value: what a stage would send of it."""
-    leaves, _ = tree_flatten(value)
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-
-
-def _storage_key(t: torch.Tensor) -> Optional[tuple[Any, int]]:
-    try:
-        storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-    if storage.nbytes() == 0:
-        return None
-    return (str(t.device), storage.data_ptr())
-
-
-def parameter_storages(model: nn.Module) -> set[tuple[Any, int]]:
-    """Storage keys of every parameter and buffer (they are not activations)."""
-    keys = set()
-    for t in [*model.parameters(), *model.buffers()]:
-        key = _storage_key(t)
-        if key is not None:
-            keys.add(key)
-    return keys
-
-
-class saved_activation_bytes:
-    """Context manager counting bytes autograd saves for backward, by unique storage.
-
-    Storages of ``exclude`` (parameters, buffers) are left out. A view saves its whole
-    storage, which is what stays in memory.
-
-    Examples
-    --------
-    >>> import torch
-    >>> lin = torch.nn.Linear(4, 3, bias=False)
-    >>> x = torch.randn(2, 4, requires_grad=True)
-    >>> with saved_activation_bytes(exclude=parameter_storages(lin)) as saved:
-    ...     y = lin(x)
-    >>> saved.bytes   # only x: 2 * 4 * 4 bytes
-    32
-    """
-
-    def __init__(self, exclude: Optional[set] = None) -> None:
-        self.exclude = exclude or set()
-        self.storages: dict[tuple[Any, int], int] = {}
-        self._hooks: Any = None
-
-    @property
-    def bytes(self) -> int:
-        """Total bytes of the unique storages saved."""
-        return sum(self.storages.values())
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
-        if key is not None and key not in self.exclude:
-            self.storages[key] = t.untyped_storage().nbytes()
-        return t
-
-    def __enter__(self) -> "saved_activation_bytes":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
 
 
 def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
@@ -196,119 +123,6 @@ class UnitMeasurement:
     """Why torch's split backward could not time this unit (B and W are then estimated)."""
     forward_samples: list[float] = field(default_factory=list, repr=False)
     backward_samples: list[float] = field(default_factory=list, repr=False)
-
-
-@dataclass
-class Capture:
-    """What one forward of the whole model showed about its units."""
-
-    calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]]
-    """Per unit, its detached positional and keyword inputs."""
-    order: list[str]
-    """Units in the order they ran."""
-    graph: UnitGraph
-    """The unit graph seen at run time (edges from the autograd graph)."""
-    output_bytes: dict[str, int]
-    """Bytes of each unit's output."""
-
-
-def _detach(value: Any) -> Any:
-    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
-
-
-def capture(model: nn.Module, units: list[str], inputs: Any) -> Capture:
-    """Run the model once and record each unit's inputs, call order and wiring.
-
-    The wiring comes from the autograd graph: walking back from a unit's inputs to the
-    nearest outputs of other units gives its producers, so it also sees through operations
-    between units. It is the fallback when torch.fx cannot trace the model.
-
-    Raises
-    ------
-    BadInputError
-        If a unit runs more than once per forward.
-    """
-    calls: dict[str, tuple[Any, Any]] = {}
-    order: list[str] = []
-    out_bytes: dict[str, int] = {}
-    owner_of_fn: dict[Any, str] = {}
-    owner_of_tensor: dict[int, str] = {}
-    args_src: dict[str, Optional[list[Source]]] = {}
-    edges: list[tuple[str, str]] = []
-    # Keyword inputs (a dict batch) are sources named by their keyword.
-    input_ids = {id(t): i for i, t in (inputs.items() if isinstance(inputs, dict) else enumerate(inputs))}
-    keep_alive: list[Any] = []
-
-    def producers(value: Any) -> set[str]:
-        found, stack, seen = set(), [], set()
-        for t in tree_flatten(value)[0]:
-            if isinstance(t, torch.Tensor):
-                if id(t) in owner_of_tensor:
-                    found.add(owner_of_tensor[id(t)])
-                elif t.grad_fn is not None:
-                    stack.append(t.grad_fn)
-        while stack:
-            fn = stack.pop()
-            if fn is None or fn in seen:
-                continue
-            seen.add(fn)
-            if fn in owner_of_fn:
-                found.add(owner_of_fn[fn])
-                continue
-            stack.extend(next_fn for next_fn, _ in fn.next_functions)
-        return found
-
-    def pre_hook(name: str):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if name in calls:
-                raise BadInputError(
-                    f"unit {name!r} ran more than once in one forward; a unit must run once per "
-                    f"micro-batch: choose units that contain every call (--units)"
-                )
-            calls[name] = (args, kwargs)
-            order.append(name)
-            sources: list[Source] = []
-            for a in args:
-                if isinstance(a, torch.Tensor) and id(a) in owner_of_tensor:
-                    sources.append(("unit", owner_of_tensor[id(a)]))
-                elif isinstance(a, torch.Tensor) and id(a) in input_ids:
-                    sources.append(("input", input_ids[id(a)]))
-                else:
-                    sources = None  # type: ignore[assignment]
-                    break
-            args_src[name] = sources if sources is not None and not kwargs else None
-            for src in sorted(producers((args, kwargs)), key=order.index):
-                edges.append((src, name))
-        return hook
-
-    def post_hook(name: str):
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            out_bytes[name] = tensor_bytes(output)
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor):
-                    owner_of_tensor[id(t)] = name
-                    keep_alive.append(t)
-                    if t.grad_fn is not None:
-                        owner_of_fn[t.grad_fn] = name
-        return hook
-
-    handles = []
-    try:
-        for name in units:
-            module = model.get_submodule(name)
-            handles.append(module.register_forward_pre_hook(pre_hook(name), with_kwargs=True))
-            handles.append(module.register_forward_hook(post_hook(name)))
-        output = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    out_source: Optional[Source] = None
-    if isinstance(output, torch.Tensor) and id(output) in owner_of_tensor:
-        out_source = ("unit", owner_of_tensor[id(output)])
-    graph = UnitGraph(units=list(order), args=args_src, edges=edges, output=out_source, method="autograd",
-                      unused=[u for u in units if u not in calls])
-    detached = {name: _detach(call) for name, call in calls.items()}
-    return Capture(calls=detached, order=list(order), graph=graph, output_bytes=out_bytes)
 
 
 def _fresh(call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[Any, ...], dict[str, Any], list]:
@@ -600,10 +414,4 @@ def measure_whole_model(
         timer.sample(record=i >= warmup)
     return timer.result()
 
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """True for CUDA/CPU out-of-memory errors."""
-    if isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or isinstance(exc, MemoryError):
-        return True
-    return "out of memory" in str(exc).lower()
 

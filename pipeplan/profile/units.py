@@ -5,7 +5,7 @@ stage. The *unit graph* says, for each unit, where each positional argument of i
 from (a model input or another unit's output); its edges are the producer -> consumer pairs.
 It is found by tracing the model's forward with ``torch.fx``, the units kept as leaves, so a
 skip connection (a unit's output used by a unit other than the next) appears as an edge. When
-fx cannot trace a model, :func:`pipeplan.profile.measure.capture` finds the edges from the
+fx cannot trace a model, :func:`pipeplan.profile.capture.capture` finds the edges from the
 autograd graph of one real forward instead.
 """
 
@@ -25,6 +25,9 @@ __all__ = [
     "default_units",
     "select_units",
     "trace_units",
+    "RepeatedUnit",
+    "repeat_error",
+    "repeated_call",
     "chain_graph",
     "UnitChain",
     "build_stage",
@@ -61,6 +64,10 @@ class UnitGraph:
     """How the graph was found: ``torch.fx``, ``autograd`` or ``chain`` (assumed)."""
     unused: list[str] = field(default_factory=list)
     """Units the forward never calls (left out of ``units``)."""
+    repeated: list[str] = field(default_factory=list)
+    """Units without parameters that the forward calls more than once (T5's ``dropout``, called
+    after the embedding and after the last block), left out of ``units``: their calls are code
+    between units, which runs in the stage that needs it."""
 
     def is_chain(self) -> bool:
         """True when every edge joins neighbours in ``units`` and each neighbour pair is joined."""
@@ -178,17 +185,61 @@ def trace_units(model: nn.Module, units: Sequence[str]) -> UnitGraph:
 
     Works on a model whose parameters are on the ``meta`` device (nothing is computed).
 
+    A unit without parameters that is called more than once is left out (``repeated``) and
+    traced through, as code between units.
+
     Raises
     ------
     BadInputError
-        If a unit is called more than once per forward.
+        If a unit with parameters is called more than once per forward.
     RuntimeError
         Any tracing failure of torch.fx (the caller falls back to the autograd graph).
 
     Notes
     -----
-    Time linear in the number of traced operations.
+    Time linear in the number of traced operations, times one more trace per repeated unit.
     """
+    repeated: list[str] = []
+    while True:
+        try:
+            graph = _trace_once(model, [u for u in units if u not in repeated])
+        except RepeatedUnit as again:
+            repeated.append(again.name)
+            continue
+        graph.repeated = repeated
+        graph.unused = [u for u in graph.unused if u not in repeated]
+        return graph
+
+
+class RepeatedUnit(Exception):
+    """Raised while a graph is found: the unit ``name``, which holds no parameters, ran twice.
+
+    The finders (:func:`trace_units`, :func:`pipeplan.profile.capture.capture`) catch it and
+    look again without that unit; it never reaches a user.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def repeat_error(name: str) -> BadInputError:
+    """The error for a unit with parameters that runs more than once in one forward."""
+    return BadInputError(
+        f"unit {name!r} ran more than once in one forward and holds parameters (shared weights); "
+        f"a unit must run once per micro-batch: choose units that contain every call (--units)"
+    )
+
+
+def repeated_call(model: nn.Module, name: str) -> Exception:
+    """What to raise when unit ``name`` runs a second time: :class:`RepeatedUnit` for a module
+    without parameters, else :func:`repeat_error`."""
+    if next(model.get_submodule(name).parameters(), None) is not None:
+        return repeat_error(name)
+    return RepeatedUnit(name)
+
+
+def _trace_once(model: nn.Module, units: Sequence[str]) -> UnitGraph:
     unit_set = set(units)
     graph = _UnitTracer(unit_set).trace(model)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -224,10 +275,7 @@ def trace_units(model: nn.Module, units: Sequence[str]) -> UnitGraph:
             continue
         name = node.target
         if name in args:
-            raise BadInputError(
-                f"unit {name!r} is called more than once in one forward; a unit must run once "
-                f"per micro-batch: choose units that contain both calls"
-            )
+            raise repeated_call(model, name)
         sources = [direct(a) for a in node.args]
         args[name] = sources if all(s is not None for s in sources) and not node.kwargs else None
         for src in sorted(set().union(*(upstream(n) for n in node.all_input_nodes)) if node.all_input_nodes else set(),

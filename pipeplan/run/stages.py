@@ -44,6 +44,7 @@ __all__ = [
     "stage_builder",
     "traced_split",
     "check_builders",
+    "split_backward_problem",
 ]
 
 
@@ -176,8 +177,14 @@ def _traced_stage_class() -> type:
             out = self.submod(*(env[k] for k in self.call_args))
             for key, item in self.results:
                 env[key] = out if item is None else out[item]
-            # torch's split backward detaches a stage's outputs in place, which a view refuses.
-            values = tuple(v.clone() if isinstance(v, torch.Tensor) and v._is_view() else v
+            # A copy of each computed output: torch's split backward detaches a stage's outputs in
+            # place, which a view refuses, and (torch 2.13) fails ("backward through the graph a
+            # second time") when an output also feeds another output inside the stage, as T5's
+            # encoder states feed every decoder block; gloo sends only contiguous tensors (T5's
+            # position bias is a permuted view). The profiler's split timing copies them too.
+            values = tuple(v.clone(memory_format=torch.contiguous_format)
+                           if isinstance(v, torch.Tensor)
+                           and (v.grad_fn is not None or v._is_view() or not v.is_contiguous()) else v
                            for v in (env[k] for k in self.output_keys))
             if not self.last:
                 values = tuple(_as_leaf_if_constant(v) for v in values)
@@ -291,7 +298,8 @@ def stage_builder(model: str, stage_layers: Sequence[Sequence[str]], *, seed: in
 def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_indices: Sequence[int], *,
                       example_inputs: Any = None, seed: int = 0, device: Any = "cpu", dtype: str = "fp32",
                       unit_patterns: Optional[Sequence[str]] = None, builder: Optional[str] = None,
-                      bundle: Any = None, **options: Any) -> RankStages:
+                      bundle: Any = None, split_backward_schedule: Optional[str] = None,
+                      **options: Any) -> RankStages:
     """Build the stages ``stage_indices`` of a model split into ``stage_layers``.
 
     Parameters
@@ -309,6 +317,16 @@ def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_i
     bundle : ModelBundle, optional
         The whole model, already built with ``seed`` (the traced builder traces it; saves a
         second build). Not used by the ``units`` builder.
+    split_backward_schedule : str, optional
+        The plan's schedule when it splits backward (``zb``, ``zbv``, ``dualpipev``): the traced
+        builder then checks each of this rank's stages but the first (torch runs a whole
+        backward there) with :func:`split_backward_problem`.
+
+    Raises
+    ------
+    BadInputError
+        A stage torch's split backward cannot train, naming it, the cause and the schedules
+        that run it.
 
     Returns
     -------
@@ -359,6 +377,16 @@ def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_i
                 uses.setdefault(canonical, set()).add(index)
         if index in stage_indices:
             module = cls(submod, routing, index).to(device)
+            if split_backward_schedule and index > 0:
+                problem = split_backward_problem(module, examples[index][0], examples[index][1])
+                if problem is not None:
+                    units = stage_layers[index]
+                    raise BadInputError(
+                        f"stage {index} ({units[0]} .. {units[-1]}) cannot run under "
+                        f"{split_backward_schedule}: torch's split backward (the zero-bubble "
+                        f"schedules' B and W passes) cannot train it ({problem}); plan it with "
+                        f"--schedule 1f1b, interleaved or gpipe (docs/models.md)"
+                    )
             modules.append(module)
             names.append({f"submod.{n}": c for n, c in mapping.items()})
             static.append(examples[index])
@@ -374,6 +402,54 @@ def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_i
                       tied={c: sorted(s) for c, s in sorted(uses.items()) if len(s) > 1}, static_args=static)
 
 
+def split_backward_problem(module: Any, inputs: tuple, outputs: tuple) -> Optional[str]:
+    """Why torch's split backward (B, then W) cannot train this stage, or None.
+
+    Runs the stage once on the example ``inputs`` with torch's own ``stage_backward_input`` and
+    ``stage_backward_weight`` (as the zero-bubble schedules do) and once with a plain backward,
+    and compares the weight gradients. torch 2.13 groups a stage's parameters by the paths from
+    its inputs; where two groups share nodes, W either fails ("Trying to backward through the
+    graph a second time") or, with the graph kept, counts a path twice. T5 does that on a stage
+    that holds the decoder's embedding and a decoder block but is not the first stage (the
+    decoder's weight-only branch meets the encoder states in the cross-attention).
+    """
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from pipeplan.profile.measure import exception_line
+
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def run(split: bool) -> list[Any]:
+        for p in params:
+            p.grad = None
+        ins = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+        out = module(*ins)
+        outs = [o for o in (out if isinstance(out, tuple) else (out,))
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        grads = [torch.ones_like(o) for o in outs]
+        if split:
+            _, groups = stage_backward_input(outs, grads, [x for x in ins if x.requires_grad], iter(params))
+            stage_backward_weight(iter(params), groups)
+        else:
+            torch.autograd.backward(outs, grads)
+        return [None if p.grad is None else p.grad.clone() for p in params]
+
+    try:
+        whole = run(split=False)
+        try:
+            split = run(split=True)
+        except RuntimeError as exc:
+            return exception_line(exc).split(" (")[0]  # torch's advice on retain_graph does not apply
+        for p, a, b in zip(params, whole, split):
+            if (a is None) != (b is None) or (a is not None and not torch.allclose(a, b, rtol=1e-4, atol=1e-6)):
+                return "its weight gradients differ from a plain backward's"
+        return None
+    finally:
+        for p in params:
+            p.grad = None
+
+
 def _example_values(pipe: Any, routing: _Routing, cls: type, example_inputs: Any,
                     num_stages: int) -> list[tuple[Any, Any]]:
     """Each stage's inputs and outputs on the example micro-batch, as ``PipelineStage`` wants them
@@ -383,7 +459,7 @@ def _example_values(pipe: Any, routing: _Routing, cls: type, example_inputs: Any
     from pipeplan.profile.loading import split_inputs
 
     def example(value: Any) -> Any:
-        value = value.detach().clone()
+        value = value.detach().clone(memory_format=torch.contiguous_format)
         return value.requires_grad_(True) if value.is_floating_point() else value
 
     def as_tuple(value: Any) -> tuple:

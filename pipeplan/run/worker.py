@@ -145,7 +145,7 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    from pipeplan.plan.schedules import TORCH_SCHEDULE_CLASS
+    from pipeplan.plan.schedules import SPLIT_BACKWARD_SCHEDULES, TORCH_SCHEDULE_CLASS
     from pipeplan.profile import load_bundle, make_microbatch
     from pipeplan.profile.loading import split_inputs
     from pipeplan.run.gradsync import DataParallelGrads, ReplicaGroups, TiedGrads, replica_share
@@ -219,7 +219,9 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
     built = build_rank_stages(model, [s.layers for s in plan.stages], [s.index for s in stages_here],
                               example_inputs=example, seed=seed, device=device, dtype=dtype,
                               unit_patterns=config.get("unit_patterns"), builder=builder,
-                              bundle=whole if builder == "traced" else None, **options)
+                              bundle=whole if builder == "traced" else None,
+                              split_backward_schedule=plan.schedule if plan.schedule in SPLIT_BACKWARD_SCHEDULES
+                              else None, **options)
     modules = built.modules
     tied = TiedGrads(built.tied, groups.stage_ranks({s.index: s.rank for s in plan.stages}), modules,
                      built.param_names, rank, timeout=timeout)

@@ -153,7 +153,7 @@ def test_export_runs_in_deepspeeds_pipeline_engine(request, tmp_path):
     # topology ("terminate called without an active exception", SIGABRT), before any pipeplan
     # code ran; until that is understood, the engine run is opt-in so that it cannot fail CI by chance.
     # (It used a fixed --master_port, 29561: two such runs at once on a shared machine failed with
-    # EADDRINUSE; torchrun --standalone now picks a free port. That alone did not explain the abort.)
+    # EADDRINUSE; torchrun --standalone now picks a free port. Whether that was the abort is not shown.)
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("DeepSpeed's engine on torchrun aborts now and then on a loaded CPU runner: "
                     "pytest -m slow tests/test_doctor_deepspeed.py")

@@ -92,6 +92,54 @@ def test_a_pipelined_step_equals_one_process(request, tmp_path, model, ranks, sc
         assert len(report["loss"]) == 2
 
 
+def _with_slow_wpe(profile):
+    """The GPT-2 profile with ``wpe`` 1000x slower: the best split of the layer DAG then puts
+    ``wpe`` (a source beside ``wte``) alone into stage 0, ahead of ``wte``, which the forward
+    calls first. A noisy profile on a loaded machine sometimes made the same choice, and
+    ``test_a_pipelined_step_equals_one_process[hf:gpt2-2-schedules0]`` failed verify (0.66 on
+    ``transformer.wte.weight``)."""
+    slow = profile.model_copy(deep=True)
+    for layer in slow.layers:
+        if layer.name == "transformer.wpe":
+            for cost in layer.costs:
+                cost.forward_ms *= 1000
+                cost.backward_ms *= 1000
+                if cost.backward_input_ms is not None:
+                    cost.backward_input_ms *= 1000
+    return slow
+
+
+def test_plans_of_a_traced_model_follow_its_execution_order():
+    profile = _with_slow_wpe(_profile("hf:gpt2"))
+    order = [layer.name for layer in profile.layers]
+    assert order.index("transformer.wte") < order.index("transformer.wpe")
+    settings = PlanSettings(stages=2, global_batch=4, microbatch_size=1, schedule="zbv")
+    plan = make_plan(profile, settings, profile_sha256="0" * 64)
+    assert [name for stage in plan.stages for name in stage.layers] == order
+    assert any("stages follow the layer order" in note for note in plan.notes)
+    # Over the whole DAG (a profile that does not say the traced builder runs it) the split
+    # differs: the test above would catch a planner that stopped following the order.
+    untraced = profile.model_copy(deep=True)
+    untraced.measurement["stage_builders"].pop("run_uses")
+    dag = make_plan(untraced, settings, profile_sha256="0" * 64)
+    assert dag.stages[0].layers == ["transformer.wpe"]
+
+
+def test_the_traced_builder_refuses_stages_out_of_the_call_order():
+    from pipeplan.profile import load_bundle, make_microbatch
+    from pipeplan.run.stages import build_rank_stages
+    from pipeplan.run.verify import microbatches
+
+    bundle = load_bundle("hf:gpt2", seed=0, **TINY["hf:gpt2"])
+    inputs, target = make_microbatch(bundle, 4, SEQ_LEN, seed=1)
+    example = microbatches(inputs, target, 4)[0][0]
+    stages = [["transformer.wpe"], ["transformer.wte", "transformer.drop"], ["transformer.h.0"],
+              ["transformer.h.1", "transformer.h.2", "transformer.h.3", "transformer.ln_f", "lm_head"]]
+    with pytest.raises(BadInputError, match=r"plan stage 1 holds transformer.wte, transformer.drop, but torch's "
+                                            r"tracer put transformer.wpe.weight \(unit transformer.wpe, plan stage 0\)"):
+        build_rank_stages("hf:gpt2", stages, [0, 3], example_inputs=example, builder="traced", bundle=bundle)
+
+
 def test_the_profile_counts_tied_weights_once_and_names_their_layers():
     profile = _profile("hf:gpt2")
     ties = profile.tied_weights

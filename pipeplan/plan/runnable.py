@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 __all__ = ["ACTION_OVERHEAD_MS", "default_action_overhead_ms", "default_overhead_note", "runnable_problem",
-           "refuse_unrunnable"]
+           "refuse_unrunnable", "execution_order_note"]
 
 #: (device type, backend) -> (ms per action, how it was measured).
 ACTION_OVERHEAD_MS: dict[tuple[str, str], tuple[float, str]] = {
@@ -96,6 +96,33 @@ def runnable_problem(profile: Any) -> Optional[str]:
             f"and torch's tracer cannot split it before every unit "
             f"({builders.get('traced_error', 'unknown error')}); choose coarser units (--units) "
             f"or make the forward traceable by torch.export")
+
+
+def execution_order_note(profile: Any) -> Optional[str]:
+    """Why the stages must be runs of consecutive layers in the profile's (execution) order, or None.
+
+    ``pipeplan run``'s traced stage builder (HF models, user models torch.fx cannot wire) splits
+    torch's traced graph before each stage's first unit (``SplitPoint.BEGINNING``), so a stage
+    holds every unit the forward runs from there to the next stage's first unit. A split of the
+    layer DAG that is not a run of the execution order (GPT-2's ``wpe`` alone in stage 0, before
+    ``wte``, which the forward calls first) would run as a different split, whose stages no
+    longer match the plan. Profiles recorded which builder runs them
+    (``measurement.stage_builders.run_uses``); others (built-ins, imported) give None.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace
+    >>> execution_order_note(SimpleNamespace(measurement={"stage_builders": {"run_uses": "traced"}}))[:40]
+    'stages follow the layer order: pipeplan '
+    >>> execution_order_note(SimpleNamespace(measurement={"stage_builders": {"run_uses": "units"}})) is None
+    True
+    """
+    builders = (getattr(profile, "measurement", None) or {}).get("stage_builders") or {}
+    if builders.get("run_uses") != "traced":
+        return None
+    return ("stages follow the layer order: pipeplan run's traced stage builder splits the model before each "
+            "stage's first unit in the order the forward runs them, so the split is the best one along that order "
+            "(not over every split of the layer graph)")
 
 
 def refuse_unrunnable(profile: Any) -> None:

@@ -455,10 +455,12 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
             f"--stages: {settings.stages} stages but the profile has only {n} "
             f"layers; use at most {n}"
         )
-    from pipeplan.plan.runnable import default_overhead_note, refuse_unrunnable
+    from pipeplan.plan.runnable import default_overhead_note, execution_order_note, refuse_unrunnable
 
     refuse_unrunnable(profile)
     overhead_note = default_overhead_note(profile, settings)
+    # A traced model runs only splits along its execution order: never solve over the whole DAG.
+    order_note = execution_order_note(profile)
     settings = with_profile_defaults(profile, settings)
     space = schedule_space(settings, n)
     sizes = candidate_microbatch_sizes(profile, settings)
@@ -468,7 +470,7 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
 
     # A fixed one-stage-per-rank schedule without recomputation is a small search: solve each
     # micro-batch size's split exactly, so its choice is among exact optima.
-    exact = len(space) == 1 and space[0][1] == 1 and settings.recompute == "none"
+    exact = len(space) == 1 and space[0][1] == 1 and settings.recompute == "none" and order_note is None
     candidates: list[Candidate] = []
     refusals: list[str] = []
     cut_ms: list[float] = []  # the caller-time bounds of what the incumbent pruned
@@ -545,7 +547,9 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
     graph = graphs[best.microbatch_size]
     partition, simulation, problem = best.partition, best.simulation, best.problem
     notes = []
-    if not exact and (not graph.chain or settings.solver == "ilp"):
+    if order_note is not None and not graph.chain:
+        notes.append(order_note)
+    elif not exact and (not graph.chain or settings.solver == "ilp"):
         # The search split DAGs along a few orders; solve the winner exactly.
         try:
             exact = solve_partition(problem, settings.solver)

@@ -364,6 +364,7 @@ def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_i
     tied = tied_parameter_names(net)
     alias = {name: canonical for canonical, group in tied.items() for name in group}
     pipe, routing = traced_split(net, example_inputs, [layers[0] for layers in stage_layers[1:]])
+    _check_traced_stages(pipe, stage_layers, tied, alias)
     cls = _traced_stage_class()
     modules, names, static = [], [], []
     uses: dict[str, set[int]] = {}
@@ -478,6 +479,35 @@ def _example_values(pipe: Any, routing: _Routing, cls: type, example_inputs: Any
     for p in pipe.split_gm.parameters():
         p.grad = None
     return out
+
+
+def _check_traced_stages(pipe: Any, stage_layers: Sequence[Sequence[str]], tied: dict[str, list[str]],
+                         alias: dict[str, str]) -> None:
+    """Refuse a split whose traced stages hold other units than the plan's.
+
+    The tracer splits before each stage's first unit, so a stage that is not a run of consecutive
+    units in the forward's call order (a plan made over the layer DAG: GPT-2's ``wpe`` alone
+    before ``wte``) becomes a different split; run, it would train without some weights'
+    gradients and ``--verify`` would find them wrong. Checked by the units whose parameters each
+    traced stage reads (tied copies count for every unit that holds them).
+    """
+    owner = {unit: index for index, layers in enumerate(stage_layers) for unit in layers}
+
+    def unit_of(name: str) -> Optional[str]:
+        parts = name.split(".")
+        return next((u for u in (".".join(parts[:k]) for k in range(len(parts), 0, -1)) if u in owner), None)
+
+    for index in range(len(stage_layers)):
+        for name in sorted(_used_parameters(pipe.get_stage_module(index))):
+            units = [u for u in map(unit_of, tied.get(alias.get(name, ""), [name])) if u is not None]
+            if units and index not in {owner[u] for u in units}:
+                unit = units[0]
+                raise BadInputError(
+                    f"plan stage {index} holds {', '.join(stage_layers[index])}, but torch's tracer put "
+                    f"{name} (unit {unit}, plan stage {owner[unit]}) into it: the traced builder needs every "
+                    f"stage to be a run of consecutive units in the order the forward calls them; make the "
+                    f"plan again with this pipeplan (its plans of traced models follow that order)"
+                )
 
 
 def _used_parameters(submod: Any) -> set[str]:

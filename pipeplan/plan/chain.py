@@ -67,14 +67,19 @@ def _stage_vectors(problem: PartitionProblem, chain: _Chain, j: int, r: int):
     return time, memory <= problem.cap_with_tolerance
 
 
-def _two_pass(run, n: int, k: int, bottleneck_only: bool = False):
+def _two_pass(run, n: int, k: int, bottleneck_only: bool = False, first_pass=None):
     """Run a chain DP twice: min-max for the bottleneck, then most balanced at it; backtrack.
 
     ``run(None)`` gives the min-max table, ``run(limit)`` the sum-of-squares table over splits
     whose stages stay within ``limit``; both return ``(best, arg)`` indexed ``[stage, end]``.
+    ``first_pass(compute)``, if given, may return a remembered bottleneck instead of
+    ``compute()`` (the first pass's only output that the second needs).
     """
-    best, _ = run(None)
-    bottleneck = best[k - 1, n]
+    def bottleneck_of():
+        best, _ = run(None)
+        return float(best[k - 1, n])
+
+    bottleneck = bottleneck_of() if first_pass is None else first_pass(bottleneck_of)
     if bottleneck_only:
         return float(bottleneck)
     if not math.isfinite(bottleneck):
@@ -154,7 +159,11 @@ def _direct(problem: PartitionProblem, chain: _Chain, bottleneck_only: bool = Fa
             arg[j, cols] = pick + first
         return best, arg
 
-    return _two_pass(run, n, k, bottleneck_only)
+    # The ladder tests a recompute set's bottleneck alone, then often splits the same problem:
+    # remember the min-max pass's value so that the split runs only the balancing pass.
+    key = (id(problem.graph), cost, cap, problem.in_flight, problem.recompute, k)
+    return _two_pass(run, n, k, bottleneck_only,
+                     first_pass=lambda compute: memoised("chain_bottleneck", key, (problem.graph,), compute))
 
 
 def _direct_loop(problem: PartitionProblem, chain: _Chain):

@@ -148,14 +148,14 @@ def _direct(problem: PartitionProblem, chain: _Chain, bottleneck_only: bool = Fa
                 prev = np.zeros(1)
             else:
                 prev = best[j - 1, rows]
-            ok = fits(j)[rows, cols] & np.isfinite(prev)[:, None]
+            # A start whose prefix fits nowhere has prev = inf, so its value is inf without a mask.
+            ok = fits(j)[rows, cols]
             if limit is None:
                 value = np.where(ok, np.maximum(prev[:, None], time), inf)
             else:
-                ok &= time <= limit
-                value = np.where(ok, prev[:, None] + time * time, inf)
+                value = np.where(ok & (time <= limit), prev[:, None] + time * time, inf)
             pick = np.argmin(value, axis=0)
-            best[j, cols] = value[pick, np.arange(hi + 1 - lo)]
+            best[j, cols] = value.min(axis=0)
             arg[j, cols] = pick + first
         return best, arg
 

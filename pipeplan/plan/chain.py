@@ -125,11 +125,15 @@ def _direct(problem: PartitionProblem, chain: _Chain, bottleneck_only: bool = Fa
             times_cache[mode] = cost.stage_time_ms(sums, cut_in, cut_out, mode)
         return times_cache[mode]
 
-    def fits(j):
+    def masked(j):
+        # Stage j's times where it fits (and l < r), inf elsewhere; and their squares likewise:
+        # an entry that does not fit then loses to any that does without a mask per step.
         key = (problem.in_flight[j], problem.recompute[j])
         if key not in fits_cache:
             memory = cost.stage_memory_bytes(sums, cut_in, problem.in_flight[j], problem.recompute[j])
-            fits_cache[key] = (memory <= cap) & upper
+            ok = (memory <= cap) & upper
+            time = times(problem.recompute[j])
+            fits_cache[key] = (np.where(ok, time, inf), np.where(ok, time * time, inf))
         return fits_cache[key]
 
     def run(limit):
@@ -143,20 +147,16 @@ def _direct(problem: PartitionProblem, chain: _Chain, bottleneck_only: bool = Fa
                 continue
             first, last = (0, 1) if j == 0 else (j, hi)
             rows, cols = slice(first, last), slice(lo, hi + 1)
-            time = times(problem.recompute[j])[rows, cols]
-            if j == 0:
-                prev = np.zeros(1)
-            else:
-                prev = best[j - 1, rows]
-            # A start whose prefix fits nowhere has prev = inf, so its value is inf without a mask.
-            ok = fits(j)[rows, cols]
+            prev = np.zeros((1, 1)) if j == 0 else best[j - 1, rows][:, None]
+            time_or_inf, square_or_inf = masked(j)
+            # An unreachable start has prev = inf, so its value is inf as well.
             if limit is None:
-                value = np.where(ok, np.maximum(prev[:, None], time), inf)
+                value = np.maximum(prev, time_or_inf[rows, cols])
             else:
-                value = np.where(ok & (time <= limit), prev[:, None] + time * time, inf)
-            pick = np.argmin(value, axis=0)
+                value = np.where(times(problem.recompute[j])[rows, cols] <= limit,
+                                 prev + square_or_inf[rows, cols], inf)
+                arg[j, cols] = np.argmin(value, axis=0) + first
             best[j, cols] = value.min(axis=0)
-            arg[j, cols] = pick + first
         return best, arg
 
     # The ladder tests a recompute set's bottleneck alone, then often splits the same problem:

@@ -67,14 +67,19 @@ def _stage_vectors(problem: PartitionProblem, chain: _Chain, j: int, r: int):
     return time, memory <= problem.cap_with_tolerance
 
 
-def _two_pass(run, n: int, k: int, bottleneck_only: bool = False):
+def _two_pass(run, n: int, k: int, bottleneck_only: bool = False, first_pass=None):
     """Run a chain DP twice: min-max for the bottleneck, then most balanced at it; backtrack.
 
     ``run(None)`` gives the min-max table, ``run(limit)`` the sum-of-squares table over splits
     whose stages stay within ``limit``; both return ``(best, arg)`` indexed ``[stage, end]``.
+    ``first_pass(compute)``, if given, may return a remembered bottleneck instead of
+    ``compute()`` (the first pass's only output that the second needs).
     """
-    best, _ = run(None)
-    bottleneck = best[k - 1, n]
+    def bottleneck_of():
+        best, _ = run(None)
+        return float(best[k - 1, n])
+
+    bottleneck = bottleneck_of() if first_pass is None else first_pass(bottleneck_of)
     if bottleneck_only:
         return float(bottleneck)
     if not math.isfinite(bottleneck):
@@ -120,11 +125,15 @@ def _direct(problem: PartitionProblem, chain: _Chain, bottleneck_only: bool = Fa
             times_cache[mode] = cost.stage_time_ms(sums, cut_in, cut_out, mode)
         return times_cache[mode]
 
-    def fits(j):
+    def masked(j):
+        # Stage j's times where it fits (and l < r), inf elsewhere; and their squares likewise:
+        # an entry that does not fit then loses to any that does without a mask per step.
         key = (problem.in_flight[j], problem.recompute[j])
         if key not in fits_cache:
             memory = cost.stage_memory_bytes(sums, cut_in, problem.in_flight[j], problem.recompute[j])
-            fits_cache[key] = (memory <= cap) & upper
+            ok = (memory <= cap) & upper
+            time = times(problem.recompute[j])
+            fits_cache[key] = (np.where(ok, time, inf), np.where(ok, time * time, inf))
         return fits_cache[key]
 
     def run(limit):
@@ -138,23 +147,23 @@ def _direct(problem: PartitionProblem, chain: _Chain, bottleneck_only: bool = Fa
                 continue
             first, last = (0, 1) if j == 0 else (j, hi)
             rows, cols = slice(first, last), slice(lo, hi + 1)
-            time = times(problem.recompute[j])[rows, cols]
-            if j == 0:
-                prev = np.zeros(1)
-            else:
-                prev = best[j - 1, rows]
-            ok = fits(j)[rows, cols] & np.isfinite(prev)[:, None]
+            prev = np.zeros((1, 1)) if j == 0 else best[j - 1, rows][:, None]
+            time_or_inf, square_or_inf = masked(j)
+            # An unreachable start has prev = inf, so its value is inf as well.
             if limit is None:
-                value = np.where(ok, np.maximum(prev[:, None], time), inf)
+                value = np.maximum(prev, time_or_inf[rows, cols])
             else:
-                ok &= time <= limit
-                value = np.where(ok, prev[:, None] + time * time, inf)
-            pick = np.argmin(value, axis=0)
-            best[j, cols] = value[pick, np.arange(hi + 1 - lo)]
-            arg[j, cols] = pick + first
+                value = np.where(times(problem.recompute[j])[rows, cols] <= limit,
+                                 prev + square_or_inf[rows, cols], inf)
+                arg[j, cols] = np.argmin(value, axis=0) + first
+            best[j, cols] = value.min(axis=0)
         return best, arg
 
-    return _two_pass(run, n, k, bottleneck_only)
+    # The ladder tests a recompute set's bottleneck alone, then often splits the same problem:
+    # remember the min-max pass's value so that the split runs only the balancing pass.
+    key = (id(problem.graph), cost, cap, problem.in_flight, problem.recompute, k)
+    return _two_pass(run, n, k, bottleneck_only,
+                     first_pass=lambda compute: memoised("chain_bottleneck", key, (problem.graph,), compute))
 
 
 def _direct_loop(problem: PartitionProblem, chain: _Chain):

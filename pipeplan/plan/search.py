@@ -238,10 +238,12 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
         return [(none, base)]
     order = recompute_order(in_flight)
     problem0 = build_problem(profile, graph, settings, in_flight, none)
-    if base is not None:
+    # The peaks first: the split they need is costed for its bound anyway, while the uncapped
+    # split is solved only to tell whether the cap binds, which matters only where the peaks fit.
+    if base is not None and max(rank_peaks(problem0, base, schedule, p, m, v)) <= cap:
         free = search_partition(build_problem(profile, graph, settings, in_flight, none, memory_cap_bytes=math.inf))
         binding = free is not None and base.bottleneck_ms > free.bottleneck_ms * (1 + CAP_TOLERANCE)
-        if not binding and max(rank_peaks(problem0, base, schedule, p, m, v)) <= cap:
+        if not binding:
             return [(none, base)]
     modes = ("selective", "full") if graph.selective_known else ("full",)
     out = {none: base}

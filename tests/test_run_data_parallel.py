@@ -22,26 +22,17 @@ from pipeplan.formats.profile import Profile  # noqa: E402
 from pipeplan.run import run_plans  # noqa: E402
 from pipeplan.run.gradsync import ReplicaGroups, replica_share  # noqa: E402
 from pipeplan.run.verify import microbatches  # noqa: E402
+from tiny_profiles import SEQ_LEN, tiny_gpt2_profile  # noqa: E402
 
 runner = CliRunner()
 
 TINY = {"hidden": 32, "heads": 2, "vocab": 64, "layers": 2}
-SEQ_LEN = 8
 DATA, STAGES, MICROBATCH, GLOBAL_BATCH = 2, 2, 1, 8
 
 
 def _profile_file(tmp_path: Path) -> Path:
-    """An analytic profile with the built-in GPT-2's unit names (the split only needs names)."""
-    names = ["embed", *[f"blocks.{i}" for i in range(TINY["layers"])], "norm", "head"]
-    profile = Profile.model_validate({
-        "schema_version": 1, "model": "gpt2-tiny", "source": "analytic", "device": {"name": "cpu"},
-        "dtype": "fp32", "sequence_length": SEQ_LEN,
-        "layers": [{"name": name, "param_bytes": 4096, "costs": [
-            {"microbatch_size": b, "forward_ms": 1.0 * b, "backward_ms": 2.0 * b,
-             "backward_input_ms": 1.0 * b, "backward_weight_ms": 1.0 * b,
-             "activation_bytes": 1024 * b, "output_bytes": 1024 * b} for b in (1, 2)]}
-            for name in names],
-    })
+    """The tiny analytic profile (tests/tiny_profiles.py) written to a file."""
+    profile = tiny_gpt2_profile(TINY["layers"])
     path = tmp_path / "profile.json"
     path.write_text(profile.model_dump_json(by_alias=True, exclude_none=True), encoding="utf-8")
     return path

@@ -16,34 +16,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pipeplan.formats.plan import SCHEDULES  # noqa: E402
-from pipeplan.formats.profile import Profile  # noqa: E402
 from pipeplan.run import RunFailedError, balanced_plan, run_plan, run_plans  # noqa: E402
+from tiny_profiles import SEQ_LEN, tiny_gpt2_profile  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
 TINY = {"hidden": 32, "heads": 2, "vocab": 64}
-SEQ_LEN = 8
-
-
-def _names(layers: int) -> list[str]:
-    return ["embed", *[f"blocks.{i}" for i in range(layers)], "norm", "head"]
-
-
-def _profile(layers: int) -> Profile:
-    """An analytic profile with the built-in GPT-2's unit names (the split only needs names)."""
-    return Profile.model_validate({
-        "schema_version": 1, "model": "gpt2-tiny", "source": "analytic", "device": {"name": "cpu"},
-        "dtype": "fp32", "sequence_length": SEQ_LEN,
-        "layers": [{"name": name, "param_bytes": 4096, "costs": [
-            {"microbatch_size": b, "forward_ms": 1.0 * b, "backward_ms": 2.0 * b,
-             "backward_input_ms": 1.0 * b, "backward_weight_ms": 1.0 * b,
-             "activation_bytes": 1024 * b, "output_bytes": 1024 * b} for b in (1, 2)]}
-            for name in _names(layers)],
-    })
-
-
 def _every_schedule(layers: int, ranks: int, microbatch_size: int, num_microbatches: int):
-    profile = _profile(layers)
+    profile = tiny_gpt2_profile(layers)
     return [balanced_plan(profile, schedule=s, ranks=ranks, microbatch_size=microbatch_size,
                           num_microbatches=num_microbatches) for s in SCHEDULES]
 
@@ -132,7 +112,7 @@ def test_every_schedule_equals_a_single_process_step(tmp_path, ranks, layers, mi
 
 
 def _two_rank_plan():
-    return balanced_plan(_profile(2), schedule="1f1b", ranks=2, microbatch_size=1, num_microbatches=2)
+    return balanced_plan(tiny_gpt2_profile(2), schedule="1f1b", ranks=2, microbatch_size=1, num_microbatches=2)
 
 
 @pytest.mark.parametrize("fault, expected", [
@@ -198,7 +178,7 @@ def test_run_then_calibrate_carries_the_schedules_own_time_into_the_next_plan(tm
     from pipeplan.plan import make_plan
     from pipeplan.run.calibrate import calibrate_profile
 
-    profile = _profile(2)
+    profile = tiny_gpt2_profile(2)
     plan = _two_rank_plan()
     report = run_plan(plan, profile=profile, model="gpt2-tiny", model_options={**TINY, "layers": 2},
                       seq_len=SEQ_LEN, steps=3, work_dir=tmp_path, echo=False, timeout_s=60)

@@ -24,6 +24,7 @@ __all__ = [
     "UnitGraph",
     "default_units",
     "select_units",
+    "bundle_units",
     "trace_units",
     "RepeatedUnit",
     "repeat_error",
@@ -178,6 +179,25 @@ class _UnitTracer(torch.fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.units or super().is_leaf_module(m, module_qualified_name)
+
+
+def bundle_units(bundle, unit_patterns=None) -> list[str]:
+    """The units of a loaded model bundle: ``unit_patterns``, else the bundle's own, else the default.
+
+    Parameters
+    ----------
+    bundle : ModelBundle
+        From :func:`pipeplan.profile.loading.load_bundle`.
+    unit_patterns : list of str, optional
+        The user's ``--units`` patterns; they win over the bundle's.
+
+    Returns
+    -------
+    list of str
+        Unit names in model order (:func:`select_units` or :func:`default_units`).
+    """
+    patterns = unit_patterns or bundle.units
+    return select_units(bundle.model, list(patterns)) if patterns else default_units(bundle.model)
 
 
 def trace_units(model: nn.Module, units: Sequence[str]) -> UnitGraph:
@@ -419,8 +439,7 @@ def build_stage(model: str, units: Sequence[str], *, seed: int = 0, device: Any 
     from pipeplan.profile.loading import load_bundle
 
     bundle = load_bundle(model, seed=seed, device=device, dtype=dtype, materialise=list(units), **options)
-    patterns = unit_patterns or bundle.units
-    names = select_units(bundle.model, list(patterns)) if patterns else default_units(bundle.model)
+    names = bundle_units(bundle, unit_patterns)
     try:
         graph = trace_units(bundle.model, names)
     except BadInputError:

@@ -278,11 +278,10 @@ def stage_builder(model: str, stage_layers: Sequence[Sequence[str]], *, seed: in
     if ":" not in model:
         return "units"
     from pipeplan.profile.loading import load_bundle
-    from pipeplan.profile.units import default_units, select_units, trace_units
+    from pipeplan.profile.units import bundle_units, trace_units
 
     bundle = bundle or load_bundle(model, seed=seed, device=device, dtype=dtype, **options)
-    patterns = unit_patterns or bundle.units
-    names = select_units(bundle.model, list(patterns)) if patterns else default_units(bundle.model)
+    names = bundle_units(bundle, unit_patterns)
     try:
         graph = trace_units(bundle.model, names)
     except BadInputError:

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
+from pipeplan.cluster import bounds as bounds_module
 from pipeplan.cluster import search as search_module
 from pipeplan.cluster.presets import PRESETS
 from pipeplan.errors import InfeasibleError
@@ -58,6 +59,7 @@ def _exhaustive(monkeypatch, plan):
     """``plan()`` with every bound switched off: every layout planned in full."""
     with monkeypatch.context() as patch:
         patch.setattr(search_module, "pipeline_lower_bound_ms", lambda *a, **k: 0.0)
+        patch.setattr(bounds_module, "round_trip_lower_bound_ms", lambda *a, **k: 0.0)
         patch.setattr(search_module, "_unbounded", lambda *a, **k: (0.0, float("inf"), 0))
         patch.setattr(search_module, "PRUNE_AGAINST_BEST", False)
         return plan()

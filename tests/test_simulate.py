@@ -397,3 +397,43 @@ def test_the_planners_pruning_bound_never_exceeds_the_simulation(case):
     schedule, p, m, v, costs = case
     sim = simulate(costs, schedule, p, m, v)
     assert _busy_lower_bound_ms(costs, list(sim.stage_ranks), m) <= sim.iteration_ms + 1e-9
+
+
+@st.composite
+def unit_cases(draw):
+    """A schedule and a chain of units split into its ``p * v`` contiguous stages."""
+    schedule = draw(st.sampled_from(SCHEDULES))
+    v = draw(st.sampled_from(valid_virtual_stages(schedule)))
+    p = draw(st.integers(1, 4))
+    m = draw(st.integers(1, 10))
+    assume(accepted(schedule, p, m, v))
+    k = p * v
+    n = draw(st.integers(k, k + 6))
+    ms = st.floats(0.0, 5.0, allow_nan=False, allow_infinity=False)
+    units = [(draw(ms), draw(ms), draw(ms)) for _ in range(n)]   # forward, input and weight backward
+    cuts = sorted(draw(st.lists(st.integers(1, n - 1), min_size=k - 1, max_size=k - 1, unique=True))) if k > 1 else []
+    bounds = [0, *cuts, n]
+    send = draw(st.floats(0.0, 2.0))
+    costs = [StageCost(sum(u[0] for u in units[lo:hi]), sum(u[1] for u in units[lo:hi]),
+                       sum(u[2] for u in units[lo:hi]), send_ms=send)
+             for lo, hi in zip(bounds, bounds[1:])]
+    return schedule, p, m, v, units, costs
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(unit_cases())
+def test_the_cluster_searchs_round_trip_bound_never_exceeds_the_simulation(case):
+    """The cluster search prunes layouts with one micro-batch's round trip, bounded without a
+    split (:func:`pipeplan.cluster.iteration.round_trip_lower_bound_ms`); the planner with the
+    split's own trip on the first stage's rank: both must hold for every schedule and split."""
+    from pipeplan.cluster.iteration import round_trip_lower_bound_ms
+    from pipeplan.plan.search import rank_end_lower_bounds_ms
+
+    schedule, p, m, v, units, costs = case
+    sim = simulate(costs, schedule, p, m, v)
+    bound = round_trip_lower_bound_ms([u[0] for u in units], [min(u[1], u[1] + u[2]) for u in units],
+                                      [u[0] + u[1] + u[2] for u in units], m)
+    assert bound <= sim.iteration_ms + 1e-9
+    trip, _ = rank_end_lower_bounds_ms(costs, list(sim.stage_ranks), m)
+    first_rank_end = max(e.end_ms for e in sim.events if e.rank == sim.stage_ranks[0])
+    assert trip <= first_rank_end + 1e-9

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 __all__ = ["IterationParts", "iteration_parts", "tokens_per_s_per_gpu", "model_flops_utilization",
-           "pipeline_lower_bound_ms"]
+           "pipeline_lower_bound_ms", "round_trip_lower_bound_ms"]
 
 
 @dataclass(frozen=True)
@@ -159,3 +159,52 @@ def pipeline_lower_bound_ms(work_ms_per_microbatch: float, num_microbatches: int
     if pipeline < 1 or num_microbatches < 1:
         raise ValueError("pipeline and num_microbatches must be >= 1")
     return num_microbatches * max(work_ms_per_microbatch / pipeline, largest_unit_ms) + tail_ms
+
+
+def round_trip_lower_bound_ms(forward_ms: Sequence[float], input_backward_ms: Sequence[float],
+                              work_ms: Sequence[float], num_microbatches: int) -> float:
+    """A lower bound on the make-span from one micro-batch's round trip, without splitting.
+
+    Every micro-batch runs every unit's forward in order, then the input gradient back through
+    every stage but the first; the first stage's rank then still runs that stage's backward. So
+    the make-span is at least ``sum(forward) + sum(input_backward over the units after the first
+    stage)``. The first stage holds some prefix of ``L >= 1`` units, and its rank does all
+    ``m`` micro-batches of them, so the make-span is also at least ``m x work(prefix)``; the bound
+    is the least over ``L`` of the larger of the two. It holds for every split, schedule and
+    placement (transfers, recomputation and the schedule's own time only add to both terms),
+    and it is what prunes short pipelines of few, large micro-batches (``m`` below ``p``), where
+    ``m / p`` of the work bounds nothing.
+
+    Parameters
+    ----------
+    forward_ms, input_backward_ms, work_ms : sequence of float
+        Per unit in pipeline order: forward, the input-gradient part of the backward (the whole
+        backward where it is not split; the least of the two where it is), and forward +
+        backward.
+    num_microbatches : int
+        ``m``.
+
+    Examples
+    --------
+    >>> round_trip_lower_bound_ms([1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3], 2)   # L = 1: max(6, 4 + 6)
+    10.0
+    >>> round_trip_lower_bound_ms([1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3], 64)  # L = 1: max(192, 10)
+    192.0
+
+    Notes
+    -----
+    O(n) for ``n`` units.
+    """
+    if num_microbatches < 1:
+        raise ValueError("num_microbatches must be >= 1")
+    if not work_ms:
+        return 0.0
+    trip = float(sum(forward_ms)) + float(sum(input_backward_ms))
+    best, prefix = float("inf"), 0.0
+    for work, back in zip(work_ms, input_backward_ms):
+        prefix += work
+        trip -= back
+        best = min(best, max(num_microbatches * prefix, trip))
+        if num_microbatches * prefix >= trip:
+            break  # the prefix term only grows from here
+    return best

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
+from pipeplan.cluster.bounds import seed_estimate_ms, seed_sums, unit_sums
 from pipeplan.cluster.iteration import (iteration_parts, model_flops_utilization, pipeline_lower_bound_ms,
                                         tokens_per_s_per_gpu)
 from pipeplan.cluster.memory import (plannable_bytes, state_bytes_per_param_byte, state_memory,
@@ -127,23 +128,6 @@ def _families(settings: PlanSettings, view_has_selective: bool) -> list[tuple[st
     return [("plain", "auto")] + ([("selective", "none")] if view_has_selective else [])
 
 
-def _work_ms(cost) -> float:
-    """A unit's least forward + backward per micro-batch, however the schedule runs its backward."""
-    backward = cost.backward_ms
-    if cost.backward_input_ms is not None and cost.backward_weight_ms is not None:
-        backward = min(backward, cost.backward_input_ms + cost.backward_weight_ms)
-    return cost.forward_ms + backward
-
-
-def _sums(view: DegreeView, sizes):
-    """Per micro-batch size: whole-model work per micro-batch and the largest unit's."""
-    out = {}
-    for b in sizes:
-        works = [_work_ms(layer.cost_at(b)) for layer in view.profile.layers]
-        out[b] = (sum(works), max(works))
-    return out
-
-
 def plan_any(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
     """The plan ``settings`` ask for: a cluster plan (``num_gpus``), a given split
     (``layers_per_stage``) or the pipeline planner's; what ``plan`` and ``check`` call."""
@@ -227,7 +211,8 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
             views[vkey] = degree_view(profile, trial.tensor, cluster, selective=trial.family == "selective")
         view = views[vkey]
         replica_batch = G // trial.data
-        sums = _sums(view, [b for b in sizes_all if replica_batch % b == 0])
+        sums = unit_sums(view, [b for b in sizes_all if replica_batch % b == 0])
+        estimates = seed_sums(view, list(sums))
         params = sum(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes
         static = state_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes, trial.zero_stage,
                                             trial.data) * params * profile.dtype_bytes
@@ -242,18 +227,20 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
         trial.extras["step_lb"] = step
         span = Layout(trial.data, trial.tensor, trial.pipeline, cluster.gpus_per_node).data_span()
         by_size, pipeline_by_size = {}, {}
-        for b, (work, largest) in sums.items():
+        for b, (work, largest, trip) in sums.items():
             m = replica_batch // b
             # Averaged over the ranks: some rank's busy time plus sync is at least the mean's
             # (bandwidth terms only, which are linear in the parameters).
             sync = data_parallel_sync(params / trial.pipeline, state, trial.zero_stage, span, bandwidth_only,
                                       m, overlap).exposed_ms
-            by_size[b] = max(pipeline_lower_bound_ms(work, m, trial.pipeline) + sync, m * largest) + step
-            pipeline_by_size[b] = pipeline_lower_bound_ms(work, m, trial.pipeline, largest_unit_ms=largest)
+            round_trip = trip(m) if trial.pipeline > 1 else 0.0
+            by_size[b] = max(pipeline_lower_bound_ms(work, m, trial.pipeline) + sync, m * largest, round_trip) + step
+            pipeline_by_size[b] = max(pipeline_lower_bound_ms(work, m, trial.pipeline, largest_unit_ms=largest),
+                                      round_trip)
         trial.extras["bound_by_size"], trial.extras["pipeline_bound_by_size"] = by_size, pipeline_by_size
         trial.lower_bound_ms = min(by_size.values())
-        # Not a bound: with a one-forward-one-backward schedule's fill and drain, for the seed.
-        trial.extras["estimate_ms"] = min(bound * (replica_batch // b + trial.pipeline - 1) / (replica_batch // b)
+        trial.extras["estimate_ms"] = min(seed_estimate_ms(bound, replica_batch // b, trial.pipeline, estimates[b],
+                                                            static / trial.pipeline, usable)
                                           for b, bound in by_size.items())
 
     # Branch and bound. A trial's bound is refined once, by its layout's pipeline optimum without
@@ -518,7 +505,7 @@ def _alternatives(best: _Trial, trials, default_microbatch: int) -> list[Alterna
 
 def _assemble(best: _Trial, trials, profile, settings: PlanSettings, view: DegreeView, cluster, cap: int,
               state) -> Plan:
-    plan, parts, layout = best.plan, best.parts, best.extras["layout"]
+    plan, parts = best.plan, best.parts
     d, t, p = best.data, best.tensor, best.pipeline
     stages = []
     for stage in plan.stages:

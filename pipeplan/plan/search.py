@@ -444,7 +444,9 @@ def _rank_param_bytes(graph, partition: Partition, placement, ranks: int) -> lis
 def _caller_bound_ms(cand: Candidate, incumbent: Incumbent, graph, p: int) -> float:
     """A lower bound on a candidate's time in the incumbent's terms, from its split alone."""
     placement = stage_ranks(cand.schedule, p, cand.virtual_stages)
-    _, ends = rank_end_lower_bounds_ms(stage_costs(cand.problem, cand.partition), placement, cand.num_microbatches)
+    trip, ends = rank_end_lower_bounds_ms(stage_costs(cand.problem, cand.partition), placement, cand.num_microbatches)
+    # The round trip ends with the first stage's backward, on its rank.
+    ends[placement[0]] = max(ends[placement[0]], trip)
     return incumbent.time_ms(ends, _rank_param_bytes(graph, cand.partition, placement, p), cand.num_microbatches)
 
 

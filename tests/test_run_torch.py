@@ -117,10 +117,10 @@ def test_every_schedule_equals_a_single_process_step(tmp_path, ranks, layers, mi
 def _check_left_cleanly(work: Path, ranks: int) -> None:
     """No gloo thread of any rank outlived ``destroy_process_group``.
 
-    Once, under load, a rank of the 4-rank job above aborted (SIGABRT) as it exited. torch's
-    pipelining imports functions with ``group=group.WORLD`` defaults; imported after
-    ``init_process_group`` they kept the default group and its gloo threads alive until
-    interpreter shutdown, which destroyed them while the other ranks were closing their sockets.
+    Once, under load, a rank of the 4-rank job above died of SIGABRT (not reproduced since).
+    What was found: torch's pipelining imports functions with ``group=group.WORLD`` defaults;
+    imported after ``init_process_group`` they kept the default group and its gloo threads alive
+    into interpreter shutdown, where a gloo thread that needs the GIL aborts the process.
     """
     for rank in range(ranks):
         record = json.loads((work / f"exit-rank{rank}.json").read_text())

@@ -154,6 +154,22 @@ def test_failure_message_names_a_silent_crash_and_a_hang(tmp_path):
     assert failure_message(tmp_path, [], None, 60.0, 2).startswith("the job ran past --job-timeout 60 s")
 
 
+def test_failure_message_quotes_what_an_aborted_rank_printed(tmp_path):
+    # The C++ runtime's line (and the fault handler's, which every rank has on) name the abort.
+    tail = ["terminate called without an active exception", "Fatal Python error: Aborted", "",
+            "Thread 0x00007f0492b126c0 (most recent call first):", "  <no Python frame>",
+            *[line.format(code=-6) for line in ROOT_CAUSE]]
+    text = failure_message(tmp_path, tail, 1, None, 2)
+    assert text == ('rank 1 died without an error report (SIGABRT): "terminate called without an active '
+                    'exception"; see its output above')
+    _write_error(tmp_path, 0, "RuntimeError", "Connection closed by peer [127.0.0.1]:1", 2.0)
+    text = failure_message(tmp_path, tail, 1, None, 2)
+    assert text.startswith('rank 1 died without an error report (SIGABRT): "terminate called without an active')
+    assert text.endswith("rank 0 then failed: RuntimeError: Connection closed by peer [127.0.0.1]:1")
+    # Nothing quoted when the rank printed nothing of the kind.
+    assert '"' not in failure_message(tmp_path, [line.format(code=-6) for line in ROOT_CAUSE], 1, None, 2)
+
+
 # ---------------------------------------------------------------- report and calibration
 def _results(plan, forward_scale=1.0, backward_scale=1.0, steps=4):
     """Fake worker results: every rank's compute exactly the profile's, scaled."""

@@ -377,7 +377,8 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
         else:
             out_dir = Path(work_dir)
             out_dir.mkdir(parents=True, exist_ok=True)
-            for stale in list(out_dir.glob("error-rank*.json")) + list(out_dir.glob("ranks.json")):
+            for stale in [*out_dir.glob("error-rank*.json"), *out_dir.glob("exit-rank*.json"),
+                          *out_dir.glob("ranks.json")]:
                 stale.unlink()
         try:
             config = worker_config(plans, model=spec["model"], out_dir=out_dir, steps=steps,
@@ -393,6 +394,8 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
             if threads is not None:
                 child_env["OMP_NUM_THREADS"] = str(threads)
             child_env.setdefault("PYTHONUNBUFFERED", "1")
+            # A rank that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python stack.
+            child_env.setdefault("PYTHONFAULTHANDLER", "1")
             child_env.update(env or {})
             load_before = _load_average()
             started = time.monotonic()

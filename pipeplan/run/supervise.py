@@ -205,6 +205,19 @@ def _exit_text(code: Optional[int]) -> str:
     return f"{name}" + (" (killed: out of host memory?)" if -code == signal.SIGKILL else "")
 
 
+#: Lines a process prints as it dies of a signal: the C++ runtime's and the Python fault
+#: handler's (which the launcher turns on in every rank), glibc's heap checks.
+_DYING_WORDS = re.compile(r"terminate called|what\(\):|Fatal Python error|double free|corrupted|free\(\): invalid")
+
+
+def _last_words(tail: Sequence[str]) -> str:
+    """``: "<line>"`` quoting the first line a dying process printed, or "" if there is none."""
+    for line in tail:
+        if _DYING_WORDS.search(line):
+            return f': "{line.strip()[:160]}"'
+    return ""
+
+
 def failure_message(out_dir: Path, tail: Sequence[str], returncode: Optional[int],
                      timed_out: Optional[float], num_ranks: int) -> str:
     """One line naming the rank that failed first and why."""
@@ -229,7 +242,8 @@ def failure_message(out_dir: Path, tail: Sequence[str], returncode: Optional[int
         if others:
             message += f" (then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped too)"
     elif root is not None and root[0] not in reported:
-        message = f"rank {root[0]} died without an error report ({_exit_text(root[1])}); see its output above"
+        message = (f"rank {root[0]} died without an error report ({_exit_text(root[1])}){_last_words(tail)}; "
+                   f"see its output above")
         if errors:
             message += f"; rank {errors[0]['rank']} then failed: {describe(errors[0])}"
     elif errors:
@@ -245,7 +259,8 @@ def failure_message(out_dir: Path, tail: Sequence[str], returncode: Optional[int
         died = [r for r in silent if codes.get(r, 0) > 0 or codes.get(r, 0) in (-signal.SIGSEGV, -signal.SIGABRT)
                 or (codes.get(r, 0) == -signal.SIGKILL and not peers_timed_out)]
         if died:
-            message = (f"rank {died[0]} died without an error report ({_exit_text(codes[died[0]])}); "
+            message = (f"rank {died[0]} died without an error report ({_exit_text(codes[died[0]])})"
+                       f"{_last_words(tail)}; "
                        f"see its output above; rank {first['rank']} then failed: {describe(first)}")
         elif silent:
             message = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped answering "
@@ -253,7 +268,8 @@ def failure_message(out_dir: Path, tail: Sequence[str], returncode: Optional[int
         else:
             message = f"rank {first['rank']} failed: {describe(first)}"
     elif root is not None:
-        message = f"rank {root[0]} died without an error report ({_exit_text(root[1])}); see its output above"
+        message = (f"rank {root[0]} died without an error report ({_exit_text(root[1])}){_last_words(tail)}; "
+                   f"see its output above")
     else:
         last = next((line for line in reversed(tail) if line.strip()), "")
         message = f"torchrun exited with code {returncode}: {last.strip()}"

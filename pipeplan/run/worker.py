@@ -33,12 +33,19 @@ The config is passed as a single positional path, never as options: torchrun acc
 abbreviations of its own options, so a script option such as ``--run`` is taken for
 ``--run-path``.
 
-Test hook: the environment variable ``PIPEPLAN_RUN_FAULT=<rank>:<kind>`` makes that rank fail on
-purpose at its first step: ``raise`` (an exception), ``exit`` (``os._exit(3)``, a crash without
-a Python traceback), or ``hang`` (sleeps until the others time out); ``all:untie`` skips the
-tied-weight gradient sync on every rank and ``all:nosync`` the data-parallel one (``--verify``
-must then fail); ``hang-sync`` hangs after the first pipelined step, before the gradient
-all-reduce, where its replicas wait for it.
+A rank that succeeds leaves with the others: a barrier, ``destroy_process_group``, then
+``os._exit(0)`` without interpreter shutdown (:func:`_leave`); the torch modules that would keep
+the default group alive past ``destroy_process_group`` are imported before it is made.
+
+Test hooks: ``PIPEPLAN_RUN_EXIT_REPORT=1`` makes every rank that succeeds write
+``out_dir/exit-rank<R>.json`` with the names of its threads still alive after
+``destroy_process_group`` (none of gloo's should be). ``PIPEPLAN_RUN_FAULT=<rank>:<kind>`` makes
+that rank fail on purpose at its first step: ``raise`` (an exception), ``exit`` (``os._exit(3)``,
+a crash without a Python traceback), ``abort`` (SIGABRT, as a C++ ``std::terminate`` does), or
+``hang`` (sleeps until the others time out); ``all:untie`` skips the tied-weight gradient sync on
+every rank and ``all:nosync`` the data-parallel one (``--verify`` must then fail); ``hang-sync``
+hangs after the first pipelined step, before the gradient all-reduce, where its replicas wait
+for it.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -73,6 +81,59 @@ def _fault(rank: int) -> Optional[str]:
         return None
     who, kind = spec.split(":", 1)
     return kind if who.strip() in (str(rank), "all") else None
+
+
+def _import_before_init(plans: list) -> None:
+    """Import the torch modules the rank will use that take ``group=group.WORLD`` as a default.
+
+    A default argument is evaluated at import: imported after ``init_process_group``, these
+    functions keep a reference to the default group for the life of the process, so that
+    ``destroy_process_group`` cannot free it. Its gloo threads then run until interpreter
+    shutdown, which destroys the group while its peers are exiting too (see :func:`main`).
+    ``torch.distributed.pipelining`` imports ``torch.distributed.nn.functional`` (10 such
+    functions); ``ZeroRedundancyOptimizer``'s module has one more. Imported before, the defaults
+    hold None.
+    """
+    import importlib
+
+    importlib.import_module("torch.distributed.pipelining")
+    if any(p.parallelism is not None and p.parallelism.zero_stage >= 1 for p in plans):
+        importlib.import_module("torch.distributed.optim")
+
+
+def _threads_alive() -> list[str]:
+    """Names of this process's threads other than the calling one (``/proc``; [] elsewhere)."""
+    names = []
+    try:
+        tasks = sorted(os.listdir("/proc/self/task"))
+    except OSError:
+        return names
+    for task in tasks:
+        if int(task) == threading.get_native_id():
+            continue
+        try:
+            names.append(Path(f"/proc/self/task/{task}/comm").read_text().strip())
+        except OSError:
+            continue
+    return names
+
+
+def _leave(code: int) -> None:
+    """End the rank now: flush its output and skip interpreter shutdown.
+
+    Interpreter shutdown would destroy whatever torch objects are still alive (process groups,
+    their gloo worker and socket threads) from its final garbage collection, at the moment the
+    other ranks are exiting and closing their sockets too; a C++ thread that needs the GIL then
+    (for instance to run a collective's completion callback) is killed by the finalizing
+    interpreter, and the process aborts (SIGABRT, "terminate called without an active
+    exception"). Every result is on disk by now.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing left to save
+            pass
+    os._exit(code)
 
 
 def run_rank(config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -122,9 +183,10 @@ def run_rank(config: dict[str, Any]) -> list[dict[str, Any]]:
     init_kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     if device.type == "cuda":
         init_kwargs["device_id"] = device
+    plans = [Plan.model_validate(p) for p in config["plans"]]
+    _import_before_init(plans)
     dist.init_process_group(**init_kwargs)
 
-    plans = [Plan.model_validate(p) for p in config["plans"]]
     largest = max(s.send_bytes for plan in plans for s in plan.stages)
     # Rank 0's pipeline neighbour: rank d in Megatron's order (rank 1 without data parallelism).
     peer = plan_data_parallel(plans[0])
@@ -304,6 +366,8 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
                 raise RuntimeError(f"fault injected on rank {rank} (PIPEPLAN_RUN_FAULT)")
             if fault == "exit":
                 os._exit(3)
+            if fault == "abort":
+                os.abort()
             if fault == "hang":
                 time.sleep(3600)
         dist.barrier()
@@ -452,7 +516,8 @@ def _global_loss(step_losses: list, data_group: Any, data: int) -> Any:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of one rank; returns the exit status."""
+    """Entry point of one rank: returns 2 on a usage error; otherwise the process ends here, by
+    :func:`_leave` (exit status 0 on success, 1 after recording a failure)."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m pipeplan.run.worker CONFIG.json (started by pipeplan run)", file=sys.stderr)
@@ -470,9 +535,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             from pipeplan.formats.io import write_text_atomic
 
             write_text_atomic(out_dir / RESULT_FILE, json.dumps(gathered, indent=1) + "\n")
+        # Leave together: after the barrier no rank sends again, so each may close its sockets.
         dist.barrier()
         dist.destroy_process_group()
-        return 0
+        if os.environ.get("PIPEPLAN_RUN_EXIT_REPORT"):
+            from pipeplan.formats.io import write_text_atomic
+
+            write_text_atomic(out_dir / f"exit-rank{rank}.json",
+                              json.dumps({"rank": rank, "threads_after_destroy": _threads_alive()}) + "\n")
+        _leave(0)
+        return 0  # not reached
     except BaseException as exc:  # noqa: BLE001 - record any failure for the launcher, then exit
         if isinstance(exc, SystemExit) and not exc.code:
             raise
@@ -493,7 +565,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             pass
         print(f"pipeplan run: rank {rank} failed: {type(exc).__name__}: {first}", file=sys.stderr, flush=True)
         # Skip interpreter teardown: a process group with pending peers can block in its destructor.
-        os._exit(1)
+        _leave(1)
+        return 1  # not reached
 
 
 if __name__ == "__main__":

@@ -229,13 +229,19 @@ def test_schedule_names_match_the_plan_format():
 # --------------------------------------------------------------------- properties
 
 
-@st.composite
-def cases(draw):
+def _draw_schedule(draw, max_ranks: int, max_microbatches: int):
+    """A schedule with a (v, p, m) its class accepts."""
     schedule = draw(st.sampled_from(SCHEDULES))
     v = draw(st.sampled_from(valid_virtual_stages(schedule)))
-    p = draw(st.integers(1, 5))
-    m = draw(st.integers(1, 12))
+    p = draw(st.integers(1, max_ranks))
+    m = draw(st.integers(1, max_microbatches))
     assume(accepted(schedule, p, m, v))
+    return schedule, v, p, m
+
+
+@st.composite
+def cases(draw):
+    schedule, v, p, m = _draw_schedule(draw, 5, 12)
     ms = st.floats(0.0, 5.0, allow_nan=False, allow_infinity=False)
     # The planner gives every stage the same per-action overhead; often none.
     overhead = draw(st.sampled_from([0.0, 0.0, 0.3, 1.0]))
@@ -402,11 +408,7 @@ def test_the_planners_pruning_bound_never_exceeds_the_simulation(case):
 @st.composite
 def unit_cases(draw):
     """A schedule and a chain of units split into its ``p * v`` contiguous stages."""
-    schedule = draw(st.sampled_from(SCHEDULES))
-    v = draw(st.sampled_from(valid_virtual_stages(schedule)))
-    p = draw(st.integers(1, 4))
-    m = draw(st.integers(1, 10))
-    assume(accepted(schedule, p, m, v))
+    schedule, v, p, m = _draw_schedule(draw, 4, 10)
     k = p * v
     n = draw(st.integers(k, k + 6))
     ms = st.floats(0.0, 5.0, allow_nan=False, allow_infinity=False)

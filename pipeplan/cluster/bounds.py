@@ -11,10 +11,12 @@ the more the bounds prune; the guess changes how much is pruned, never the winne
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pipeplan.cluster.iteration import round_trip_lower_bound_ms
 from pipeplan.cluster.profile_view import DegreeView
 
-__all__ = ["unit_sums", "seed_sums", "seed_estimate_ms"]
+__all__ = ["UnitSums", "unit_sums", "seed_estimate_ms"]
 
 
 def _work_ms(cost) -> float:
@@ -32,7 +34,29 @@ def _input_backward_ms(cost) -> float:
     return min(cost.backward_ms, cost.backward_input_ms)
 
 
-def unit_sums(view: DegreeView, sizes):
+@dataclass(frozen=True)
+class UnitSums:
+    """What the bounds and the seed need of a layout's units at one micro-batch size."""
+
+    work_ms: float
+    """The whole model's least forward + backward per micro-batch."""
+    largest_unit_ms: float
+    """The largest single unit's (a stage holds it whole)."""
+    activation_bytes: float
+    """The whole model's activations of one micro-batch, kept for its backward."""
+    recompute_factor: float
+    """``1 + forward / work``: what recomputing every forward multiplies the work by."""
+    forward_ms: tuple[float, ...]
+    input_backward_ms: tuple[float, ...]
+    unit_work_ms: tuple[float, ...]
+
+    def round_trip_ms(self, num_microbatches: int) -> float:
+        """:func:`~pipeplan.cluster.iteration.round_trip_lower_bound_ms` of ``m`` micro-batches."""
+        return round_trip_lower_bound_ms(self.forward_ms, self.input_backward_ms, self.unit_work_ms,
+                                         num_microbatches)
+
+
+def unit_sums(view: DegreeView, sizes) -> dict[int, UnitSums]:
     """What the bounds need of a layout's units, per micro-batch size.
 
     Parameters
@@ -44,41 +68,28 @@ def unit_sums(view: DegreeView, sizes):
 
     Returns
     -------
-    dict
-        ``{b: (work_ms, largest_unit_ms, round_trip)}``: the whole model's least forward +
-        backward per micro-batch, the largest unit's, and ``round_trip(m)``, the
-        :func:`~pipeplan.cluster.iteration.round_trip_lower_bound_ms` of ``m`` micro-batches.
+    dict of int to UnitSums
 
     Notes
     -----
-    O(n) per size for ``n`` units; each ``round_trip(m)`` is O(n) too.
+    O(n) per size for ``n`` units; each ``round_trip_ms(m)`` is O(n) too.
     """
     out = {}
     for b in sizes:
         costs = [layer.cost_at(b) for layer in view.profile.layers]
-        works = [_work_ms(c) for c in costs]
-        forwards, backs = [c.forward_ms for c in costs], [_input_backward_ms(c) for c in costs]
-
-        def trip(m, forwards=forwards, backs=backs, works=works):
-            return round_trip_lower_bound_ms(forwards, backs, works, m)
-
-        out[b] = (sum(works), max(works), trip)
+        works = tuple(_work_ms(c) for c in costs)
+        forwards = tuple(c.forward_ms for c in costs)
+        work = sum(works)
+        out[b] = UnitSums(work_ms=work, largest_unit_ms=max(works),
+                          activation_bytes=float(sum(c.activation_bytes for c in costs)),
+                          recompute_factor=1.0 + (sum(forwards) / work if work > 0 else 0.0),
+                          forward_ms=forwards, input_backward_ms=tuple(_input_backward_ms(c) for c in costs),
+                          unit_work_ms=works)
     return out
 
 
-def seed_sums(view: DegreeView, sizes):
-    """Per micro-batch size: the whole model's activation bytes per micro-batch and the share of
-    time that recomputing every forward adds, for :func:`seed_estimate_ms`."""
-    out = {}
-    for b in sizes:
-        costs = [layer.cost_at(b) for layer in view.profile.layers]
-        work = sum(_work_ms(c) for c in costs)
-        out[b] = (sum(c.activation_bytes for c in costs),
-                  1.0 + (sum(c.forward_ms for c in costs) / work if work > 0 else 0.0))
-    return out
-
-
-def seed_estimate_ms(bound_ms: float, m: int, p: int, estimate, state_bytes: float, usable_bytes: float) -> float:
+def seed_estimate_ms(bound_ms: float, m: int, p: int, sums: UnitSums, state_bytes: float,
+                     usable_bytes: float) -> float:
     """Not a bound: a guess at a trial's iteration, to choose which to plan first (the seed).
 
     The bound with a one-forward-one-backward schedule's fill and drain, ``(m + p - 1) / m``; and
@@ -93,19 +104,19 @@ def seed_estimate_ms(bound_ms: float, m: int, p: int, estimate, state_bytes: flo
         The trial's lower bound at this micro-batch size.
     m, p : int
         Micro-batches per replica and pipeline ranks.
-    estimate : tuple
-        :func:`seed_sums`' ``(activation_bytes, recompute_factor)`` at this size.
+    sums : UnitSums
+        The layout's units at this size (its activation bytes and recompute factor).
     state_bytes, usable_bytes : float
         The training state per GPU (weights, gradients, optimizer, ZeRO-sharded; on average over
         the pipeline ranks) and the plannable memory.
 
     Examples
     --------
-    >>> seed_estimate_ms(100.0, 8, 4, (10, 1.5), 50, 80)    # fits: 100 x 11 / 8
+    >>> sums = UnitSums(3.0, 3.0, 10.0, 1.5, (1.0,), (1.0,), (3.0,))
+    >>> seed_estimate_ms(100.0, 8, 4, sums, 50, 80)    # fits: 100 x 11 / 8
     137.5
-    >>> seed_estimate_ms(100.0, 8, 4, (40, 1.5), 50, 80)    # does not: and 1.5 x
+    >>> seed_estimate_ms(100.0, 8, 4, sums, 75, 80)    # does not: and 1.5 x
     206.25
     """
-    activation_bytes, recompute_factor = estimate
     guess = bound_ms * (m + p - 1) / m
-    return guess * recompute_factor if state_bytes + activation_bytes > usable_bytes else guess
+    return guess * sums.recompute_factor if state_bytes + sums.activation_bytes > usable_bytes else guess

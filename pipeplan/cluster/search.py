@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
-from pipeplan.cluster.bounds import seed_estimate_ms, seed_sums, unit_sums
+from pipeplan.cluster.bounds import seed_estimate_ms, unit_sums
 from pipeplan.cluster.iteration import (iteration_parts, model_flops_utilization, pipeline_lower_bound_ms,
                                         tokens_per_s_per_gpu)
 from pipeplan.cluster.memory import (plannable_bytes, state_bytes_per_param_byte, state_memory,
@@ -205,14 +205,17 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
                 trials.append(_Trial(d, t, p, zero, family, len(trials)))
 
     # Lower bounds and the state-only memory check.
+    sums_of: dict = {}
     for trial in trials:
         vkey = (trial.tensor, trial.family)
         if vkey not in views:
             views[vkey] = degree_view(profile, trial.tensor, cluster, selective=trial.family == "selective")
         view = views[vkey]
         replica_batch = G // trial.data
-        sums = unit_sums(view, [b for b in sizes_all if replica_batch % b == 0])
-        estimates = seed_sums(view, list(sums))
+        sizes = tuple(b for b in sizes_all if replica_batch % b == 0)
+        if (vkey, sizes) not in sums_of:
+            sums_of[(vkey, sizes)] = unit_sums(view, sizes)
+        sums = sums_of[(vkey, sizes)]
         params = sum(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes
         static = state_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes, trial.zero_stage,
                                             trial.data) * params * profile.dtype_bytes
@@ -227,19 +230,19 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
         trial.extras["step_lb"] = step
         span = Layout(trial.data, trial.tensor, trial.pipeline, cluster.gpus_per_node).data_span()
         by_size, pipeline_by_size = {}, {}
-        for b, (work, largest, trip) in sums.items():
-            m = replica_batch // b
+        for b, at in sums.items():
+            m, work, largest = replica_batch // b, at.work_ms, at.largest_unit_ms
             # Averaged over the ranks: some rank's busy time plus sync is at least the mean's
             # (bandwidth terms only, which are linear in the parameters).
             sync = data_parallel_sync(params / trial.pipeline, state, trial.zero_stage, span, bandwidth_only,
                                       m, overlap).exposed_ms
-            round_trip = trip(m) if trial.pipeline > 1 else 0.0
+            round_trip = at.round_trip_ms(m) if trial.pipeline > 1 else 0.0
             by_size[b] = max(pipeline_lower_bound_ms(work, m, trial.pipeline) + sync, m * largest, round_trip) + step
             pipeline_by_size[b] = max(pipeline_lower_bound_ms(work, m, trial.pipeline, largest_unit_ms=largest),
                                       round_trip)
         trial.extras["bound_by_size"], trial.extras["pipeline_bound_by_size"] = by_size, pipeline_by_size
         trial.lower_bound_ms = min(by_size.values())
-        trial.extras["estimate_ms"] = min(seed_estimate_ms(bound, replica_batch // b, trial.pipeline, estimates[b],
+        trial.extras["estimate_ms"] = min(seed_estimate_ms(bound, replica_batch // b, trial.pipeline, sums[b],
                                                             static / trial.pipeline, usable)
                                           for b, bound in by_size.items())
 

@@ -420,3 +420,20 @@ def test_branchy_graphs_never_go_over_the_cap_either():
 
     check()
     assert sum(planned) >= len(planned) / 2, f"only {sum(planned)} of {len(planned)} examples planned"
+
+
+def test_a_search_pruned_where_the_rest_is_refused_is_pruned_not_refused():
+    """With an incumbent, a micro-batch size whose bound is above it is cut before its schedule
+    is checked; if every other size is refused (1f1b needs m >= p), the search is pruned: a bad
+    input error would end the cluster search that handed the incumbent in."""
+    from tiny_profiles import tiny_gpt2_profile
+
+    from pipeplan.plan.bound import Incumbent, PrunedError
+
+    settings = PlanSettings(stages=4, global_batch=4, schedule="1f1b")   # b=2: m=2 < 4, refused
+    incumbent = Incumbent(10.0, lambda ends, params, m: max(ends), {1: 1e6})
+    with pytest.raises(PrunedError) as info:
+        make_plan(tiny_gpt2_profile(6), settings, profile_sha256="0" * 64, incumbent=incumbent)
+    assert info.value.lower_bound_ms == 1e6
+    with pytest.raises(BadInputError, match="micro-batches"):   # without it, b=1 runs and b=2 is refused
+        make_plan(tiny_gpt2_profile(6), settings.model_copy(update={"microbatch_size": 2}), profile_sha256="0" * 64)

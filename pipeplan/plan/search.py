@@ -505,7 +505,8 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
                 candidates.append(cand)
     for index, cand in enumerate(candidates):
         cand.order = index
-    if refusals and all(c.status == "refused" for c in candidates):
+    # Refused only if nothing was pruned: a size the incumbent cut might have run.
+    if refusals and not cut_ms and all(c.status == "refused" for c in candidates):
         raise BadInputError(refusals[0] if len(set(refusals)) == 1 else "; ".join(sorted(set(refusals))))
 
     # Branch and bound on the busy-rank lower bound: simulate in its order.

@@ -121,3 +121,35 @@ def test_a_sigstopped_rank_is_reported_as_hung_and_torchruns_traceback_is_not_sh
     # Echoed without -q, but not torchrun's own traceback and failure summary.
     assert "Traceback" not in err and "ChildFailedError" not in err and "Root Cause" not in err, err
     _after(tmp_path)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+def test_a_stopped_child_is_continued_only_once_told_to_end():
+    from pipeplan.run.supervise import wake_stopped_to_end
+
+    # A parent (as torchrun is) with one child (as a rank is) that takes SIGTERM's default.
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                               "subprocess.run(['sleep', '60']); sys.exit(0)"])
+    try:
+        deadline = time.monotonic() + 20
+        child = None
+        while child is None and time.monotonic() < deadline:
+            for entry in Path("/proc").glob("[0-9]*"):
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                if stat[stat.rfind(")") + 2:].split()[1] == str(parent.pid):
+                    child = int(entry.name)
+            time.sleep(0.05)
+        assert child is not None
+        os.kill(child, signal.SIGSTOP)
+        while Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "T":
+            time.sleep(0.01)
+        assert wake_stopped_to_end(parent.pid) == []  # stopped, but nobody asked it to end
+        os.kill(child, signal.SIGTERM)  # pending: a stopped process does not take it
+        assert wake_stopped_to_end(parent.pid) == [child]
+        assert parent.wait(timeout=20) == 0  # the child ended, so the parent did
+    finally:
+        parent.kill()
+        parent.wait()

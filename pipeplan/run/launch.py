@@ -16,7 +16,10 @@ Failure handling
   transfer (``init_process_group(timeout=...)``), then fail, and torchrun ends the job.
 - A rank stopped (SIGSTOP) or stuck keeps its sockets open, so its peers time out rather than
   see the connection close: it is reported as "stopped answering (hung or stuck)", even though
-  torchrun then SIGKILLs it.
+  torchrun then SIGKILLs it. A stopped rank cannot take torchrun's SIGTERM, and torch 2.13's
+  agent waits a fixed 30 s before its SIGKILL; the launcher continues such a rank
+  (:func:`~pipeplan.run.supervise.wake_stopped_to_end`), so the job ends seconds after the
+  timeout, not 30 s later.
 - The whole job gets at most ``job_timeout_s``; on that limit, Ctrl-C, SIGTERM or SIGHUP to the
   launcher, or any exit, the launcher terminates the process group torchrun leads (SIGTERM,
   then SIGKILL) and removes the run's temporary folder, so no rank outlives it.
@@ -39,7 +42,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from pipeplan.errors import BadInputError, PipeplanError
-from pipeplan.run.supervise import RunStoppedError, StopOnSignals, failure_message, pump_output, terminate_group
+from pipeplan.run.supervise import (RunStoppedError, StopOnSignals, failure_message, pump_output, terminate_group,
+                                    wait_for_job)
 
 __all__ = [
     "RunFailedError",
@@ -406,9 +410,8 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
             pump.start()
             timed_out = None
             try:
-                proc.wait(timeout=job_timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = job_timeout_s
+                if not wait_for_job(proc, job_timeout_s):
+                    timed_out = job_timeout_s
             finally:
                 # Whatever happened (normal end, limit, Ctrl-C), no rank outlives the launcher.
                 terminate_group(proc)

@@ -22,7 +22,8 @@ from typing import Any, Optional, Sequence
 
 from pipeplan.errors import PipeplanError
 
-__all__ = ["TorchrunFilter", "pump_output", "RunStoppedError", "StopOnSignals", "terminate_group", "failure_message"]
+__all__ = ["TorchrunFilter", "pump_output", "RunStoppedError", "StopOnSignals", "terminate_group",
+           "wait_for_job", "wake_stopped_to_end", "failure_message"]
 
 
 class TorchrunFilter:
@@ -127,6 +128,75 @@ class StopOnSignals:
             signal.signal(signum, handler)
 
 
+def _descendants(root_pid: int) -> list[tuple[int, str]]:
+    """``(pid, state)`` of every process below ``root_pid`` (Linux ``/proc``; elsewhere none).
+
+    torchrun starts each rank in a process group of its own, so the ranks are found by parent.
+    """
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name (field 2) is in parentheses and may hold spaces: split after it.
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append((int(entry.name), fields[0]))
+    found, todo = [], [root_pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child[0])
+    return found
+
+
+def _termination_pending(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = 0
+    for line in status.splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")):
+            mask |= int(line.split()[1], 16)
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
+def wake_stopped_to_end(root_pid: int) -> list[int]:
+    """SIGCONT each stopped process below ``root_pid`` that has a SIGTERM pending; the pids.
+
+    A stopped rank (SIGSTOP, a debugger) cannot take the SIGTERM torchrun sends when another
+    rank fails, and torch 2.13's agent then waits its fixed 30 s before SIGKILL
+    (``_stop_workers`` ignores ``--shutdown-timeout``). Only a process already told to end is
+    continued, so a rank a user stopped on purpose stays stopped while the job runs.
+    """
+    woken = []
+    for pid, state in _descendants(root_pid):
+        if state in ("T", "t") and _termination_pending(pid):
+            try:
+                os.kill(pid, signal.SIGCONT)
+                woken.append(pid)
+            except ProcessLookupError:
+                pass
+    return woken
+
+
+def wait_for_job(proc: subprocess.Popen, timeout_s: Optional[float], poll_s: float = 0.25) -> bool:
+    """Wait for torchrun to end (True) or ``timeout_s`` to pass (False), waking stopped ranks
+    it has asked to end (:func:`wake_stopped_to_end`)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        wait_s = poll_s if deadline is None else min(poll_s, deadline - time.monotonic())
+        if wait_s <= 0:
+            return proc.poll() is not None
+        try:
+            proc.wait(timeout=wait_s)
+            return True
+        except subprocess.TimeoutExpired:
+            wake_stopped_to_end(proc.pid)
+
+
 def terminate_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     """SIGTERM, then SIGKILL, every process in torchrun's process group."""
     pgid = proc.pid
@@ -136,7 +206,12 @@ def terminate_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         except ProcessLookupError:
             break
         deadline = time.monotonic() + wait_s
+        ticks = 0
         while time.monotonic() < deadline:
+            if ticks % 5 == 0:
+                # A stopped rank takes the SIGTERM torchrun passes on only once continued.
+                wake_stopped_to_end(pgid)
+            ticks += 1
             if proc.poll() is not None:
                 try:
                     os.killpg(pgid, 0)

@@ -105,8 +105,11 @@ SMALL = [
     (r"path/to/config\.json", "llama3-70b", "a placeholder path: the shipped config of the same model"),
     (r"(--gpus 64 --cluster dgx-h100)", r"\1 --tensor-parallel 4 --stages 4 --zero 1",
      "the whole search takes about a minute on 2 cores (docs/benchmarks.md): t, p and ZeRO fixed to its answer"),
-    (r"(pipeplan profile gpt2) (?!-)", r"\1 --layers 2 --hidden 64 --heads 2 --vocab 256 ",
+    (r"(pipeplan profile gpt2)(?= )(?![^\n]*--layers)", r"\1 --layers 2 --hidden 64 --heads 2 --vocab 256",
      "the full GPT-2 takes minutes to profile on a CPU"),
+    (r"(pipeplan profile hf:gpt2 [^\n]*?)--vocab \d+", r"\1--vocab 256", "a small vocabulary: the LM head "
+     "of 50257 words is most of a small model's time"),
+    (r"(pipeplan profile hf:gpt2)(?= )(?![^\n]*--vocab)", r"\1 --vocab 256", "the same, where the default applies"),
     (r"(pipeplan profile .*?)--seq-len 128", r"\1--seq-len 32", "shorter sequences"),
     (r"(pipeplan profile (?![^\n]*--analytic)[^\n]*?)( -o )", r"\1 --repeats 1 --warmup 0\2", "one timed repeat"),
     (r"(pipeplan profile [^\n]*?)--layers \d+", r"\1--layers 2", "two blocks"),

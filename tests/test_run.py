@@ -114,6 +114,8 @@ def test_run_checks_before_starting_anything():
     broken.stages[1].rank = 0
     with pytest.raises(BadInputError, match="rank 1 has no stage|stages for 1 ranks"):
         run_plans([broken], model="gpt2-tiny")
+    with pytest.raises(BadInputError, match="2 plans but 1 profiles; give one profile per plan"):
+        run_plans([two, two], profile=[profile])
 
 
 # ---------------------------------------------------------------- failure messages

@@ -145,7 +145,8 @@ def run_rank(config: dict[str, Any]) -> list[dict[str, Any]]:
         Written by :func:`pipeplan.run.launch.worker_config`: ``plans`` (plans as dicts, all
         with the same number of ranks, run one after the other in one process group), ``model``,
         ``model_options``, ``unit_patterns``, ``seq_len``, ``dtype``, ``steps``, ``threads``,
-        ``seed``, ``lr``, ``device``, ``timeout_s``, ``out_dir``, ``dump_grads``.
+        ``seed``, ``lr``, ``device``, ``timeout_s``, ``out_dir``, ``dump_grads``; optionally
+        ``plan_models``, per plan the model keys where the plans are of different models.
 
     Returns
     -------
@@ -193,7 +194,9 @@ def run_rank(config: dict[str, Any]) -> list[dict[str, Any]]:
     link = measure_link(rank, world_size, device, largest, peer=peer) if config.get("measure_link", True) else None
     results = []
     for index, plan in enumerate(plans):
-        result = _run_one(index, plan, config, rank, world_size, device, backend)
+        # Plans of different models carry their own model, options, sequence length and dtype.
+        own = {**config, **config["plan_models"][index]} if config.get("plan_models") else config
+        result = _run_one(index, plan, own, rank, world_size, device, backend)
         result["link"] = link
         results.append(result)
     return results

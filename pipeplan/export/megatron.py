@@ -257,7 +257,7 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
         notes.append("the plan has no sequence parallelism: --sequence-parallel is left out")
     if shape.num_ranks == 1:
         notes.append(
-            f"one pipeline rank: no layout (Megatron-LM runs no pipeline schedule at p = 1"
+            "one pipeline rank: no layout (Megatron-LM runs no pipeline schedule at p = 1"
             + (f"; the plan's {shape.virtual_stages} stages are one model chunk there)" if shape.virtual_stages > 1
                else ")"))
     elif shape.virtual_stages > 1:

@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from pipeplan.formats.cluster import ClusterSpec
-from pipeplan.formats.limits import (MAX_MICROBATCHES, Bandwidth, Bytes, Count, FiniteFloat, Ms, Name, PlanBytes,
+from pipeplan.formats.limits import (MAX_MICROBATCHES, Bandwidth, Count, FiniteFloat, Ms, Name, PlanBytes,
                                      PlanMs, PositiveBytes, PositiveCount, Rate, Text)
 # Schedule names, one per torch.distributed.pipelining class; the records (torch class,
 # stages per rank, placement) are pipeplan.plan.schedules.SCHEDULE_INFO.

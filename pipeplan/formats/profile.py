@@ -13,7 +13,7 @@ Version 1 files read unchanged: none of the new fields is set, so every entry is
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 

@@ -26,7 +26,6 @@ Weights are initialised per unit from ``seed`` and the unit's name, so a rank th
 
 from __future__ import annotations
 
-import math
 import zlib
 from typing import Any, Optional
 

@@ -78,8 +78,6 @@ def reference_step(bundle: Any, inputs: Any, target: Any, num_microbatches: int,
         ``loss(output, target)``; default the bundle's (its own loss when ``loss_in_output``,
         else its ``loss_fn``, else the mean square of the output).
     """
-    import torch
-
     from pipeplan.profile.loading import call_model, default_loss, output_loss
 
     model = bundle.model

@@ -425,7 +425,7 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
             pump.start()
             timed_out = None
             try:
-                if not wait_for_job(proc, job_timeout_s):
+                if not wait_for_job(proc, job_timeout_s, out_dir):
                     timed_out = job_timeout_s
             finally:
                 # Whatever happened (normal end, limit, Ctrl-C), no rank outlives the launcher.

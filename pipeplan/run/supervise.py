@@ -182,9 +182,12 @@ def wake_stopped_to_end(root_pid: int) -> list[int]:
     return woken
 
 
-def wait_for_job(proc: subprocess.Popen, timeout_s: Optional[float], poll_s: float = 0.25) -> bool:
-    """Wait for torchrun to end (True) or ``timeout_s`` to pass (False), waking stopped ranks
-    it has asked to end (:func:`wake_stopped_to_end`)."""
+def wait_for_job(proc: subprocess.Popen, timeout_s: Optional[float], out_dir: Path, poll_s: float = 0.25) -> bool:
+    """Wait for torchrun to end (True) or ``timeout_s`` to pass (False).
+
+    Once a rank has written its error report to ``out_dir``, stopped ranks that torchrun has
+    asked to end are continued (:func:`wake_stopped_to_end`); before that nothing is scanned.
+    """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         wait_s = poll_s if deadline is None else min(poll_s, deadline - time.monotonic())
@@ -194,7 +197,8 @@ def wait_for_job(proc: subprocess.Popen, timeout_s: Optional[float], poll_s: flo
             proc.wait(timeout=wait_s)
             return True
         except subprocess.TimeoutExpired:
-            wake_stopped_to_end(proc.pid)
+            if next(out_dir.glob("error-rank*.json"), None) is not None:
+                wake_stopped_to_end(proc.pid)
 
 
 def terminate_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

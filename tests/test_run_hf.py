@@ -147,6 +147,33 @@ def test_the_traced_builder_refuses_stages_out_of_the_call_order():
         build_rank_stages("hf:gpt2", stages, [0, 3], example_inputs=example, builder="traced", bundle=bundle)
 
 
+def test_a_stage_keeps_only_the_tied_copies_its_graph_reads():
+    # torch's split leaves GPT-2's first stage an unread copy of lm_head.weight beside
+    # transformer.wte.weight; kept, it got the tied gradient and optimizer state (measured on
+    # GPT-2 small: rank 0's optimizer held 1.08 GB where its parameters need 0.77 GB).
+    from pipeplan.profile import load_bundle, make_microbatch
+    from pipeplan.run.stages import build_rank_stages
+    from pipeplan.run.verify import microbatches
+
+    stages = [["transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0"], ["transformer.h.1"],
+              ["transformer.h.2", "transformer.h.3", "transformer.ln_f"], ["lm_head"]]
+    held = {}
+    for indices in ([0, 2], [1, 3]):
+        bundle = load_bundle("hf:gpt2", seed=0, **TINY["hf:gpt2"])
+        inputs, target = make_microbatch(bundle, 4, SEQ_LEN, seed=1)
+        built = build_rank_stages("hf:gpt2", stages, indices, example_inputs=microbatches(inputs, target, 4)[0][0],
+                                  builder="traced", bundle=bundle)
+        assert built.tied == {"transformer.wte.weight": [0, 3]}
+        for index, module, names in zip(indices, built.modules, built.param_names):
+            held[index] = sorted(names[n] for n, _ in module.named_parameters())
+    whole = load_bundle("hf:gpt2", seed=0, **TINY["hf:gpt2"]).model
+    # Every stage together holds each of the model's parameters once, the tied weight twice
+    # (the first stage's embedding and the last stage's head), and nothing else.
+    everything = sorted(name for names in held.values() for name in names)
+    assert everything == sorted([n for n, _ in whole.named_parameters()] + ["transformer.wte.weight"])
+    assert held[0].count("transformer.wte.weight") == 1 and held[3] == ["transformer.wte.weight"]
+
+
 def test_the_profile_counts_tied_weights_once_and_names_their_layers():
     profile = _profile("hf:gpt2")
     ties = profile.tied_weights

@@ -257,6 +257,10 @@ def hf_bundle(name: str, *, seed: int = 0, device: Any = "cpu", dtype: Any = Non
             f"MODEL: {name}: transformers cannot build the model from this config: "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         ) from None
+    if getattr(model, "loss_type", "") is None and type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+        # transformers 5 leaves GPT-2's loss_type unset and warns, once per process (the
+        # profile, every rank), that it uses ForCausalLM: name the loss it uses anyway.
+        model.loss_type = "ForCausalLM"
     model.to(device=device)
     if torch_dtype != torch.float32:
         model.to(dtype=torch_dtype)

@@ -370,8 +370,9 @@ def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_i
     examples = _example_values(pipe, routing, cls, example_inputs, len(stage_layers))
     for index in range(len(stage_layers)):
         submod = pipe.get_stage_module(index)
-        mapping = {n: alias.get(n, n) for n, _ in submod.named_parameters(remove_duplicate=False)}
         used = _used_parameters(submod)
+        _drop_unused_tied_copies(submod, used, alias)
+        mapping = {n: alias.get(n, n) for n, _ in submod.named_parameters(remove_duplicate=False)}
         for n, canonical in mapping.items():
             if canonical in tied and n in used:
                 uses.setdefault(canonical, set()).add(index)
@@ -507,6 +508,21 @@ def _check_traced_stages(pipe: Any, stage_layers: Sequence[Sequence[str]], tied:
                     f"stage to be a run of consecutive units in the order the forward calls them; make the "
                     f"plan again with this pipeplan (its plans of traced models follow that order)"
                 )
+
+
+def _drop_unused_tied_copies(submod: Any, used: set[str], alias: dict[str, str]) -> None:
+    """Remove the tied-weight copies torch's split leaves in a stage whose graph never reads them.
+
+    torch 2.13's ``pipeline()`` puts every name of a tied weight into each stage that reads any
+    of them: GPT-2's first stage holds ``lm_head.weight`` beside ``transformer.wte.weight``, as a
+    separate tensor. Kept, the copy would get the tied gradient sum (:class:`TiedGrads` gives
+    every copy on a rank the sum) and optimizer state: four times the weight's bytes that the
+    plan did not count (616 MB on GPT-2 small's first rank).
+    """
+    for name, _ in list(submod.named_parameters(remove_duplicate=False)):
+        if name in alias and name not in used:
+            owner_name, _, leaf = name.rpartition(".")
+            delattr(submod.get_submodule(owner_name) if owner_name else submod, leaf)
 
 
 def _used_parameters(submod: Any) -> set[str]:

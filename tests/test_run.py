@@ -208,6 +208,19 @@ def test_report_puts_measured_beside_predicted():
     assert "ratio 1.05" in console.export_text()
 
 
+def test_report_says_the_traced_builders_whole_model_is_in_the_measured_memory():
+    profile = _profile()
+    plan = balanced_plan(profile, schedule="1f1b", ranks=2, microbatch_size=1, num_microbatches=4)
+    plain = build_report(plan, _results(plan))
+    assert not any("whole model" in note for note in plain["notes"])
+    results = _results(plan)
+    for r in results:
+        r["whole_model_param_bytes"] = 497_759_232  # GPT-2 small in fp32
+        r["verify"] = {"stages": []}
+    notes = [n for n in build_report(plan, results)["notes"] if "whole model" in n]
+    assert len(notes) == 1 and "(474.70 MiB of parameters) and --verify's one-process reference step" in notes[0]
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_report_replays_the_schedule_with_the_measured_compute(schedule):
     profile = _profile()

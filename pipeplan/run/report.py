@@ -75,6 +75,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional, Sequence
 
+from pipeplan.quantities import format_bytes
+
 __all__ = ["build_report", "report_table", "SCHEMA"]
 
 SCHEMA = "pipeplan-run-report/1"
@@ -328,6 +330,14 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             f"the ranks' compute got {min(shares):.0%}-{max(shares):.0%} of a core (CPU time / wall time "
             f"inside forward and backward): other work shared the cores, so measured times are inflated; "
             f"rerun on a quiet machine before reading the ratio as an error of the cost model"
+        )
+    whole = max((r.get("whole_model_param_bytes") or 0 for r in results), default=0)
+    if whole:
+        verify = " and --verify's one-process reference step" if any(r.get("verify") for r in results) else ""
+        report["notes"].append(
+            f"measured peak memory includes what the traced stage builder needs on every rank: the whole "
+            f"model, built and traced there ({format_bytes(whole)} of parameters){verify}; a memory ratio "
+            f"above 1 is mostly that, not the plan's stages (benchmarks/gpu_check.sh measures each stage alone)"
         )
     drift = report.get("alone_ratio")
     if drift is not None and abs(drift - 1.0) > 0.15:

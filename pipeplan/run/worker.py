@@ -466,6 +466,9 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "alone": alone,
         "stage_builder": built.builder,
+        # The traced builder keeps the whole model, built and traced, on every rank.
+        "whole_model_param_bytes": (sum(t.numel() * t.element_size() for t in whole.model.parameters())
+                                    if whole is not None and built.builder == "traced" else None),
         "tied_weights": built.tied,
         "verify": verified,
     }

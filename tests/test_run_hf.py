@@ -66,7 +66,8 @@ MATRIX = {
         "hf:llama": ["1f1b", "interleaved", "zbv"],
         "hf:qwen2": ["1f1b", "interleaved", "zb"],
         "hf:bert": ["1f1b", "interleaved", "zbv"],
-        "hf:vit": ["1f1b", "interleaved", "zb"]},
+        "hf:vit": ["1f1b", "interleaved", "zb"],
+        "hf:t5": ["1f1b", "interleaved"]},
 }
 
 

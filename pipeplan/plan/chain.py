@@ -18,7 +18,7 @@ from pipeplan.plan.costmodel import prefix_sums
 from pipeplan.plan.memo import memoised
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, PartitionProblem, evaluate_split
 
-__all__ = ["partition_chain", "chain_bottleneck_ms", "fits_along_order", "DIRECT_DP_MAX_WORK"]
+__all__ = ["partition_chain", "chain_bottleneck_ms", "fits_along_order", "order_cut_bytes", "DIRECT_DP_MAX_WORK"]
 
 #: Above this many (layer pairs x stages) the chain solver bisects on the bottleneck instead
 #: of running the direct DP (which also breaks ties toward balance).
@@ -54,6 +54,13 @@ class _Chain:
 def _chain_of(problem: PartitionProblem) -> _Chain:
     """The graph's :class:`_Chain` (remembered inside :func:`pipeplan.plan.memo.planning_cache`)."""
     return memoised("chain", id(problem.graph), (problem.graph,), lambda: _Chain(problem))
+
+
+def order_cut_bytes(problem: PartitionProblem) -> np.ndarray:
+    """Per cut ``i`` of the layer order (after ``i`` layers, ``0 <= i <= n``), the bytes crossing
+    it: every layer output with a consumer at or after the cut (what a prefix split's boundary
+    sends; :func:`pipeplan.plan.problem.evaluate_split` costs the same)."""
+    return _chain_of(problem).cut_bytes
 
 
 def _stage_vectors(problem: PartitionProblem, chain: _Chain, j: int, r: int):

@@ -8,9 +8,10 @@ a split whose middle stages are the large ones loads rank 1 with both. :func:`ba
 starts from that split and moves one stage boundary by one unit at a time, steepest first,
 while the rank loads improve: the largest first, then the next largest and so on (the loads
 sorted in decreasing order, compared lexicographically); where no such move helps, it tries a
-boundary of the busiest rank's stages moved together with one of the nearest two on either side. Every stage stays non-empty and within
-the problem's per-stage memory cap, and the stages stay runs of the layer order (the order the
-search splits along, and the one a traced model runs in). The planner simulates both splits
+boundary of the busiest rank's stages moved together with one of the nearest two on either
+side. Every stage stays non-empty and within the problem's per-stage memory cap, and the stages
+stay runs of the layer order (the order the search splits along, and the one a traced model
+runs in). The planner simulates both splits
 and keeps the faster (:func:`try_balanced`; ties keep the min-max-stage split).
 
 The result is a local optimum of those moves, not a proven one: against the brute-force best
@@ -156,14 +157,31 @@ def balance_ranks(problem: PartitionProblem, partition: Partition, placement) ->
     Partition or None
         ``method`` ``rank-balanced``, not optimal, with ``partition``'s lower bound on the
         bottleneck (still a bound: it holds for every split). None when a rank holds one stage,
-        when ``partition`` is not a prefix split, or when no single-unit move improves the rank
-        loads.
+        when ``partition`` is not a prefix split, or when no move improves the rank loads.
+
+    Examples
+    --------
+    >>> from pipeplan.plan.graph import LayerGraph
+    >>> import networkx as nx, numpy as np
+    >>> f = np.array([0.5] + [4.0] * 12 + [30.0])     # an embedding, 12 blocks, a large head
+    >>> g = LayerGraph(names=tuple(map(str, range(14))), forward_ms=f, backward_ms=2 * f,
+    ...                backward_input_ms=f, backward_weight_ms=f, backward_split_measured=True,
+    ...                param_bytes=np.ones(14), activation_bytes=np.ones(14), output_bytes=np.ones(14),
+    ...                graph=nx.path_graph(14, nx.DiGraph), chain=True)
+    >>> problem = PartitionProblem(graph=g, num_stages=4, in_flight=(4, 3, 2, 1))
+    >>> old = evaluate_split(problem, [range(0, 5), range(5, 9), range(9, 13), range(13, 14)])
+    >>> rank_loads_ms(stage_costs(problem, old), [0, 1, 1, 0])      # zbv on 2 ranks
+    [139.5, 96.0]
+    >>> new = balance_ranks(problem, old, [0, 1, 1, 0])
+    >>> [len(s) for s in new.stages], rank_loads_ms(stage_costs(problem, new), [0, 1, 1, 0])
+    ([3, 6, 4, 1], [115.5, 120.0])
 
     Notes
     -----
-    Each step tries the ``2 (k - 1)`` moves of one boundary by one unit, at O(k) each (stage
-    costs are remembered inside :func:`pipeplan.plan.memo.planning_cache`), and takes the best;
-    the loads' sorted tuple falls strictly at every step, so it ends. At most ``n k`` steps.
+    Each step tries the ``2 (k - 1)`` moves of one boundary by one unit (when none helps, the
+    ``O(v)`` boundaries of the busiest rank's stages paired with their near neighbours), each in
+    O(p log p) with stage costs looked up in whole matrices, and takes the best; the loads' sorted
+    tuple falls strictly at every step, so it ends, after at most ``n k`` steps.
     """
     key = (id(problem.graph), problem.num_stages, problem.in_flight, problem.recompute, problem.cost,
            problem.memory_cap_bytes, partition.stages, tuple(placement))
@@ -301,8 +319,8 @@ def _balance(problem: PartitionProblem, partition: Partition, placement: list[in
             # Stuck: move a boundary of the busiest rank's stages together with one of the two on either side.
             top = loads.index(max(loads))
             own = sorted({i for j in range(k) if placement[j] == top for i in (j, j + 1) if 0 < i < k})
-            best = best_of(((a, cuts[a] + da), (b, cuts[b] + db)) for a in own for b in range(max(1, a - 2), min(k, a + 3)) if b != a
-                           for da in (-1, 1) for db in (-1, 1))
+            best = best_of(((a, cuts[a] + da), (b, cuts[b] + db)) for a in own
+                           for b in range(max(1, a - 2), min(k, a + 3)) if b != a for da in (-1, 1) for db in (-1, 1))
         if best is None:
             break
         current, new, changed, loads = best

@@ -22,11 +22,14 @@ Search
   profile gives the selective-recomputation fields, the same prefixes are tried with
   ``selective`` as well as ``full`` recomputation.
 - Each configuration is simulated once (``O(p m v)``, up to ~80 ms at 16 ranks), not once
-  per candidate split: the partitioner picks the split, the simulator checks it.
+  per candidate split: the partitioner picks the split, the simulator checks it. With ``v > 1``
+  a second split, the first moved toward equal work per rank (:mod:`pipeplan.plan.ranks`), is
+  simulated too where it can win, and kept where it fits and is strictly faster.
 - Branch and bound: a rank cannot finish sooner than its own work, so ``m`` times its
   per-micro-batch compute bounds the iteration from below; configurations are simulated in
   the order of that bound, and those whose bound exceeds the best simulated time so far are
-  skipped (listed among the alternatives with the bound).
+  skipped (listed among the alternatives with the bound). With two splits the bound is the
+  smaller of theirs.
 
 Memory with ``v > 1``
 ---------------------
@@ -541,11 +544,14 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
         if exact is not None:
             exact_sim = simulate(stage_costs(problem, exact), best.schedule, p, best.num_microbatches,
                                  best.virtual_stages)
+            # A split balanced by rank won its simulation: the exact one must beat it there too.
             balanced = partition.method == "rank-balanced"
-            if exact_sim.peak_memory_bytes <= cap and (not balanced or exact_sim.iteration_ms < simulation.iteration_ms):
+            fits = exact_sim.peak_memory_bytes <= cap
+            if fits and (not balanced or exact_sim.iteration_ms < simulation.iteration_ms):
                 partition, simulation = exact, exact_sim
-            elif balanced and exact_sim.peak_memory_bytes <= cap:
-                notes.append(f"kept the split balanced by rank: the exact split simulates {exact_sim.iteration_ms:.3f} ms")
+            elif fits:
+                notes.append(f"kept the split balanced by rank: the exact min-max split simulates "
+                             f"{exact_sim.iteration_ms:.3f} ms")
             else:
                 notes.append("the exact split goes over the cap on some rank when simulated; "
                              "kept the best split along the layer orders")

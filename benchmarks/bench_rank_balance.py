@@ -19,13 +19,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PIPEDREAM = Path(os.environ.get("PIPEPLAN_PIPEDREAM", REPO.parent / "shared" / "data" / "pipedream"))
-#: Profiling batch of each PipeDream graph (from the data's README).
-PIPEDREAM_BATCH = {
-    "alexnet": 256, "vgg16": 128, "resnet18": 256, "resnet50": 128, "resnext50": 128,
-    "resnet101": 64, "resnext101": 64, "squeezenet1_0": 256, "inception_v3": 128,
-    "densenet121": 64, "nasnetamobile": 128, "nasnetalarge": 16, "gnmt": 128, "gnmt_large": 128,
-}
-
 
 @contextmanager
 def min_max_stage_split_only():
@@ -44,11 +37,12 @@ def min_max_stage_split_only():
 def profiles(only):
     from pipeplan.formats.io import load_profile
     from pipeplan.importers import import_pipedream
+    from pipeplan.importers.pipedream import PROFILED_BATCH
 
     for path in sorted((REPO / "profiles").glob("*.json")):
         if not only or path.stem in only:
             yield path.stem, load_profile(path), {}
-    for name, batch in PIPEDREAM_BATCH.items():
+    for name, batch in PROFILED_BATCH.items():
         path = PIPEDREAM / f"{name}.graph.txt"
         if path.exists() and (not only or name in only):
             # As tests/test_planner_pipedream.py plans them: 16 micro-batches, transfers free.

@@ -7,16 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from pipeplan.importers.pipedream import PROFILED_BATCH
+
 REPO = Path(__file__).resolve().parents[1]
 #: The PipeDream graphs beside the checkout; PIPEPLAN_PIPEDREAM points elsewhere (e.g. from a worktree).
 PIPEDREAM = Path(os.environ.get("PIPEPLAN_PIPEDREAM", REPO.parent / "shared" / "data" / "pipedream"))
 
 #: Profiling batch of each PipeDream graph (from the data's README).
-PIPEDREAM_BATCH = {
-    "alexnet": 256, "vgg16": 128, "resnet18": 256, "resnet50": 128, "resnext50": 128,
-    "resnet101": 64, "resnext101": 64, "squeezenet1_0": 256, "inception_v3": 128,
-    "densenet121": 64, "nasnetamobile": 128, "nasnetalarge": 16, "gnmt": 128, "gnmt_large": 128,
-}
+PIPEDREAM_BATCH = PROFILED_BATCH
 
 
 def pipedream_path(name: str) -> Path:

@@ -54,6 +54,9 @@ SOLVER_METHODS = {
                  "only when it meets the lower bound (solver.lower_bound_ms)",
     "ilp-highs": "integer linear program solved by HiGHS; optimal when solver.optimal",
     "ilp-cbc": "integer linear program solved by CBC (PuLP's COIN_CMD); optimal when solver.optimal",
+    "rank-balanced": "the search's min-max-stage split with its boundaries moved toward equal work per "
+                     "rank (several stages per rank), chosen where it simulates faster; not optimal "
+                     "for the slowest stage (pipeplan.plan.balance)",
     "balanced": "near-equal compute per stage (pipeplan.run.plans.balanced_plan); not optimised for the "
                 "simulated iteration",
     "given": "a split the caller chose (pipeplan.api.plan_split, compare's baselines), costed and "
@@ -61,7 +64,7 @@ SOLVER_METHODS = {
     "dp-chain": "older pipeplan's name for dp-chain-direct",
 }
 SolverMethod = Literal["dp-chain-direct", "dp-chain-bisect", "dp-ideals", "dp-orders", "ilp-highs", "ilp-cbc",
-                       "balanced", "given", "dp-chain"]
+                       "rank-balanced", "balanced", "given", "dp-chain"]
 assert set(SolverMethod.__args__) == set(SOLVER_METHODS)
 
 #: The CLI's ``--bandwidth`` default, and ``PlanSettings``'.

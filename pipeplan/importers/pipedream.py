@@ -21,7 +21,15 @@ import networkx as nx
 from pipeplan.errors import BadInputError
 from pipeplan.formats.profile import Device, Layer, LayerCost, Profile
 
-__all__ = ["import_pipedream", "parse_pipedream"]
+__all__ = ["import_pipedream", "parse_pipedream", "PROFILED_BATCH"]
+
+#: The batch each of PipeDream's published graphs was profiled at (from the data's README), the
+#: ``batch_size`` :func:`import_pipedream` takes for them.
+PROFILED_BATCH = {
+    "alexnet": 256, "vgg16": 128, "resnet18": 256, "resnet50": 128, "resnext50": 128,
+    "resnet101": 64, "resnext101": 64, "squeezenet1_0": 256, "inception_v3": 128,
+    "densenet121": 64, "nasnetamobile": 128, "nasnetalarge": 16, "gnmt": 128, "gnmt_large": 128,
+}
 
 _FIELDS = ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size")
 

@@ -36,6 +36,13 @@ class Candidate:
     reason: str = ""
     seconds: float = 0.0
     order: int = 0
+    balanced: Partition | None = None
+    """With several stages per rank, the split moved toward equal work per rank
+    (:func:`pipeplan.plan.balance.balance_ranks`), where one improves on ``partition``."""
+    unbalanced: Partition | None = None
+    """Where the balanced split won the simulation: the min-max-stage split it replaced."""
+    unbalanced_ms: float | None = None
+    """Where the balanced split won the simulation: the min-max-stage split's time (None if it did not fit)."""
 
     @property
     def recompute_count(self) -> int:

@@ -18,7 +18,7 @@ from pipeplan.plan.costmodel import prefix_sums
 from pipeplan.plan.memo import memoised
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, PartitionProblem, evaluate_split
 
-__all__ = ["partition_chain", "chain_bottleneck_ms", "fits_along_order", "DIRECT_DP_MAX_WORK"]
+__all__ = ["partition_chain", "chain_bottleneck_ms", "fits_along_order", "order_cut_bytes", "stage_fit_matrix", "DIRECT_DP_MAX_WORK"]
 
 #: Above this many (layer pairs x stages) the chain solver bisects on the bottleneck instead
 #: of running the direct DP (which also breaks ties toward balance).
@@ -54,6 +54,13 @@ class _Chain:
 def _chain_of(problem: PartitionProblem) -> _Chain:
     """The graph's :class:`_Chain` (remembered inside :func:`pipeplan.plan.memo.planning_cache`)."""
     return memoised("chain", id(problem.graph), (problem.graph,), lambda: _Chain(problem))
+
+
+def order_cut_bytes(problem: PartitionProblem) -> np.ndarray:
+    """Per cut ``i`` of the layer order (after ``i`` layers, ``0 <= i <= n``), the bytes crossing
+    it: every layer output with a consumer at or after the cut (what a prefix split's boundary
+    sends; :func:`pipeplan.plan.problem.evaluate_split` costs the same)."""
+    return _chain_of(problem).cut_bytes
 
 
 def _stage_vectors(problem: PartitionProblem, chain: _Chain, j: int, r: int):
@@ -93,17 +100,9 @@ def _two_pass(run, n: int, k: int, bottleneck_only: bool = False, first_pass=Non
     return [tuple(range(cuts[j], cuts[j + 1])) for j in range(k)]
 
 
-def _direct(problem: PartitionProblem, chain: _Chain, bottleneck_only: bool = False):
-    """Min-max DP, then a second DP for the most balanced split at that bottleneck.
-
-    O(k n^2) time. Up to :data:`_DIRECT_MATRIX_MAX_ENTRIES` it works on whole (start, end)
-    matrices, one numpy step per stage (the planner runs it for many schedules and
-    recompute sets); beyond, one step per (stage, end) pair.
-    """
+def _matrices(problem: PartitionProblem, chain: _Chain):
+    """``times(mode)`` and ``masked(j)`` over every (start, end) at once (see :func:`_direct`)."""
     n = problem.graph.num_layers
-    if (n + 1) * (n + 1) > _DIRECT_MATRIX_MAX_ENTRIES:
-        return _direct_loop(problem, chain)
-    k = problem.num_stages
     inf = math.inf
     cap = problem.cap_with_tolerance
     cost = problem.cost
@@ -135,6 +134,35 @@ def _direct(problem: PartitionProblem, chain: _Chain, bottleneck_only: bool = Fa
             time = times(problem.recompute[j])
             fits_cache[key] = (np.where(ok, time, inf), np.where(ok, time * time, inf))
         return fits_cache[key]
+
+    return times, masked
+
+
+def stage_fit_matrix(problem: PartitionProblem, j: int) -> np.ndarray | None:
+    """Whether stage ``j`` holding layers ``l .. r - 1`` fits the cap, for every ``(l, r)``: the
+    chain DP's own test, on its own matrices (None above :data:`_DIRECT_MATRIX_MAX_ENTRIES`)."""
+    n = problem.graph.num_layers
+    if (n + 1) * (n + 1) > _DIRECT_MATRIX_MAX_ENTRIES:
+        return None
+    _, masked = _matrices(problem, _chain_of(problem))
+    return np.isfinite(masked(j)[0])
+
+
+def _direct(problem: PartitionProblem, chain: _Chain, bottleneck_only: bool = False):
+    """Min-max DP, then a second DP for the most balanced split at that bottleneck.
+
+    O(k n^2) time. Up to :data:`_DIRECT_MATRIX_MAX_ENTRIES` it works on whole (start, end)
+    matrices, one numpy step per stage (the planner runs it for many schedules and
+    recompute sets); beyond, one step per (stage, end) pair.
+    """
+    n = problem.graph.num_layers
+    if (n + 1) * (n + 1) > _DIRECT_MATRIX_MAX_ENTRIES:
+        return _direct_loop(problem, chain)
+    k = problem.num_stages
+    inf = math.inf
+    cap = problem.cap_with_tolerance
+    cost = problem.cost
+    times, masked = _matrices(problem, chain)
 
     def run(limit):
         best = np.full((k, n + 1), inf)

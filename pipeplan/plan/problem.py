@@ -27,6 +27,8 @@ __all__ = [
     "build_problem",
     "evaluate_split",
     "split_fits",
+    "stage_cost_at",
+    "stage_fits",
     "stage_breakdowns",
     "stage_costs",
     "trivial_lower_bound_ms",
@@ -227,26 +229,36 @@ def stage_costs(problem: PartitionProblem, partition: Partition) -> list:
 
 
 def _stage_cost(problem: PartitionProblem, boundaries, j: int, layers):
-    """One stage's :class:`~pipeplan.plan.simulate.StageCost`: the same stage (layers, cuts,
-    in-flight count, mode) recurs in many splits of one search, so it is remembered on its own."""
+    in_b, out_b = _in_out(boundaries, j, problem.num_stages)
+    return stage_cost_at(problem, j, layers, in_b, out_b)
+
+
+def stage_cost_at(problem: PartitionProblem, j: int, layers, in_bytes: float, out_bytes: float):
+    """Stage ``j`` holding ``layers`` with ``in_bytes``/``out_bytes`` at its boundaries, as the
+    simulator's :class:`~pipeplan.plan.simulate.StageCost` (the same stage, in-flight count and
+    mode recur in many splits of one search, so it is remembered inside
+    :func:`pipeplan.plan.memo.planning_cache`)."""
     from pipeplan.plan.memo import memoised
 
     k = problem.num_stages
-    in_b, out_b = _in_out(boundaries, j, k)
-    key = (id(problem.graph), problem.cost, layers, in_b, out_b, problem.in_flight[j], problem.recompute[j],
-           j == k - 1)
+    layers = tuple(layers)
+    key = (id(problem.graph), problem.cost, layers, in_bytes, out_bytes, problem.in_flight[j],
+           problem.recompute[j], j == k - 1)
     return memoised("stage_cost", key, (problem.graph,), lambda: problem.cost.breakdown(
-        layer_sums(problem.graph, layers), index=j, layers=layers, in_bytes=in_b, out_bytes=out_b,
+        layer_sums(problem.graph, layers), index=j, layers=layers, in_bytes=in_bytes, out_bytes=out_bytes,
         in_flight=problem.in_flight[j], mode=problem.recompute[j], last=j == k - 1).stage_cost())
+
+
+def stage_fits(problem: PartitionProblem, j: int, layers, in_bytes: float) -> bool:
+    """Whether stage ``j`` holding ``layers`` (input ``in_bytes``) is within the per-stage cap:
+    the rule :func:`split_fits` applies to every stage and the partitioners enforce."""
+    memory = problem.cost.stage_memory_bytes(layer_sums(problem.graph, tuple(layers)), in_bytes,
+                                             problem.in_flight[j], problem.recompute[j])
+    return bool(memory <= problem.cap_with_tolerance)
 
 
 def split_fits(problem: PartitionProblem, partition: Partition) -> bool:
     """Whether every stage of ``partition`` is within the memory cap."""
     k = problem.num_stages
-    for j, layers in enumerate(partition.stages):
-        in_b, _ = _in_out(partition.boundary_bytes, j, k)
-        memory = problem.cost.stage_memory_bytes(layer_sums(problem.graph, layers), in_b,
-                                                 problem.in_flight[j], problem.recompute[j])
-        if memory > problem.cap_with_tolerance:
-            return False
-    return True
+    return all(stage_fits(problem, j, layers, _in_out(partition.boundary_bytes, j, k)[0])
+               for j, layers in enumerate(partition.stages))

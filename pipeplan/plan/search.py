@@ -22,11 +22,14 @@ Search
   profile gives the selective-recomputation fields, the same prefixes are tried with
   ``selective`` as well as ``full`` recomputation.
 - Each configuration is simulated once (``O(p m v)``, up to ~80 ms at 16 ranks), not once
-  per candidate split: the partitioner picks the split, the simulator checks it.
+  per candidate split: the partitioner picks the split, the simulator checks it. With ``v > 1``
+  a second split, the first moved toward equal work per rank (:mod:`pipeplan.plan.ranks`), is
+  simulated too where it can win, and kept where it fits and is strictly faster.
 - Branch and bound: a rank cannot finish sooner than its own work, so ``m`` times its
   per-micro-batch compute bounds the iteration from below; configurations are simulated in
   the order of that bound, and those whose bound exceeds the best simulated time so far are
-  skipped (listed among the alternatives with the bound).
+  skipped (listed among the alternatives with the bound). With two splits the bound is the
+  smaller of theirs.
 
 Memory with ``v > 1``
 ---------------------
@@ -44,17 +47,19 @@ import time
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.plan.assemble import plan_from_partition
+from pipeplan.plan.ranks import (balance_ranks, balanced_note, busy_lower_bound_ms, rank_end_lower_bounds_ms,
+                                 rank_peaks, try_balanced)
 from pipeplan.plan.bound import Incumbent, PrunedError, above
 from pipeplan.plan.candidates import RECOMPUTE_SEARCH_MAX_LAYERS, Candidate, tie_key
 from pipeplan.plan.chain import chain_bottleneck_ms
 from pipeplan.plan.explain import explain_choice, infeasible_message, runners_up
 from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.memo import memoised, planning_cache
-from pipeplan.plan.memory import rank_peak_bytes, stage_in_flight
-from pipeplan.plan.problem import CAP_TOLERANCE, Partition, PartitionProblem, build_problem, stage_costs
+from pipeplan.plan.memory import stage_in_flight
+from pipeplan.plan.problem import CAP_TOLERANCE, Partition, build_problem, stage_costs
 from pipeplan.plan.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
                                      stage_ranks, valid_virtual_stages)
-from pipeplan.plan.simulate import StageCost, simulate
+from pipeplan.plan.simulate import simulate
 from pipeplan.plan.solve import search_partition, solve_partition
 from pipeplan.quantities import format_bytes
 
@@ -100,49 +105,6 @@ def candidate_microbatch_sizes(profile, settings: PlanSettings) -> list[int]:
             f"micro-batch size {sizes}; use a multiple of one of them"
         )
     return chosen
-
-
-def busy_lower_bound_ms(costs: list[StageCost], placement: list[int], num_microbatches: int) -> float:
-    """A lower bound of the simulated iteration.
-
-    Rank ``r`` cannot start before the first micro-batch's forward has reached its first
-    stage, and then has all its own work to do, with the schedule's own time before each of
-    its at least two actions per stage and micro-batch (but the first, which may overlap the
-    wait); no iteration is shorter than one micro-batch's trip forward and back either.
-    """
-    trip, ranks = rank_end_lower_bounds_ms(costs, placement, num_microbatches)
-    return max(trip, max(ranks))
-
-
-def rank_end_lower_bounds_ms(costs: list[StageCost], placement: list[int],
-                             num_microbatches: int) -> tuple[float, list[float]]:
-    """One micro-batch's trip forward and back, and per rank the earliest its last action can end
-    (see :func:`busy_lower_bound_ms`, their maximum)."""
-    ranks = max(placement) + 1
-    busy = [0.0] * ranks
-    first = [None] * ranks
-    trip = 0.0
-    for stage, (cost, rank) in enumerate(zip(costs, placement)):
-        # Whichever way the schedule runs the backward (whole, or split at some cost).
-        backward = min(cost.backward_ms, cost.backward_input_ms + cost.backward_weight_ms)
-        busy[rank] += cost.forward_ms + backward + 2 * cost.action_overhead_ms
-        # A split schedule runs no input pass on stage 0.
-        trip += cost.forward_ms + (0.0 if stage == 0 else min(cost.backward_input_ms, backward))
-        if first[rank] is None:
-            first[rank] = stage
-    head = [0.0]
-    for stage, cost in enumerate(costs):
-        crossing = cost.send_ms if stage + 1 < len(costs) and placement[stage + 1] != placement[stage] else 0.0
-        head.append(head[-1] + cost.forward_ms + crossing)
-    return trip, [head[first[r]] + num_microbatches * busy[r] - costs[first[r]].action_overhead_ms
-                  for r in range(ranks)]
-
-
-def rank_peaks(problem: PartitionProblem, partition: Partition, schedule: str, p: int, m: int, v: int):
-    """Exact simulated per-rank peaks of a split (memory depends on the order only)."""
-    costs = stage_costs(problem, partition)
-    return rank_peak_bytes(schedule, p, m, v, [c.static_memory_bytes for c in costs],
-                           [c.activation_bytes for c in costs])
 
 
 def schedule_space(settings: PlanSettings, num_layers: int) -> list[tuple[str, int]]:
@@ -309,9 +271,16 @@ def _recompute_ladder(profile, graph, settings, schedule, m, v, in_flight, order
     return [(recompute_prefix(order, k, num_stages, mode), at(k)) for k in sorted(set(keep))]
 
 
-def evaluate_candidate(profile, graph, settings, cand: Candidate, in_flight) -> None:
+def evaluate_candidate(profile, graph, settings, cand: Candidate, in_flight, best_ms: float = math.inf) -> None:
     """Check a candidate's per-rank peaks (for ``v > 1`` shrinking the per-stage cap until its
-    ranks fit), then simulate it once."""
+    ranks fit), then simulate it once; for ``v > 1`` its split balanced by rank too, where that
+    can beat both it and ``best_ms`` (the best simulated so far), keeping the faster."""
+    _evaluate_split(profile, graph, settings, cand, in_flight)
+    if cand.virtual_stages > 1 and cand.partition is not None:
+        try_balanced(cand, _cap(settings), settings.stages, best_ms)
+
+
+def _evaluate_split(profile, graph, settings, cand: Candidate, in_flight) -> None:
     cap = _cap(settings)
     p, v, m = settings.stages, cand.virtual_stages, cand.num_microbatches
     share = 1.0
@@ -442,12 +411,18 @@ def _rank_param_bytes(graph, partition: Partition, placement, ranks: int) -> lis
 
 
 def _caller_bound_ms(cand: Candidate, incumbent: Incumbent, graph, p: int) -> float:
-    """A lower bound on a candidate's time in the incumbent's terms, from its split alone."""
+    """A lower bound on a candidate's time in the incumbent's terms, from its splits alone (the
+    smaller of the two where it has a split balanced by rank: either may win)."""
     placement = stage_ranks(cand.schedule, p, cand.virtual_stages)
-    trip, ends = rank_end_lower_bounds_ms(stage_costs(cand.problem, cand.partition), placement, cand.num_microbatches)
-    # The round trip ends with the first stage's backward, on its rank.
-    ends[placement[0]] = max(ends[placement[0]], trip)
-    return incumbent.time_ms(ends, _rank_param_bytes(graph, cand.partition, placement, p), cand.num_microbatches)
+    bounds = []
+    for partition in (cand.partition, cand.balanced):
+        if partition is None:
+            continue
+        trip, ends = rank_end_lower_bounds_ms(stage_costs(cand.problem, partition), placement, cand.num_microbatches)
+        # The round trip ends with the first stage's backward, on its rank.
+        ends[placement[0]] = max(ends[placement[0]], trip)
+        bounds.append(incumbent.time_ms(ends, _rank_param_bytes(graph, partition, placement, p), cand.num_microbatches))
+    return min(bounds)
 
 
 def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool,
@@ -502,6 +477,11 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
                     cand.reason = "over the memory cap at every split"
                 else:
                     cand.lower_bound_ms = busy_lower_bound_ms(stage_costs(problem, partition), placement, m)
+                    # Either split may win: the bound must hold for both.
+                    cand.balanced = balance_ranks(problem, partition, placement) if v > 1 else None
+                    if cand.balanced is not None:
+                        cand.lower_bound_ms = min(cand.lower_bound_ms, busy_lower_bound_ms(
+                            stage_costs(problem, cand.balanced), placement, m))
                 candidates.append(cand)
     for index, cand in enumerate(candidates):
         cand.order = index
@@ -523,7 +503,8 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
                 cand.status = "pruned"
                 cut_ms.append(bound)
                 continue
-        evaluate_candidate(profile, graphs[cand.microbatch_size], settings, cand, cand.problem.in_flight)
+        evaluate_candidate(profile, graphs[cand.microbatch_size], settings, cand, cand.problem.in_flight,
+                           math.inf if best is None else best.iteration_ms)
         if cand.status == "fits" and (best is None or (cand.iteration_ms, tie_key(cand, space))
                                       < (best.iteration_ms, tie_key(best, space))):
             best = cand
@@ -563,12 +544,20 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
         if exact is not None:
             exact_sim = simulate(stage_costs(problem, exact), best.schedule, p, best.num_microbatches,
                                  best.virtual_stages)
-            if exact_sim.peak_memory_bytes <= cap:
+            # A split balanced by rank won its simulation: the exact one must beat it there too.
+            balanced = partition.method == "rank-balanced"
+            fits = exact_sim.peak_memory_bytes <= cap
+            if fits and (not balanced or exact_sim.iteration_ms < simulation.iteration_ms):
                 partition, simulation = exact, exact_sim
+            elif fits:
+                notes.append(f"kept the split balanced by rank: the exact min-max split simulates "
+                             f"{exact_sim.iteration_ms:.3f} ms")
             else:
                 notes.append("the exact split goes over the cap on some rank when simulated; "
                              "kept the best split along the layer orders")
     notes.extend(explain_choice(best, simulation, candidates, settings, space, graph, profile))
+    if partition.method == "rank-balanced":
+        notes.append(balanced_note(best, problem, partition, p))
     if overhead_note is not None:
         notes.append(overhead_note)
     alternatives = runners_up(best, simulation, candidates)

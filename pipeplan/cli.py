@@ -92,7 +92,7 @@ def _printable(line: str) -> str:
                    else ch for ch in line)
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     """A message on one line: the first line, and how many more there were."""
     lines = [_printable(line) for line in text.splitlines() if line.strip()] or [""]
     if len(lines) == 1:
@@ -113,7 +113,7 @@ def handled(func):
             if state["debug"]:
                 traceback.print_exc()
             kind = "infeasible" if exc.exit_code == 3 else "error"
-            typer.echo(f"{kind}: {_one_line(str(exc))}", err=True)
+            typer.echo(f"{kind}: {one_line(str(exc))}", err=True)
             raise typer.Exit(exc.exit_code)
         except RecursionError:
             if state["debug"]:
@@ -134,7 +134,7 @@ def handled(func):
         except Exception as exc:
             if state["debug"]:
                 raise
-            typer.echo(f"internal error: {type(exc).__name__}: {_one_line(str(exc))} (rerun with --debug for the "
+            typer.echo(f"internal error: {type(exc).__name__}: {one_line(str(exc))} (rerun with --debug for the "
                        f"traceback)", err=True)
             raise typer.Exit(1)
 

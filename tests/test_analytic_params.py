@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from pipeplan.analytic.configs import _config_dir, load_model_config, shipped_configs
+from pipeplan.analytic.configs import shipped_config_dir, load_model_config, shipped_configs
 from pipeplan.analytic.flops import model_flops_per_token
 from pipeplan.analytic.shapes import unit_param_count
 
@@ -51,7 +51,7 @@ EXTRA = {
 
 def _cases():
     for name in shipped_configs():
-        data = json.loads(_config_dir().joinpath(f"{name}.json").read_text())
+        data = json.loads(shipped_config_dir().joinpath(f"{name}.json").read_text())
         yield pytest.param(name, _shallow(data), id=name)
     for name, data in EXTRA.items():
         yield pytest.param(name, data, id=name)

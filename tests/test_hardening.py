@@ -184,9 +184,9 @@ def test_infeasible_names_the_smallest_stage_count_that_fits_or_says_none_does(t
 
 
 def test_explanations_do_not_divide_by_a_zero_iteration():
-    from pipeplan.plan.explain import _percent
+    from pipeplan.plan.explain import percent_text
 
-    assert _percent(1.0, 0.0) == "-" and _percent(1.0, 4.0) == "25.0%"
+    assert percent_text(1.0, 0.0) == "-" and percent_text(1.0, 4.0) == "25.0%"
 
 
 # ---------------------------------------------------------------- accepted although wrong
@@ -271,9 +271,9 @@ def test_control_characters_from_options_are_escaped_in_messages(profile_file):
 
 
 def test_control_characters_never_reach_the_terminal_in_an_error():
-    from pipeplan.cli import _one_line
+    from pipeplan.cli import one_line
 
-    assert _one_line("bad name 'a\x1b[2Jb\u202e'") == "bad name 'a\\u001b[2Jb\\u202e'"
+    assert one_line("bad name 'a\x1b[2Jb\u202e'") == "bad name 'a\\u001b[2Jb\\u202e'"
 
 
 def test_empty_memory_cap_is_not_taken_as_no_cap(profile_file):
@@ -379,7 +379,7 @@ def test_report_schema_is_published():
 
 # ---------------------------------------------------------------- profiler messages (docs/profiling.md)
 def test_profiler_failure_names_the_innermost_cause():
-    from pipeplan.profile.api import _fail_forward
+    from pipeplan.profile.api import forward_failure
 
     try:
         try:
@@ -387,7 +387,7 @@ def test_profiler_failure_names_the_innermost_cause():
         except ValueError as inner:
             raise RuntimeError("\n        Failed to run stage backward input:\n") from inner
     except RuntimeError as exc:
-        error = _fail_forward(exc, 1, 64, "unit 'out'")
+        error = forward_failure(exc, 1, 64, "unit 'out'")
     assert "ValueError: shapes (2, 3) and (4, 5) do not match" in str(error)
 
 

@@ -16,7 +16,8 @@ from pipeplan.analytic.shapes import check_tensor_parallel, unit_param_count
 from pipeplan.errors import BadInputError
 from pipeplan.formats.profile import Device, Layer, LayerCost, Profile
 
-__all__ = ["analytic_profile", "analytic_profile_to_file", "parse_degrees", "default_seq_len", "DTYPE_BYTES"]
+__all__ = ["analytic_profile", "analytic_profile_to_file", "parse_degrees", "default_seq_len", "DTYPE_BYTES",
+           "model_units"]
 
 #: Bytes per element of each training dtype the analytic model takes.
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
@@ -51,7 +52,7 @@ def default_seq_len(cfg: ModelConfig) -> int:
     return int(original) if isinstance(original, int) and original > 0 else cfg.max_positions
 
 
-def _units(cfg: ModelConfig) -> list[tuple[str, str, int]]:
+def model_units(cfg: ModelConfig) -> list[tuple[str, str, int]]:
     units = [(cfg.names.embedding, "embedding", 0)]
     units += [(cfg.block_name(i), "block", i) for i in range(cfg.num_layers)]
     if cfg.names.norm is not None:
@@ -168,7 +169,7 @@ def analytic_profile(
     shapes = [Shape(seq, b, t, sequence_parallel and t > 1, flash_attention, e) for b in sizes for t in degrees]
     cache: dict = {}
     layers = []
-    for name, kind, index in _units(cfg):
+    for name, kind, index in model_units(cfg):
         sliding = kind == "block" and index in cfg.sliding_layers
         key = (kind, sliding)
         if key not in cache:
@@ -178,7 +179,7 @@ def analytic_profile(
             name=name, param_bytes=unit_param_count(cfg, kind) * e, costs=cache[key], kind=kind,
             description=f"covers {' + '.join(modules)}" if len(modules) > 1 else None,
         ))
-    unique_params = sum(unit_param_count(cfg, kind) for _, kind, _ in _units(cfg))
+    unique_params = sum(unit_param_count(cfg, kind) for _, kind, _ in model_units(cfg))
     if cfg.tied_embeddings:
         unique_params -= unit_param_count(cfg, "head")
     measurement = {

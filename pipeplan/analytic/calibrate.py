@@ -106,12 +106,12 @@ def fit_efficiency(cfg: ModelConfig, gpu: GpuSpec, measured: Profile, *, flash_a
         The fitted model (``source`` says what it was fitted to) and ``{"entries", "rms_log_error_before",
         "rms_log_error_after", "median_ratio_before", "median_ratio_after"}``.
     """
-    from pipeplan.analytic.api import DTYPE_BYTES, _units
+    from pipeplan.analytic.api import DTYPE_BYTES, model_units
 
     if measured.dtype not in DTYPE_BYTES:
         raise BadInputError(f"{where}: dtype {measured.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     peak, bandwidth = gpu.flops_for(measured.dtype), gpu.hbm_bytes_per_s
-    design = _design(cfg, _pairs(_units(cfg), measured, where), measured, flash_attention, DTYPE_BYTES[measured.dtype])
+    design = _design(cfg, _pairs(model_units(cfg), measured, where), measured, flash_attention, DTYPE_BYTES[measured.dtype])
     params = {k: getattr(start, k) for k in _BOUNDS}
     before = _loss(params, design, peak, bandwidth)
     for _ in range(_ROUNDS):

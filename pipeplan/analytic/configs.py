@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 from pipeplan.errors import BadInputError
 
-__all__ = ["ModelConfig", "UnitNames", "load_model_config", "shipped_configs", "read_config_json"]
+__all__ = ["ModelConfig", "UnitNames", "load_model_config", "shipped_configs", "read_config_json",
+           "shipped_config_dir"]
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ class ModelConfig:
                 if v not in (None, (), 0, False) or k in ("num_kv_heads",)}
 
 
-def _config_dir():
+def shipped_config_dir():
     return resources.files("pipeplan.analytic").joinpath("model_configs")
 
 
@@ -149,7 +150,7 @@ def shipped_configs() -> list[str]:
     >>> "llama3-8b" in shipped_configs()
     True
     """
-    return sorted(p.name[:-5] for p in _config_dir().iterdir() if p.name.endswith(".json"))
+    return sorted(p.name[:-5] for p in shipped_config_dir().iterdir() if p.name.endswith(".json"))
 
 
 def read_config_json(config: str | Path) -> tuple[dict[str, Any], str, str]:
@@ -170,7 +171,7 @@ def read_config_json(config: str | Path) -> tuple[dict[str, Any], str, str]:
         data, origin = load_json(path), str(path)
         name = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
     elif text in shipped_configs():
-        data, origin, name = json.loads(_config_dir().joinpath(f"{text}.json").read_text()), f"shipped:{text}", text
+        data, origin, name = json.loads(shipped_config_dir().joinpath(f"{text}.json").read_text()), f"shipped:{text}", text
     else:
         raise BadInputError(
             f"{text}: no such config file, and not a shipped config; shipped: {', '.join(shipped_configs())}"

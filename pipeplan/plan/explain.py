@@ -23,7 +23,7 @@ from pipeplan.plan.solve import search_partition
 from pipeplan.quantities import format_bytes
 
 __all__ = ["explain_choice", "runners_up", "infeasible_message", "smallest_cap_without_recompute",
-           "MAX_ALTERNATIVES"]
+           "MAX_ALTERNATIVES", "percent_text"]
 
 #: Most runners-up recorded in a plan.
 MAX_ALTERNATIVES = 24
@@ -56,7 +56,7 @@ def explain_choice(best: Candidate, sim: Simulation, candidates, settings, space
         if runner is not None:
             gap = runner.iteration_ms - sim.iteration_ms
             text += (f"; the runner-up ({runner.label()}) is {gap:.3f} ms "
-                     f"({_percent(gap, sim.iteration_ms)}) slower")
+                     f"({percent_text(gap, sim.iteration_ms)}) slower")
         notes.append(text)
     else:
         notes.append(f"chose {chosen}")
@@ -123,7 +123,7 @@ def runners_up(best: Candidate, sim: Simulation, candidates) -> list[Alternative
         peak = None
         if c.status == "fits":
             gap = c.iteration_ms - sim.iteration_ms
-            reason = f"slower by {gap:.3f} ms ({_percent(gap, sim.iteration_ms)})"
+            reason = f"slower by {gap:.3f} ms ({percent_text(gap, sim.iteration_ms)})"
             iteration, peak = c.iteration_ms, c.simulation.peak_memory_bytes
         elif c.status == "pruned":
             gap = c.lower_bound_ms - sim.iteration_ms
@@ -184,7 +184,7 @@ def _smallest_cap_with_recompute(profile, graph, settings, in_flight) -> float |
     return _smallest_cap(fits, relative_tolerance=1e-3)
 
 
-def _percent(part: float, whole: float) -> str:
+def percent_text(part: float, whole: float) -> str:
     """``part`` as a share of ``whole``; a profile whose times are all 0 has no share to give."""
     return f"{100 * part / whole:.1f}%" if whole > 0 else "-"
 

@@ -11,7 +11,8 @@ from typing import Any, Optional, Sequence
 from pipeplan.errors import BadInputError
 from pipeplan.formats.profile import Device, Layer, LayerCost, Profile, TiedWeight
 
-__all__ = ["profile_model", "profile_to_file", "parse_microbatch_sizes", "summary_table"]
+__all__ = ["profile_model", "profile_to_file", "parse_microbatch_sizes", "summary_table",
+           "forward_failure"]
 
 
 def parse_microbatch_sizes(text: str | Sequence[int]) -> list[int]:
@@ -82,7 +83,7 @@ def _r(value: float) -> float:
     return round(float(value), 4)
 
 
-def _fail_forward(exc: Exception, microbatch_size: int, seq_len: Optional[int], what: str) -> BadInputError:
+def forward_failure(exc: Exception, microbatch_size: int, seq_len: Optional[int], what: str) -> BadInputError:
     from pipeplan.profile.memory import is_out_of_memory
 
     if is_out_of_memory(exc):
@@ -192,10 +193,10 @@ def profile_model(
     from pipeplan.profile.measure import UnitTimer, WholeModelTimer, timing_rounds
     from pipeplan.profile.memory import is_out_of_memory, parameter_storages
     from pipeplan.profile.allocator import keep_freed_memory
-    from pipeplan.profile.models import _torch_dtype
+    from pipeplan.profile.models import torch_dtype_of
     from pipeplan.profile.units import default_units, select_units, trace_units
 
-    torch_dtype = _torch_dtype(dtype)
+    torch_dtype = torch_dtype_of(dtype)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
@@ -250,7 +251,7 @@ def profile_model(
                 except BadInputError:
                     raise
                 except Exception as exc:  # noqa: BLE001
-                    raise _fail_forward(exc, size, seq, "the model's forward") from exc
+                    raise forward_failure(exc, size, seq, "the model's forward") from exc
                 if graph is None:
                     graph = seen.graph
                 repeated = sorted(set(repeated) | set(seen.graph.repeated) | set(graph.repeated))
@@ -322,7 +323,7 @@ def profile_model(
                     raise
                 except Exception as exc:  # noqa: BLE001
                     what = "the whole model" if current == "the whole model" else f"unit {current!r}"
-                    raise _fail_forward(exc, size, seq, what) from exc
+                    raise forward_failure(exc, size, seq, what) from exc
                 for name in noisy:
                     timers[name].remeasured = True
                 remeasured += len(noisy)
@@ -480,9 +481,9 @@ def _tied_weights(net: Any, order: Sequence[str]) -> list[TiedWeight]:
 def _factory_uses_seq_len(bundle: Any) -> bool:
     if bundle.make_batch is None or bundle.config.get("family"):
         return False
-    from pipeplan.profile.loading import _accepts_seq_len
+    from pipeplan.profile.loading import accepts_seq_len
 
-    return _accepts_seq_len(bundle.make_batch)
+    return accepts_seq_len(bundle.make_batch)
 
 
 def _version() -> str:

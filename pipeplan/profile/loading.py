@@ -17,7 +17,7 @@ from pipeplan.profile.registry import (
 )
 
 __all__ = ["load_bundle", "make_microbatch", "Batch", "call_model", "split_inputs", "output_loss",
-           "default_loss", "first_tensor"]
+           "default_loss", "first_tensor", "accepts_seq_len"]
 
 #: ``(inputs, target)``: a tuple of positional inputs or a dict of keyword inputs, and the loss
 #: target or None.
@@ -97,9 +97,9 @@ def load_bundle(model: str, *, seed: int = 0, device: Any = "cpu", dtype: Any = 
     BadInputError
         Unknown built-in, import failure, a callable that raises or returns the wrong thing.
     """
-    from pipeplan.profile.models import _torch_dtype, builtin_bundle
+    from pipeplan.profile.models import torch_dtype_of, builtin_bundle
 
-    torch_dtype = _torch_dtype(dtype)
+    torch_dtype = torch_dtype_of(dtype)
     from pipeplan.profile.hf import hf_bundle, is_hf_model
 
     if is_hf_model(model):
@@ -153,7 +153,7 @@ def _to_bundle(model: str, result: Any) -> ModelBundle:
     )
 
 
-def _accepts_seq_len(func: Any) -> bool:
+def accepts_seq_len(func: Any) -> bool:
     try:
         params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):
@@ -176,15 +176,15 @@ def make_microbatch(bundle: ModelBundle, microbatch_size: int, seq_len: Optional
     BadInputError
         If the factory raises or returns something that is not tensors.
     """
-    from pipeplan.profile.models import _torch_dtype
+    from pipeplan.profile.models import torch_dtype_of
 
-    torch_dtype = _torch_dtype(dtype)
+    torch_dtype = torch_dtype_of(dtype)
     if bundle.make_batch is not None:
         func = bundle.make_batch
         try:
             if bundle.config.get("family") is not None or _accepts_seed(func):  # takes the seed too
                 raw = func(microbatch_size, seq_len, seed=seed)
-            elif _accepts_seq_len(func):
+            elif accepts_seq_len(func):
                 raw = func(microbatch_size, seq_len)
             else:
                 raw = func(microbatch_size)

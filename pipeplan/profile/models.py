@@ -37,6 +37,7 @@ from pipeplan.errors import BadInputError
 from pipeplan.profile.registry import ModelBundle, resolve_builtin
 
 __all__ = [
+    "torch_dtype_of",
     "GPT2",
     "Llama",
     "Bert",
@@ -492,7 +493,7 @@ def build_model(name: str, *, seed: int = 0, device: Any = "cpu", dtype: Any = "
     ['embed', 'blocks', 'norm', 'head']
     """
     config = resolve_builtin(name, **options)
-    torch_dtype = _torch_dtype(dtype)
+    torch_dtype = torch_dtype_of(dtype)
     all_units = builtin_units(config)
     wanted = list(all_units if units is None else units)
     unknown = [u for u in wanted if u not in all_units]
@@ -507,7 +508,7 @@ def build_model(name: str, *, seed: int = 0, device: Any = "cpu", dtype: Any = "
     return model.train()
 
 
-def _torch_dtype(dtype: Any) -> torch.dtype:
+def torch_dtype_of(dtype: Any) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
@@ -536,7 +537,7 @@ def example_batch(config: dict[str, Any], microbatch_size: int, seq_len: Optiona
         size = config["image_size"]
         images = torch.randn(microbatch_size, 3, size, size, generator=generator)
         labels = torch.randint(0, config["classes"], (microbatch_size,), generator=generator)
-        return images.to(device=device, dtype=_torch_dtype(dtype)), labels.to(device)
+        return images.to(device=device, dtype=torch_dtype_of(dtype)), labels.to(device)
     seq_len = int(seq_len or 128)
     if seq_len > config["max_positions"]:
         raise BadInputError(

@@ -216,9 +216,18 @@ def test_report_says_the_traced_builders_whole_model_is_in_the_measured_memory()
     results = _results(plan)
     for r in results:
         r["whole_model_param_bytes"] = 497_759_232  # GPT-2 small in fp32
+        r["whole_model_released"] = True
         r["verify"] = {"stages": []}
+        r["memory_method"] = "peak RSS (VmHWM) minus RSS before the stages were built"
     notes = [n for n in build_report(plan, results)["notes"] if "whole model" in n]
-    assert len(notes) == 1 and "(474.70 MiB of parameters) and --verify's one-process reference step" in notes[0]
+    assert len(notes) == 1 and ("(474.70 MiB of parameters) and --verify's one-process reference step; "
+                                "released after the build") in notes[0]
+    results[1]["whole_model_released"] = False
+    assert any("NOT released" in n for n in build_report(plan, results)["notes"])
+    # On CUDA the peak is taken after the build: nothing to say.
+    for r in results:
+        r["memory_method"] = "torch.cuda.max_memory_allocated after the stages were built"
+    assert not any("whole model" in n for n in build_report(plan, results)["notes"])
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])

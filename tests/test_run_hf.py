@@ -93,6 +93,8 @@ def test_every_model_pipelined_equals_one_process(tmp_path, ranks):
             "largest difference < 1e-4": verdict["max_rel_diff"] < 1e-4,
             "two losses": len(report["loss"]) == 2,
             "the plan's model": report["run"]["model"] == model,
+            "whole model released": any("whole model" in n and "; released after the build" in n
+                                        for n in report["notes"]),
         }
         failed = [name for name, ok in checks.items() if not ok]
         if failed:

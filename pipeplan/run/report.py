@@ -331,13 +331,17 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             f"inside forward and backward): other work shared the cores, so measured times are inflated; "
             f"rerun on a quiet machine before reading the ratio as an error of the cost model"
         )
-    whole = max((r.get("whole_model_param_bytes") or 0 for r in results), default=0)
+    whole = max((r.get("whole_model_param_bytes") or 0 for r in results
+                 if str(r.get("memory_method", "")).startswith("peak RSS")), default=0)
     if whole:
         verify = " and --verify's one-process reference step" if any(r.get("verify") for r in results) else ""
+        released = ("; released after the build" if all(r.get("whole_model_released") for r in results)
+                    else "; NOT released after the build (something still holds the model)")
         report["notes"].append(
-            f"measured peak memory includes what the traced stage builder needs on every rank: the whole "
-            f"model, built and traced there ({format_bytes(whole)} of parameters){verify}; a memory ratio "
-            f"above 1 is mostly that, not the plan's stages (benchmarks/gpu_check.sh measures each stage alone)"
+            f"measured peak memory (RSS) includes what the traced stage builder needs on every rank: the "
+            f"whole model, built and traced there ({format_bytes(whole)} of parameters){verify}{released}; a "
+            f"memory ratio above 1 is mostly that, not the plan's stages (benchmarks/gpu_check.sh measures "
+            f"each stage alone)"
         )
     drift = report.get("alone_ratio")
     if drift is not None and abs(drift - 1.0) > 0.15:

@@ -288,6 +288,26 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
                               split_backward_schedule=plan.schedule if plan.schedule in SPLIT_BACKWARD_SCHEDULES
                               else None, **options)
     modules = built.modules
+    whole_model_param_bytes, whole_model_released = None, None
+    if whole is not None:
+        import dataclasses
+        import gc
+        import weakref
+
+        if built.builder == "traced":
+            whole_model_param_bytes = sum(t.numel() * t.element_size() for t in whole.model.parameters())
+        # The stages share the parameters they hold with the whole model (traced) or have their
+        # own (units); the rest of it is dead weight from here on: released, this rank keeps the
+        # memory its stages need (the whole model's bytes, times 1 - 1/p, on every rank).
+        released = weakref.ref(whole.model)
+        bundle = dataclasses.replace(bundle, model=None)
+        whole = None
+        gc.collect()
+        whole_model_released = released() is None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            # The peak the plan predicts is the stages' training, not the trace of the whole model.
+            torch.cuda.reset_peak_memory_stats(device)
     tied = TiedGrads(built.tied, groups.stage_ranks({s.index: s.rank for s in plan.stages}), modules,
                      built.param_names, rank, timeout=timeout)
     pipeline_stages = []
@@ -437,7 +457,7 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
 
     if device.type == "cuda":
         peak_bytes = int(torch.cuda.max_memory_allocated(device))
-        memory_method = "torch.cuda.max_memory_allocated"
+        memory_method = "torch.cuda.max_memory_allocated after the stages were built"
     else:
         hwm = read_status_bytes("VmHWM")
         peak_bytes = (hwm - baseline_rss_bytes) if (hwm and baseline_rss_bytes and peak_reset) else None
@@ -466,9 +486,9 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "alone": alone,
         "stage_builder": built.builder,
-        # The traced builder keeps the whole model, built and traced, on every rank.
-        "whole_model_param_bytes": (sum(t.numel() * t.element_size() for t in whole.model.parameters())
-                                    if whole is not None and built.builder == "traced" else None),
+        # The traced builder builds and traces the whole model on every rank (then releases it).
+        "whole_model_param_bytes": whole_model_param_bytes,
+        "whole_model_released": whole_model_released,
         "tied_weights": built.tied,
         "verify": verified,
     }

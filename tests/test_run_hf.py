@@ -289,8 +289,21 @@ def test_hf_config_file_and_bad_options(tmp_path):
     assert sorted(batch) == ["input_ids", "labels"] and batch["input_ids"].shape == (2, 8)
     with pytest.raises(BadInputError, match="--depth: does not apply to hf:gpt2"):
         hf_bundle("hf:gpt2", depth=3)
-    with pytest.raises(BadInputError, match="does not know model_type 'no_such_model'"):
+    with pytest.raises(BadInputError, match="does not know model_type 'no_such_model'") as refused:
         hf_bundle("hf:no_such_model")
+    assert len(str(refused.value)) < 200  # not transformers' list of its ~600 model types
+    with pytest.raises(BadInputError, match="does not know model_type 'lama'; did you mean llama"):
+        hf_bundle("hf:lama")
+    with pytest.raises(BadInputError, match="--layers: 0 must be >= 1"):
+        hf_bundle("hf:gpt2", layers=0)
+    bad = tmp_path / "zero-layers.json"
+    bad.write_text('{"model_type": "gpt2", "n_layer": -1}')
+    with pytest.raises(BadInputError, match=f"{bad}: n_layer: -1 must be >= 1"):
+        hf_bundle(f"hf:{bad}")
+    from pipeplan.profile.hf import read_config
+
+    with pytest.raises(BadInputError, match=f"--config {bad}: n_layer: -1 must be >= 1"):
+        read_config("hf:gpt2", str(bad))
     with pytest.raises(BadInputError, match="cannot read it"):
         hf_bundle("hf:/no/such/config.json")
 

@@ -80,7 +80,23 @@ def read_config(model: str, path: str) -> dict[str, Any]:
     """
     if not is_hf_model(model):
         raise BadInputError(f"--config: only hf: models take a transformers config; {model!r} is not one")
-    return _read_config_file(path)
+    data = _read_config_file(path)
+    _check_sizes(f"--config {path}", data.get)
+    return data
+
+
+def _check_sizes(source: str, get: Any) -> None:
+    for key in _SIZE_FIELDS:
+        value = get(key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            # transformers builds such a model (no blocks, no heads): a typo, not a model to plan.
+            raise BadInputError(f"{source}: {key}: {value} must be >= 1")
+
+
+#: Config fields that count layers, heads or widths: each must be at least 1.
+_SIZE_FIELDS = ("n_layer", "num_hidden_layers", "num_layers", "num_decoder_layers", "encoder_layers",
+                "decoder_layers", "n_head", "num_attention_heads", "num_heads", "num_key_value_heads",
+                "n_embd", "hidden_size", "d_model", "intermediate_size", "d_ff", "vocab_size")
 
 
 def hf_config(name: str, config: Any = None, keep_dropout: bool = False, **options: Any) -> Any:
@@ -113,10 +129,18 @@ def hf_config(name: str, config: Any = None, keep_dropout: bool = False, **optio
     try:
         cfg = transformers.AutoConfig.for_model(model_type, **data)
     except (ValueError, KeyError) as exc:
-        raise BadInputError(
-            f"MODEL: {name}: transformers does not know model_type {model_type!r} "
-            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-        ) from None
+        from difflib import get_close_matches
+
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        known = sorted(CONFIG_MAPPING.keys())
+        if model_type in known:  # known, but the config's fields are wrong
+            cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise BadInputError(f"MODEL: {name}: transformers refuses the config of {model_type!r}: {cause}") from None
+        # transformers' own message lists all its ~600 model types: name the nearest instead.
+        close = get_close_matches(str(model_type), known, n=3, cutoff=0.7)
+        hint = f"did you mean {', '.join(close)}?" if close else f"{len(known)} are known, e.g. gpt2, llama, bert"
+        raise BadInputError(f"MODEL: {name}: transformers does not know model_type {model_type!r}; {hint}") from None
     for option, value in options.items():
         if value is None:
             continue
@@ -125,6 +149,8 @@ def hf_config(name: str, config: Any = None, keep_dropout: bool = False, **optio
                 f"--{option.replace('_', '-')}: does not apply to {name}; it takes "
                 f"{', '.join('--' + k.replace('_', '-') for k in _OPTION_FIELDS)} (or --config)"
             )
+        if int(value) < 1:
+            raise BadInputError(f"--{option.replace('_', '-')}: {value} must be >= 1")
         field = _OPTION_FIELDS[option]
         if option == "hidden" and getattr(cfg, "model_type", "") == "gpt2":
             field = "n_embd"
@@ -145,6 +171,8 @@ def hf_config(name: str, config: Any = None, keep_dropout: bool = False, **optio
     if hasattr(cfg, "d_kv") and (options.get("hidden") is not None or options.get("heads") is not None):
         # T5's head size is its own field (64 by default), not hidden / heads.
         cfg.d_kv = max(1, int(cfg.d_model) // int(cfg.num_heads))
+    _check_sizes(str(config) if isinstance(config, (str, Path)) else (spec if spec.endswith(".json") else name),
+                 lambda key, default: getattr(cfg, key, default))
     cfg.use_cache = False
     if not keep_dropout:
         for key, value in list(cfg.to_dict().items()):

@@ -195,6 +195,38 @@ def test_the_profile_counts_tied_weights_once_and_names_their_layers():
     assert sum(layer.param_bytes for layer in profile.layers) == total
 
 
+def test_hf_profiles_name_each_units_role_and_the_exports_say_what_to_do_with_the_tie():
+    import json
+
+    from pipeplan.export import export_plan
+
+    llama = _profile("hf:llama")
+    kinds = {layer.name: layer.kind for layer in llama.layers}
+    assert kinds["model.embed_tokens"] == "embedding" and kinds["model.rotary_emb"] == "other"
+    assert {kinds[f"model.layers.{i}"] for i in range(4)} == {"block"}
+    assert (kinds["model.norm"], kinds["lm_head"]) == ("norm", "head")
+    assert {layer.kind for layer in _profile("hf:bert").layers} == {"embedding", "block", "head"}
+    # Llama (untied): Megatron-LM's export runs and says to untie; torchtitan's maps the names.
+    plan = _plans("hf:llama", 2, ["1f1b"])[0]
+    megatron = export_plan(plan, llama, format="megatron")[".sh"]
+    assert "--untie-embeddings-and-output-weights (Megatron-LM ties them by default)" in megatron
+    assert "tok_embeddings" in export_plan(plan, llama, format="torchtitan")[".toml"]
+    # GPT-2 (tied wte / lm_head on the first and last stage): each launcher is told what to do.
+    gpt2 = _profile("hf:gpt2")
+    plan = _plans("hf:gpt2", 2, ["1f1b"])[0]
+    said = {
+        "deepspeed": json.loads(export_plan(plan, gpt2, format="deepspeed")[".json"])["pipeplan"]["notes"],
+        "torch": json.loads(export_plan(plan, gpt2, format="torch")[".json"])["pipeplan"]["notes"],
+        "megatron": export_plan(plan, gpt2, format="megatron")[".sh"],
+    }
+    tie = "tied weight transformer.wte.weight (layers transformer.wte, lm_head): stages 0, 1 on ranks 0, 1"
+    assert any(note.startswith(tie) and "TiedLayerSpec" in note for note in said["deepspeed"])
+    assert any(note.startswith(tie) and "all-reduce" in note for note in said["torch"])
+    assert tie in said["megatron"] and "leave the flag off" in said["megatron"]
+    # Without the profile the plan cannot say (it does not record ties): no such note.
+    assert not any("tied" in n for n in json.loads(export_plan(plan, format="torch")[".json"])["pipeplan"]["notes"])
+
+
 def test_t5_profile_has_both_stacks_and_leaves_the_twice_called_dropouts_out():
     profile = _profile("hf:t5")
     names = [layer.name for layer in profile.layers]

@@ -86,8 +86,8 @@ def export_plan(
     if format == "megatron":
         return {suffix: export_megatron(plan, profile, profile_sha256=profile_sha256)}
     if format == "deepspeed":
-        return {suffix: export_deepspeed(plan)}
-    return {suffix: export_torch(plan)}
+        return {suffix: export_deepspeed(plan, profile)}
+    return {suffix: export_torch(plan, profile)}
 
 
 def run_export(

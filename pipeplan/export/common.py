@@ -21,6 +21,7 @@ __all__ = [
     "check_profile_matches",
     "header_lines",
     "compact_json",
+    "tied_weight_notes",
 ]
 
 #: The name ``torch.distributed.pipelining.schedules.get_schedule_class`` (and torchtitan's
@@ -191,3 +192,69 @@ def compact_json(data, indent: int = 2, _level: int = 0) -> str:
             return "[" + ", ".join(json.dumps(v, allow_nan=False) for v in data) + "]"
         return "[\n" + ",\n".join(inner + compact_json(v, indent, _level + 1) for v in data) + "\n" + pad + "]"
     return json.dumps(data, allow_nan=False)
+
+
+#: What each launcher must do with a weight several stages hold (a tied weight).
+_TIED_ADVICE = {
+    "megatron": ("Megatron-LM ties the word embeddings and the output layer unless "
+                 "--untie-embeddings-and-output-weights is given, and all-reduces that gradient between the "
+                 "first and last pipeline stages itself (its embedding group): leave the flag off"),
+    "torchtitan": ("torchtitan's stage split keeps a copy per stage and does not sum their gradients: "
+                   "all-reduce them over those ranks after each backward, before the optimizer (as "
+                   "pipeplan run does), or untie the weights in the model"),
+    "deepspeed": ("build the layers that share it with DeepSpeed's TiedLayerSpec (one key for all of them), "
+                  "so that PipelineModule all-reduces the tied gradient over the stages that hold it"),
+    "torch": ("torch.distributed.pipelining copies it into each stage and does not sum their gradients: "
+              "all-reduce them over those ranks after schedule.step() and before the optimizer, as pipeplan "
+              "run does (pipeplan.run.gradsync.TiedGrads)"),
+}
+_UNTIED_MEGATRON = ("the profile's embedding and output head do not share weights: pass "
+                    "--untie-embeddings-and-output-weights (Megatron-LM ties them by default)")
+
+
+def _ties(profile) -> list[tuple[str, list[str]]]:
+    """``(parameter, layers)`` of each tied weight: the profile's ``tied_weights``, or an analytic
+    profile's tied embeddings (the embedding and head layers)."""
+    if profile.tied_weights:
+        return [(tie.name, list(tie.layers)) for tie in profile.tied_weights]
+    if (profile.measurement or {}).get("tied_embeddings"):
+        layers = [layer.name for layer in profile.layers if layer.kind in ("embedding", "head")]
+        if len(layers) >= 2:
+            return [("the token embedding", layers)]
+    return []
+
+
+def tied_weight_notes(plan: Plan, profile, launcher: str) -> list[str]:
+    """What ``launcher`` must do with each tied weight of ``profile``, where the plan's stages hold it.
+
+    A weight all of whose layers sit in one stage needs nothing; one whose stages share a rank
+    needs its copies' gradients summed there; otherwise across the ranks named. Megatron-LM also
+    gets told to untie a model whose profile has an embedding and a head but no tie (it ties by
+    default). No profile, no notes (the plan does not record ties).
+
+    >>> from types import SimpleNamespace as NS
+    >>> plan = NS(stages=[NS(index=0, rank=0, layers=["emb", "h0"]), NS(index=1, rank=1, layers=["h1", "head"])])
+    >>> profile = NS(tied_weights=[NS(name="emb.weight", layers=["emb", "head"])], measurement=None, layers=[])
+    >>> tied_weight_notes(plan, profile, "deepspeed")[0][:68]
+    'tied weight emb.weight (layers emb, head): stages 0, 1 on ranks 0, 1'
+    """
+    if profile is None:
+        return []
+    ties = _ties(profile)
+    if not ties:
+        kinds = {layer.kind for layer in profile.layers}
+        return [_UNTIED_MEGATRON] if launcher == "megatron" and {"embedding", "head"} <= kinds else []
+    notes = []
+    for name, layers in ties:
+        held = [stage for stage in plan.stages if set(stage.layers) & set(layers)]
+        if len(held) < 2:
+            continue
+        ranks = sorted({stage.rank for stage in held})
+        stages = ", ".join(str(s.index) for s in held)
+        if len(ranks) > 1:
+            what = f"stages {stages} on ranks {', '.join(map(str, ranks))}; {_TIED_ADVICE[launcher]}"
+        else:
+            what = (f"stages {stages}, all on rank {ranks[0]}: sum the copies' gradients there after each "
+                    f"backward, before the optimizer (as pipeplan run does)")
+        notes.append(f"tied weight {name} (layers {', '.join(layers)}): {what}")
+    return notes

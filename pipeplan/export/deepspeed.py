@@ -18,7 +18,7 @@ split a layer over ``t`` GPUs itself (the layers must be tensor-parallel, e.g. M
 from __future__ import annotations
 
 from pipeplan.errors import BadInputError
-from pipeplan.export.common import compact_json, header_lines, pipeline_shape
+from pipeplan.export.common import compact_json, header_lines, pipeline_shape, tied_weight_notes
 from pipeplan.export.degrees import degree_line, degrees_of, recompute_of
 from pipeplan.formats.plan import Plan
 
@@ -56,12 +56,14 @@ def _activation_checkpoint_interval(plan: Plan, notes: list[str]) -> int:
     return 1  # checkpoint each layer: each keeps its input and rebuilds its activations alone
 
 
-def export_deepspeed(plan: Plan) -> str:
+def export_deepspeed(plan: Plan, profile=None) -> str:
     """The plan as JSON: ``layers``, ``parts``, ``topology``, ``pipeline_module`` and a ``ds_config`` fragment.
 
     Parameters
     ----------
     plan : Plan
+    profile : Profile, optional
+        The plan's profile: its tied weights get a note (build them with ``TiedLayerSpec``).
 
     Returns
     -------
@@ -99,6 +101,7 @@ def export_deepspeed(plan: Plan) -> str:
         notes.append(f"DeepSpeed runs its own 1F1B-like TrainSchedule; the plan's numbers are for {plan.schedule}")
     zero = _zero(degrees, notes)
     interval = _activation_checkpoint_interval(plan, notes)
+    notes += tied_weight_notes(plan, profile, "deepspeed")
     if degrees.tensor > 1:
         notes.append(
             f"t = {degrees.tensor}: DeepSpeed places ranks by the topology but does not split layers itself; the "

@@ -25,7 +25,7 @@ import re
 import shlex
 
 from pipeplan.errors import BadInputError
-from pipeplan.export.common import check_profile_matches, header_lines, pipeline_shape
+from pipeplan.export.common import check_profile_matches, header_lines, pipeline_shape, tied_weight_notes
 from pipeplan.export.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
 from pipeplan.formats.plan import Plan
 from pipeplan.plan.schedules import megatron_interleaved_refusal as interleaved_refusal
@@ -251,6 +251,7 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
         notes.append(
             f"Megatron-LM runs {runs} with this split; the plan's numbers are for {plan.schedule}"
         )
+    notes += tied_weight_notes(plan, profile, "megatron")
     recompute = _recompute_flags(plan, notes)
     optimizer = _optimizer_flags(plan, degrees, notes)
     if degrees.tensor > 1 and not degrees.sequence_parallel:

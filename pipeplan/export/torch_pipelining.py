@@ -8,19 +8,21 @@ See docs/launchers.md.
 
 from __future__ import annotations
 
-from pipeplan.export.common import compact_json, TORCH_SCHEDULE_NAME, header_lines, pipeline_shape
+from pipeplan.export.common import compact_json, TORCH_SCHEDULE_NAME, header_lines, pipeline_shape, tied_weight_notes
 from pipeplan.export.degrees import degree_line, degrees_of
 from pipeplan.formats.plan import Plan
 
 __all__ = ["export_torch"]
 
 
-def export_torch(plan: Plan) -> str:
+def export_torch(plan: Plan, profile=None) -> str:
     """The plan as JSON for ``torch.distributed.pipelining``.
 
     Parameters
     ----------
     plan : Plan
+    profile : Profile, optional
+        The plan's profile: its tied weights get a note (whose gradients to all-reduce).
 
     Returns
     -------
@@ -46,6 +48,7 @@ def export_torch(plan: Plan) -> str:
         notes.append("torch.distributed.pipelining builds one pipeline: apply tensor parallelism to each stage's "
                      "module (parallelize_module) and wrap it for the data-parallel replicas (fully_shard for ZeRO "
                      "1-3, replicate/DDP for ZeRO 0) yourself; n_microbatches is per replica")
+    notes += tied_weight_notes(plan, profile, "torch")
     data = {
         "pipeplan": {"launcher": "torch", "model": plan.profile.model,
                      "profile_sha256": plan.profile.sha256, "notes": notes},

@@ -21,7 +21,7 @@ import json
 import re
 
 from pipeplan.errors import BadInputError
-from pipeplan.export.common import TORCH_SCHEDULE_NAME, header_lines, pipeline_shape
+from pipeplan.export.common import TORCH_SCHEDULE_NAME, header_lines, pipeline_shape, tied_weight_notes
 from pipeplan.export.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
 from pipeplan.formats.plan import Plan
 
@@ -230,6 +230,7 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profi
     notes: list[str] = []
     replicate, shard, reshard = _data_parallel(plan, degrees, notes)
     checkpoint = _activation_checkpoint(plan, notes)
+    notes += tied_weight_notes(plan, profile, "torchtitan")
     if degrees.tensor > 1 and not degrees.sequence_parallel:
         notes.append("torchtitan's tensor parallelism always shards the norms' sequence (sequence parallel): "
                      "less activation memory than this plan counts")

@@ -368,6 +368,11 @@ def profile_model(
         del example
         device_model, device_extra = _device_info(torch_device)
         kinds = bundle.kinds or {}
+        from pipeplan.profile.hf import hf_unit_kinds, is_hf_model
+
+        if not kinds and is_hf_model(model):
+
+            kinds = hf_unit_kinds(net, order)
         layers = []
         counted: set[int] = set()  # tied weights: their bytes go to the first unit that uses them
         for name in order:

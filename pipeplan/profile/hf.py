@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from pipeplan.errors import BadInputError
 from pipeplan.profile.registry import ModelBundle
 
-__all__ = ["is_hf_model", "hf_bundle", "hf_config", "read_config", "HF_PREFIX"]
+__all__ = ["is_hf_model", "hf_bundle", "hf_config", "read_config", "hf_unit_kinds", "HF_PREFIX"]
 
 HF_PREFIX = "hf:"
 
@@ -206,6 +206,42 @@ def _model_class(cfg: Any) -> Any:
             "image-classification": transformers.AutoModelForImageClassification,
             "seq2seq-lm": transformers.AutoModelForSeq2SeqLM}[task]
     return auto
+
+
+def hf_unit_kinds(model: Any, order: Sequence[str]) -> dict[str, str]:
+    """Each unit's role, for the launchers that name layers by it (Megatron-LM, torchtitan).
+
+    The repeated blocks are ``block``; before the first block, an ``nn.Embedding`` or an
+    ``...Embeddings`` module with weights is an ``embedding`` and anything else (dropout, rotary
+    tables) ``other``; after the last block, a
+    norm is ``norm``, the last unit ``head``, anything else ``other``; units between two block
+    lists (an encoder's final norm, a decoder's embedding) are ``other``.
+    """
+    import torch
+
+    lists = _repeated_blocks(model)
+    is_block = [any(name.startswith(f"{outer}.") and name[len(outer) + 1:].isdigit() for outer in lists)
+                for name in order]
+    if not any(is_block):
+        return {}
+    first, last = is_block.index(True), len(order) - 1 - is_block[::-1].index(True)
+    kinds = {}
+    for index, name in enumerate(order):
+        module = model.get_submodule(name)
+        if is_block[index]:
+            kinds[name] = "block"
+        elif index < first:
+            # BERT's and ViT's are modules of their own; a rotary table (no weights) is not one.
+            embedding = isinstance(module, torch.nn.Embedding) or (
+                "embedding" in type(module).__name__.lower() and any(True for _ in module.parameters()))
+            kinds[name] = "embedding" if embedding else "other"
+        elif index > last and index == len(order) - 1:
+            kinds[name] = "head"
+        elif index > last and "norm" in type(module).__name__.lower():
+            kinds[name] = "norm"
+        else:
+            kinds[name] = "other"
+    return kinds
 
 
 def _repeated_blocks(model: Any) -> list[str]:

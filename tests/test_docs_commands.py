@@ -70,6 +70,8 @@ SKIP = {
     "pipeplan plan gpt-175b-a100.json --gpus 64": "needs the analytic A100 profile that "
         "benchmarks/validate_korthikanti.py builds; tests/test_cluster_validation.py predicts these runs",
     "benchmarks/models_table.py": "a benchmark: minutes of torchrun jobs; docs/models.md reports its output",
+    "validate_korthikanti.py --search": "the free search over the table's models (a benchmark; the table "
+        "itself runs above, and tests/test_cluster_validation.py checks the search against fixed layouts)",
     "pipeplan profile hf:llama --config config.json": "a placeholder config.json (hf:gpt2 with sizes runs)",
     "pipeplan profile hf:path/to/config.json": "a placeholder config path",
     "pipeplan profile hf:llama --config path/to/config.json": "a placeholder config path",

@@ -367,12 +367,10 @@ def profile_model(
         builders = check_builders(model, net, order, graph, example)
         del example
         device_model, device_extra = _device_info(torch_device)
-        kinds = bundle.kinds or {}
         from pipeplan.profile.hf import hf_unit_kinds, is_hf_model
 
-        if not kinds and is_hf_model(model):
-
-            kinds = hf_unit_kinds(net, order)
+        # Built-ins name their units' roles; an hf: model's are read off its modules.
+        kinds = bundle.kinds or (hf_unit_kinds(net, order) if is_hf_model(model) else {})
         layers = []
         counted: set[int] = set()  # tied weights: their bytes go to the first unit that uses them
         for name in order:

@@ -10,13 +10,12 @@ from typing import Optional
 
 import typer
 
-from pipeplan.cli import app, handled, rich_console, state
+from pipeplan.cli_common import handled, rich_console, state
 from pipeplan.errors import BadInputError
 
 __all__ = ["run", "calibrate"]
 
 
-@app.command()
 @handled
 def run(
     plan_file: Path = typer.Argument(..., metavar="PLAN", help="Plan JSON file.", show_default=False),
@@ -69,7 +68,6 @@ def run(
     check_verdict(result)
 
 
-@app.command()
 @handled
 def calibrate(
     plan_file: Path = typer.Argument(..., metavar="PLAN", help="The plan that was run (with --measured: an analytic profile).", show_default=False),

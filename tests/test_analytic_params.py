@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from pipeplan.analytic.configs import shipped_config_dir, load_model_config, shipped_configs
+from pipeplan.analytic.configs import shipped_config_dir, shipped_configs
+from pipeplan.analytic.families import load_model_config
 from pipeplan.analytic.flops import model_flops_per_token
 from pipeplan.analytic.shapes import unit_param_count
 

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from pipeplan.analytic.collectives import unit_collectives
-from pipeplan.analytic.configs import ModelConfig, load_model_config
+from pipeplan.analytic.configs import ModelConfig
+from pipeplan.analytic.families import load_model_config
 from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY, EfficiencyModel, parts_ms
 from pipeplan.analytic.flops import Shape, model_flops_per_token, unit_work
-from pipeplan.analytic.gpus import GpuSpec, resolve_gpu
+from pipeplan.facts.gpus import GpuSpec, resolve_gpu
 from pipeplan.analytic.memory import unit_activation_bytes, unit_output_bytes
 from pipeplan.analytic.shapes import check_tensor_parallel, unit_param_count
 from pipeplan.errors import BadInputError
@@ -118,7 +119,7 @@ def analytic_profile(
     config : str, Path or ModelConfig
         A HuggingFace ``config.json`` path, a shipped config's name, or a loaded config.
     gpu : GpuSpec
-        From :func:`pipeplan.analytic.gpus.get_gpu` or a ``--gpu-spec`` file.
+        From :func:`pipeplan.facts.gpus.get_gpu` or a ``--gpu-spec`` file.
     seq_len : int, optional
         Tokens per sample; default: the model's pre-training context (:func:`default_seq_len`).
     dtype : {'bf16', 'fp16', 'fp32'}

@@ -22,7 +22,7 @@ import numpy as np
 from pipeplan.analytic.configs import ModelConfig
 from pipeplan.analytic.efficiency import EfficiencyModel
 from pipeplan.analytic.flops import Shape, unit_work
-from pipeplan.analytic.gpus import GpuSpec
+from pipeplan.facts.gpus import GpuSpec
 from pipeplan.errors import BadInputError
 from pipeplan.formats.profile import Profile
 

@@ -9,14 +9,15 @@ that the FLOP, memory and time models read. The per-family readers live in
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
 
 from pipeplan.errors import BadInputError
+from pipeplan.formats.io import load_json
 
-__all__ = ["ModelConfig", "UnitNames", "load_model_config", "shipped_configs", "read_config_json",
+__all__ = ["ModelConfig", "UnitNames", "shipped_configs", "read_config_json",
            "shipped_config_dir"]
 
 
@@ -161,8 +162,6 @@ def read_config_json(config: str | Path) -> tuple[dict[str, Any], str, str]:
     BadInputError
         If it is neither an existing file nor a shipped name, or not a JSON object.
     """
-    from pipeplan.formats.io import load_json
-
     text = str(config)
     path = Path(text)
     if path.is_dir() and (path / "config.json").is_file():
@@ -182,29 +181,3 @@ def read_config_json(config: str | Path) -> tuple[dict[str, Any], str, str]:
     name = str(data.pop("_pipeplan_name", name))
     data.pop("_source", None)
     return data, name, origin
-
-
-def load_model_config(config: str | Path) -> ModelConfig:
-    """Read a HuggingFace ``config.json`` (or a shipped config by name) into a :class:`ModelConfig`.
-
-    Parameters
-    ----------
-    config : str or Path
-        A ``config.json`` path, a folder holding one, or a name from :func:`shipped_configs`.
-
-    Raises
-    ------
-    BadInputError
-        Unknown ``model_type``, a missing or malformed field, heads that do not divide the hidden
-        size: the message names the file and the field.
-
-    Examples
-    --------
-    >>> cfg = load_model_config("llama3-8b")
-    >>> cfg.family, cfg.num_layers, cfg.num_kv_heads, cfg.names.embedding
-    ('llama', 32, 8, 'model.embed_tokens')
-    """
-    from pipeplan.analytic.families import parse_family
-
-    data, name, origin = read_config_json(config)
-    return replace(parse_family(data, name, origin), origin=origin)

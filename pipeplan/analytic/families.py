@@ -7,12 +7,14 @@ tests/test_analytic_params.py).
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable
 
-from pipeplan.analytic.configs import ModelConfig, UnitNames
+from pipeplan.analytic.configs import ModelConfig, UnitNames, read_config_json
 from pipeplan.errors import BadInputError
 
-__all__ = ["FAMILIES", "parse_family"]
+__all__ = ["FAMILIES", "parse_family", "load_model_config"]
 
 _MISSING = object()
 
@@ -225,3 +227,27 @@ def parse_family(data: dict[str, Any], name: str, origin: str) -> ModelConfig:
             f"{origin}: model_type: {family!r} is not a supported family; supported: {', '.join(sorted(FAMILIES))}"
         )
     return FAMILIES[family](_Reader(data, origin), name)
+
+
+def load_model_config(config: str | Path) -> ModelConfig:
+    """Read a HuggingFace ``config.json`` (or a shipped config by name) into a :class:`ModelConfig`.
+
+    Parameters
+    ----------
+    config : str or Path
+        A ``config.json`` path, a folder holding one, or a name from :func:`shipped_configs`.
+
+    Raises
+    ------
+    BadInputError
+        Unknown ``model_type``, a missing or malformed field, heads that do not divide the hidden
+        size: the message names the file and the field.
+
+    Examples
+    --------
+    >>> cfg = load_model_config("llama3-8b")
+    >>> cfg.family, cfg.num_layers, cfg.num_kv_heads, cfg.names.embedding
+    ('llama', 32, 8, 'model.embed_tokens')
+    """
+    data, name, origin = read_config_json(config)
+    return replace(parse_family(data, name, origin), origin=origin)

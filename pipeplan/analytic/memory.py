@@ -21,13 +21,15 @@ from __future__ import annotations
 from pipeplan.analytic.configs import ModelConfig
 from pipeplan.analytic.flops import Shape
 from pipeplan.analytic.shapes import kv_heads_per_rank
+from pipeplan.facts.training_state import training_state
 
 __all__ = ["block_activation_terms", "unit_activation_bytes", "unit_output_bytes",
            "MEGATRON_ADAM_BYTES_PER_PARAM", "training_state_bytes", "ATTENTION_CORE_TERMS"]
 
 #: Megatron's mixed-precision Adam: 16-bit weight 2 + fp32 gradient 4 + fp32 master weight 4 +
-#: two fp32 moments 8 (Korthikanti et al. 2022 and the Megatron-LM distributed optimizer docs).
-MEGATRON_ADAM_BYTES_PER_PARAM = 18
+#: two fp32 moments 8 = 18 (Korthikanti et al. 2022 and the Megatron-LM distributed optimizer docs),
+#: from the one table of training state (:mod:`pipeplan.facts.training_state`).
+MEGATRON_ADAM_BYTES_PER_PARAM = int(training_state("adam-fp32-grads", 2).total_bytes)
 
 #: The terms selective recomputation frees (recomputed in backward from Q, K and V).
 ATTENTION_CORE_TERMS = ("softmax_output", "softmax_dropout_mask", "softmax_dropout_output", "softmax_stats")
@@ -40,7 +42,7 @@ def block_activation_terms(cfg: ModelConfig, shape: Shape) -> dict[str, float]:
     --------
     A GPT-3-style block without flash attention gives Korthikanti's ``34 s b h + 5 a s^2 b``:
 
-    >>> from pipeplan.analytic.configs import load_model_config
+    >>> from pipeplan.analytic.families import load_model_config
     >>> cfg = load_model_config("gpt3-175b")
     >>> s, b, h, a = 2048, 1, 12288, 96
     >>> sum(block_activation_terms(cfg, Shape(s, b, flash_attention=False)).values()) == 34*s*b*h + 5*a*s*s*b

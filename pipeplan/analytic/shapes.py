@@ -84,7 +84,7 @@ def block_gemms(cfg: ModelConfig) -> list[Gemm]:
 
     Examples
     --------
-    >>> from pipeplan.analytic.configs import load_model_config
+    >>> from pipeplan.analytic.families import load_model_config
     >>> [g.name for g in block_gemms(load_model_config("llama3-8b"))]
     ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']
     """
@@ -127,7 +127,7 @@ def unit_param_count(cfg: ModelConfig, kind: str, t: int = 1) -> int:
 
     Examples
     --------
-    >>> from pipeplan.analytic.configs import load_model_config
+    >>> from pipeplan.analytic.families import load_model_config
     >>> cfg = load_model_config("llama3-8b")
     >>> unit_param_count(cfg, "block"), unit_param_count(cfg, "block", 8)
     (218112000, 27271168)

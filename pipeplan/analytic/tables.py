@@ -31,7 +31,7 @@ def gpu_table():
     """The shipped GPU specifications."""
     from rich.table import Table
 
-    from pipeplan.analytic.gpus import gpu_rows
+    from pipeplan.facts.gpus import gpu_rows
 
     table = Table(title="GPU specifications (dense peaks; link: one direction)")
     for column in ("name", "GPU", "memory", "bf16", "fp8", "HBM", "link", "source"):

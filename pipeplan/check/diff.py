@@ -202,7 +202,7 @@ def diff_profiles(a, b, *, microbatch_size: int | None = None, settings: PlanSet
     result = ProfileDiff(model=(a.model, b.model), microbatch_size=size, changed=changed, unchanged=unchanged)
     if settings is not None:
         if planner is None:
-            from pipeplan.cluster.search import plan_any as planner
+            from pipeplan.api import plan_any as planner
         from pipeplan.formats.limits import check_microbatch_count
 
         plans = []
@@ -297,7 +297,8 @@ def diff_settings(settings_from: str | Path | None = None, **overrides) -> PlanS
     """
     from pydantic import ValidationError
 
-    from pipeplan.formats.io import format_validation_error, load_plan
+    from pipeplan.errors import format_validation_error
+    from pipeplan.formats.io import load_plan
 
     given = {k: v for k, v in overrides.items() if v is not None}
     if settings_from is None and not given:

@@ -245,7 +245,7 @@ def check_baseline(
     from pipeplan.formats.limits import check_microbatch_count
 
     if planner is None:
-        from pipeplan.cluster.search import plan_any as planner
+        from pipeplan.api import plan_any as planner
     baseline_path, profile_path = Path(baseline_path), Path(profile_path)
     baseline = load_plan(baseline_path)
     profile = load_profile(profile_path)

@@ -27,9 +27,9 @@ from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
 from pipeplan.cluster.bounds import seed_estimate_ms, unit_sums
 from pipeplan.cluster.iteration import (iteration_parts, model_flops_utilization, pipeline_lower_bound_ms,
                                         tokens_per_s_per_gpu)
-from pipeplan.cluster.memory import (plannable_bytes, state_bytes_per_param_byte, state_memory,
-                                     zero3_gathered_bytes)
-from pipeplan.cluster.optimizers import optimizer_step_ms, training_state
+from pipeplan.cluster.memory import plannable_bytes, zero3_gathered_bytes
+from pipeplan.facts.training_state import state_bytes_per_param_byte, state_memory
+from pipeplan.facts.training_state import optimizer_step_ms, training_state
 from pipeplan.cluster.placement import Layout
 from pipeplan.cluster.presets import memory_cap_bytes
 from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, tensor_degrees
@@ -37,9 +37,10 @@ from pipeplan.cluster.space import candidates, parallel_degrees
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.plan import Alternative, Parallelism, Plan, PlanSettings
 from pipeplan.plan.bound import Incumbent, PrunedError
+from pipeplan.plan.given import plan_split
 from pipeplan.quantities import format_bytes
 
-__all__ = ["plan_any", "plan_cluster", "hbm_bytes_per_s", "peak_flops_per_s"]
+__all__ = ["plan_cluster", "hbm_bytes_per_s", "peak_flops_per_s"]
 
 #: Achieved share of HBM bandwidth by the fused optimizer kernels.
 OPTIMIZER_HBM_EFFICIENCY = 0.8
@@ -57,7 +58,7 @@ def _gpu_figure(profile, cluster, key: str):
     if gpu.get("name") == cluster.gpu and key in gpu:
         return gpu[key]
     try:  # the GPU table of the analytic profiles (issue 12), where installed
-        from pipeplan.analytic.gpus import get_gpu
+        from pipeplan.facts.gpus import get_gpu
     except ImportError:
         return gpu.get(key)
     try:
@@ -126,21 +127,6 @@ def _families(settings: PlanSettings, view_has_selective: bool) -> list[tuple[st
     if mode in ("none", "all"):
         return [("plain", mode)]
     return [("plain", "auto")] + ([("selective", "none")] if view_has_selective else [])
-
-
-def plan_any(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
-    """The plan ``settings`` ask for: a cluster plan (``num_gpus``), a given split
-    (``layers_per_stage``) or the pipeline planner's; what ``plan`` and ``check`` call."""
-    if settings.num_gpus is not None:
-        return plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
-    if settings.layers_per_stage is not None:
-        from pipeplan.api import plan_split
-
-        plan = plan_split(profile, settings, settings.layers_per_stage, profile_sha256=profile_sha256)
-        return plan.model_copy(update={"schema_version": 2})  # layers_per_stage is a version-2 field
-    from pipeplan.plan import make_plan
-
-    return make_plan(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
 
 
 def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
@@ -293,7 +279,7 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
 
 def _fixed_split_stages(settings: PlanSettings) -> PlanSettings:
     """With ``--layers-per-stage`` the pipeline degree is the split's: counts / stages per rank."""
-    from pipeplan.plan import valid_virtual_stages
+    from pipeplan.facts.schedules import valid_virtual_stages
 
     if settings.schedule == "auto":
         raise BadInputError("--layers-per-stage: a given split needs a named --schedule, not auto")
@@ -318,8 +304,6 @@ def _pipeline_plan(view: DegreeView, sub: PlanSettings, settings: PlanSettings, 
         # What would fit is worked out only for the layouts whose reason the plan shows (_reason).
         return make_plan(view.profile, sub, profile_sha256=profile_sha256, record_time=record_time,
                          explain_infeasible=False, incumbent=incumbent if PRUNE_AGAINST_BEST else None)
-    from pipeplan.api import plan_split
-
     plan = plan_split(view.profile, sub, settings.layers_per_stage, profile_sha256=profile_sha256)
     cap = sub.memory_cap_bytes
     peak = max(r.peak_memory_bytes for r in plan.ranks)

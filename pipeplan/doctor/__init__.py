@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeplan.doctor.config import LAUNCHERS, LauncherConfig, Layout
-from pipeplan.doctor.diagnose import Diagnosis, Finding, diagnose
+from pipeplan.doctor.diagnose import diagnose
+from pipeplan.doctor.findings import Diagnosis, Finding
 from pipeplan.errors import BadInputError
 
 __all__ = ["LAUNCHERS", "DoctorOptions", "read_config", "doctor_file", "run_doctor_command", "Diagnosis", "Finding"]
@@ -173,7 +174,7 @@ def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: 
     from pipeplan.formats.plan import PlanSettings
     from pipeplan.quantities import parse_bandwidth, parse_bytes
 
-    from pipeplan.cluster.optimizers import OPTIMIZERS
+    from pipeplan.facts.training_state import OPTIMIZERS
 
     if optimizer == "auto":
         # Megatron-LM keeps fp32 main gradients in 16-bit training (--accumulate-allreduce-grads-in-fp32).

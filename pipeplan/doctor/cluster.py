@@ -83,8 +83,9 @@ def rank_memory(plan: Plan, profile, cluster) -> tuple[RankMemory, ...]:
     The activations are the rank's simulated peak less its static state; under ZeRO 3 the units
     gathered whole count once per rank (they are prefetched one after the other).
     """
-    from pipeplan.cluster.memory import reserve_bytes, state_memory
-    from pipeplan.cluster.optimizers import training_state
+    from pipeplan.cluster.memory import reserve_bytes
+    from pipeplan.facts.training_state import state_memory
+    from pipeplan.facts.training_state import training_state
 
     par = plan.parallelism
     state = training_state(plan.settings.optimizer, profile.dtype_bytes)

@@ -43,7 +43,7 @@ def cost_split(profile, settings: PlanSettings, stage_layers: list[list[int]], *
         The micro-batch size was not profiled, the schedule refuses the numbers, or a stage's
         layers are not consecutive in the profile.
     """
-    from pipeplan.api import plan_split
+    from pipeplan.plan.given import plan_split
 
     start = 0
     for s, positions in enumerate(stage_layers):
@@ -86,7 +86,8 @@ def best_plan(profile, settings: PlanSettings, schedules: tuple[str, ...], *,
     One planner call per (schedule, micro-batch size, recompute): the planner is exact for a
     fixed schedule, so the best of these calls is the best plan the launcher can run.
     """
-    from pipeplan.plan import candidate_microbatch_sizes, make_plan, valid_virtual_stages
+    from pipeplan.facts.schedules import valid_virtual_stages
+    from pipeplan.plan import candidate_microbatch_sizes, make_plan
 
     best, notes = None, []
     p = settings.stages

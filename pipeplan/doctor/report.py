@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
-from pipeplan.doctor.diagnose import Diagnosis
+from pipeplan.doctor.findings import Diagnosis, parts_text
 from pipeplan.quantities import format_bytes
 
 __all__ = ["render", "write_junit", "as_dict"]
@@ -39,8 +39,6 @@ def _summary(result: Diagnosis) -> list[str]:
              f"{c.schedule}, tensor {c.tensor_degree}, data {c.data_degree or '?'}, micro-batch {c.microbatch_size} "
              f"x {c.num_microbatches if c.num_microbatches is not None else '?'} per replica, recompute {c.recompute}"]
     if result.plan is not None and result.plan.parallelism is not None:
-        from pipeplan.doctor.diagnose_cluster import parts_text
-
         par, plan = result.plan.parallelism, result.plan
         lines.append(f"on {plan.settings.cluster.name}: {par.num_gpus} GPUs as d={par.data} x t={par.tensor} x "
                      f"p={par.pipeline}, ZeRO {par.zero_stage}" + (", sequence parallel" if par.sequence_parallel else "")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import Plan, PlanStage
-from pipeplan.plan.schedules import SCHEDULE_INFO, SCHEDULES
+from pipeplan.facts.schedules import SCHEDULE_INFO, SCHEDULES
 
 __all__ = [
     "TORCH_SCHEDULE_NAME",

@@ -39,7 +39,7 @@ def export_torch(plan: Plan, profile=None) -> str:
     Layer names are used as module FQNs: true for profiles made by ``pipeplan profile`` from a
     torch model. O(L).
     """
-    from pipeplan.plan.schedules import TORCH_SCHEDULE_CLASS
+    from pipeplan.facts.schedules import TORCH_SCHEDULE_CLASS
 
     shape = pipeline_shape(plan)
     degrees = degrees_of(plan)

@@ -104,7 +104,7 @@ def schedule_csv(plan: Plan) -> str:
     ``_PipelineScheduleRuntime._load_csv(path, format="compute_only")`` reads it. O(p m v).
     """
     from pipeplan.plan.actions import rank_actions
-    from pipeplan.plan.schedules import SCHEDULES
+    from pipeplan.facts.schedules import SCHEDULES
 
     if plan.schedule not in SCHEDULES:
         raise BadInputError(

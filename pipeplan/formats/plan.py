@@ -21,8 +21,8 @@ from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.formats.limits import (MAX_MICROBATCHES, Bandwidth, Count, FiniteFloat, Ms, Name, PlanBytes,
                                      PlanMs, PositiveBytes, PositiveCount, Rate, Text)
 # Schedule names, one per torch.distributed.pipelining class; the records (torch class,
-# stages per rank, placement) are pipeplan.plan.schedules.SCHEDULE_INFO.
-from pipeplan.plan.schedules import SCHEDULES
+# stages per rank, placement) are pipeplan.facts.schedules.SCHEDULE_INFO.
+from pipeplan.facts.schedules import SCHEDULES
 
 __all__ = [
     "SCHEDULES",

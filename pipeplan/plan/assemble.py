@@ -18,7 +18,7 @@ from pipeplan.formats.plan import Plan, PlanProfileRef, PlanStage, Predicted, Ra
 from pipeplan.plan.costmodel import CostModel
 from pipeplan.plan.memory import stage_in_flight
 from pipeplan.plan.problem import Partition, PartitionProblem, build_problem, evaluate_split, stage_breakdowns
-from pipeplan.plan.schedules import check_schedule
+from pipeplan.facts.schedules import check_schedule
 from pipeplan.plan.simulate import Simulation, StageCost, simulate
 from pipeplan.quantities import format_bytes
 

@@ -17,7 +17,7 @@ from pipeplan.plan.chain import fits_along_order
 from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.memory import stage_in_flight
 from pipeplan.plan.problem import build_problem
-from pipeplan.plan.schedules import PLANNER_SCHEDULES, SCHEDULE_INFO
+from pipeplan.facts.schedules import PLANNER_SCHEDULES, SCHEDULE_INFO
 from pipeplan.plan.simulate import Simulation
 from pipeplan.plan.solve import search_partition
 from pipeplan.quantities import format_bytes

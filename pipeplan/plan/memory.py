@@ -47,7 +47,7 @@ def stage_in_flight(schedule: str, num_ranks: int, num_microbatches: int, virtua
     Parameters
     ----------
     schedule : str
-        One of :data:`pipeplan.plan.schedules.SCHEDULES`.
+        One of :data:`pipeplan.facts.schedules.SCHEDULES`.
     num_ranks, num_microbatches, virtual_stages : int
         ``p``, ``m`` and ``v``; there are ``p * v`` stages.
 
@@ -73,7 +73,7 @@ def stage_in_flight(schedule: str, num_ranks: int, num_microbatches: int, virtua
     O(p m v), cached per ``(schedule, p, m, v)``.
     """
     from pipeplan.plan.actions import cached_rank_actions
-    from pipeplan.plan.schedules import check_schedule
+    from pipeplan.facts.schedules import check_schedule
 
     check_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
 
@@ -100,7 +100,7 @@ def _live_count_rows(schedule: str, p: int, m: int, v: int):
     import numpy as np
 
     from pipeplan.plan.actions import cached_rank_actions
-    from pipeplan.plan.schedules import stage_ranks
+    from pipeplan.facts.schedules import stage_ranks
 
     placement = stage_ranks(schedule, p, v)
     out = []

@@ -11,7 +11,7 @@ memory cap is never returned.
 Search
 ------
 - ``--schedule auto`` tries every schedule of :data:`pipeplan.formats.plan.SCHEDULES` with
-  every ``v`` it accepts (:func:`pipeplan.plan.schedules.valid_virtual_stages`) where the
+  every ``v`` it accepts (:func:`pipeplan.facts.schedules.valid_virtual_stages`) where the
   schedule's class accepts ``(p, m, v)``; a named schedule fixes it, ``--virtual-stages``
   fixes ``v``.
 - Micro-batch sizes: every profiled size that divides the global batch (or the fixed one).
@@ -57,7 +57,7 @@ from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.memo import memoised, planning_cache
 from pipeplan.plan.memory import stage_in_flight
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, build_problem, stage_costs
-from pipeplan.plan.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
+from pipeplan.facts.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
                                      stage_ranks, valid_virtual_stages)
 from pipeplan.plan.simulate import simulate
 from pipeplan.plan.solve import search_partition, solve_partition

@@ -361,7 +361,7 @@ def profile_model(
                         checks[-1]["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(torch_device))
                 del inputs, target, seen, timers, whole
         assert order is not None and graph is not None
-        from pipeplan.run.stages import check_builders
+        from pipeplan.profile.tracing import check_builders
 
         example, _ = make_microbatch(bundle, sizes[0], seq_len, seed=seed, device=torch_device, dtype=torch_dtype)
         builders = check_builders(model, net, order, graph, example)

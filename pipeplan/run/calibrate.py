@@ -157,7 +157,7 @@ def calibrate_profile(plan: Any, report: dict[str, Any], profile: Any,
 def _as_report(report: Any) -> Any:
     from pydantic import ValidationError
 
-    from pipeplan.formats.io import format_validation_error
+    from pipeplan.errors import format_validation_error
     from pipeplan.formats.report import RunReport
 
     if isinstance(report, RunReport):

@@ -246,7 +246,7 @@ def check_parallelism(plan: Any, where: str = "plan") -> int:
 
 def _check_plan(plan: Any) -> int:
     """The plan's process count (``d x p``), after checking it can run as written."""
-    from pipeplan.plan.schedules import check_schedule
+    from pipeplan.facts.schedules import check_schedule
 
     data = check_parallelism(plan)
     num_ranks = 1 + max(s.rank for s in plan.stages)

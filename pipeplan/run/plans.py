@@ -68,13 +68,14 @@ def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: 
         A layer name the profile does not have.
     """
     from pipeplan.plan import PartitionProblem, build_layer_graph, evaluate_split
-    from pipeplan.plan.costmodel import CostModel, static_bytes_per_param_byte
+    from pipeplan.facts.training_state import state_bytes_per_param_byte
+    from pipeplan.plan.costmodel import CostModel
     from pipeplan.plan.problem import stage_costs as split_stage_costs
 
     graph = build_layer_graph(profile, microbatch_size)
     positions = _positions(profile, graph, stages)
     cost = CostModel(bandwidth_bytes_per_s=math.inf if bandwidth_bytes_per_s is None else float(bandwidth_bytes_per_s),
-                     static_bytes_per_param_byte=static_bytes_per_param_byte(optimizer, profile.dtype_bytes),
+                     static_bytes_per_param_byte=state_bytes_per_param_byte(optimizer, profile.dtype_bytes),
                      action_overhead_ms=float(action_overhead_ms or 0.0))
     problem = PartitionProblem(graph=graph, num_stages=len(stages), in_flight=(1,) * len(stages), cost=cost)
     partition = evaluate_split(problem, positions)
@@ -118,7 +119,7 @@ def balanced_plan(profile: Any, *, schedule: str, ranks: int, microbatch_size: i
     profile : Profile
         Layers in order (a chain).
     schedule : str
-        Any of :data:`pipeplan.plan.schedules.SCHEDULES`.
+        Any of :data:`pipeplan.facts.schedules.SCHEDULES`.
     ranks : int
         Pipeline ranks ``p``.
     microbatch_size, num_microbatches : int
@@ -153,7 +154,7 @@ def balanced_plan(profile: Any, *, schedule: str, ranks: int, microbatch_size: i
     [(0, ['l0']), (1, ['l1']), (1, ['l2']), (0, ['l3'])]
     """
     from pipeplan.plan import PartitionProblem, build_layer_graph, partition_chain, plan_given_split
-    from pipeplan.plan.schedules import check_schedule, valid_virtual_stages
+    from pipeplan.facts.schedules import check_schedule, valid_virtual_stages
 
     if virtual_stages is None:
         virtual_stages = valid_virtual_stages(schedule)[0]

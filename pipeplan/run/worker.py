@@ -210,7 +210,7 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    from pipeplan.plan.schedules import SPLIT_BACKWARD_SCHEDULES, TORCH_SCHEDULE_CLASS
+    from pipeplan.facts.schedules import SPLIT_BACKWARD_SCHEDULES, TORCH_SCHEDULE_CLASS
     from pipeplan.profile import load_bundle, make_microbatch
     from pipeplan.profile.loading import split_inputs
     from pipeplan.run.gradsync import DataParallelGrads, ReplicaGroups, TiedGrads, replica_share

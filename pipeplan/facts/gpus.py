@@ -138,7 +138,7 @@ def _quantity(value: Any, parse, option: str) -> Any:
 
 def load_gpu_spec(path: Union[str, Path]) -> GpuSpec:
     """Read a GPU spec from TOML (see the module docstring); errors name the file and field."""
-    from pipeplan.formats.io import format_validation_error
+    from pipeplan.errors import format_validation_error
     from pipeplan.quantities import parse_bandwidth, parse_bytes
 
     path = Path(path)

@@ -9,10 +9,11 @@ from pipeplan.errors import BadInputError
 from pipeplan.formats.io import file_sha256, load_json, load_plan, load_profile, write_json_atomic
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.cluster.search import plan_cluster
+from pipeplan.requests import ClusterRequest, PipelineRequest, Request, request_of
 from pipeplan.plan.given import plan_split
 from pipeplan.plan.search import make_plan
 
-__all__ = ["import_profile", "plan_any", "plan_profile", "plan_split", "compare_splits", "validate_file", "ComparisonRow"]
+__all__ = ["PipelineRequest", "ClusterRequest", "import_profile", "plan_any", "plan_profile", "plan_split", "compare_splits", "validate_file", "ComparisonRow"]
 
 
 def import_profile(source: str, path: str | Path, batch_size: int, output: str | Path, model: str | None = None):
@@ -26,26 +27,45 @@ def import_profile(source: str, path: str | Path, batch_size: int, output: str |
     return profile
 
 
-def plan_any(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
-    """The plan ``settings`` ask for: a cluster plan (``num_gpus``), a given split
-    (``layers_per_stage``) or the pipeline planner's; what ``plan`` and ``check`` call."""
-    if settings.num_gpus is not None:
+def plan_any(profile, request: Request | PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
+    """The plan a request asks for: a cluster plan (:class:`ClusterRequest`), a given split
+    (``layers_per_stage``) or the pipeline planner's; what ``plan`` and ``check`` call.
+
+    ``request`` may be a plan file's record of one (:class:`PlanSettings`, as ``check``
+    re-plans): it is read as a request first (:func:`pipeplan.requests.request_of`), so the API
+    refuses what the CLI refuses.
+
+    Raises
+    ------
+    BadInputError
+        A request that breaks its rules (e.g. a ZeRO stage or data-parallel degree without
+        ``num_gpus``), naming the fields.
+    """
+    request = request_of(request)
+    settings = request.settings()
+    if isinstance(request, ClusterRequest):
         return plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
-    if settings.layers_per_stage is not None:
-        plan = plan_split(profile, settings, settings.layers_per_stage, profile_sha256=profile_sha256)
+    if request.layers_per_stage is not None:
+        plan = plan_split(profile, settings, request.layers_per_stage, profile_sha256=profile_sha256)
         return plan.model_copy(update={"schema_version": 2})  # layers_per_stage is a version-2 field
     return make_plan(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
 
 
-def plan_profile(profile_path: str | Path, settings: PlanSettings, output: str | Path | None = None,
+def plan_profile(profile_path: str | Path, request: Request | PlanSettings, output: str | Path | None = None,
                  record_time: bool = False) -> Plan:
     """``pipeplan plan``: plan a profile file and write the plan atomically.
 
-    ``PlanSettings`` has the CLI's defaults, so this makes the plan ``pipeplan plan`` makes
-    from the same options, byte for byte.
+    The request models have the CLI's defaults (one source: ``tests/test_layers.py`` checks
+    it), so this makes the plan ``pipeplan plan`` makes from the same options, byte for byte.
+
+    Examples
+    --------
+    >>> plan = plan_profile("profiles/gpt2-tiny-cpu.json", PipelineRequest(stages=2, schedule="1f1b"))
+    >>> plan.schedule, len(plan.stages)
+    ('1f1b', 2)
     """
     profile = load_profile(profile_path)
-    plan = plan_any(profile, settings, profile_sha256=file_sha256(profile_path), record_time=record_time)
+    plan = plan_any(profile, request, profile_sha256=file_sha256(profile_path), record_time=record_time)
     if output is not None:
         write_json_atomic(output, plan)
     return plan

@@ -10,10 +10,14 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from pydantic import ValidationError
 
 from pipeplan import cli_run
 from pipeplan.cli_common import Group, handled, rich_console, state
+from pipeplan.cluster.presets import resolve_cluster
 from pipeplan.errors import BadInputError
+from pipeplan.quantities import parse_bandwidth, parse_bytes
+from pipeplan.requests import ClusterRequest, PipelineRequest
 
 app = typer.Typer(
     cls=Group,
@@ -32,28 +36,28 @@ def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on 
     state["debug"] = state["debug"] or debug
 
 
-def _settings(**kwargs):
-    from pydantic import ValidationError
-
-    from pipeplan.formats.plan import PlanSettings
-
+def _request(kind, **fields):
+    """A request model built from options, its errors named by the option (``--memory-cap``)."""
     try:
-        return PlanSettings(**kwargs)
+        return kind(**fields)
     except ValidationError as exc:
         errors = exc.errors()
         first = errors[0]
         option = "--" + "-".join(str(p) for p in first["loc"]).replace("_", "-")
-        option = {"--memory-cap-bytes": "--memory-cap", "--bandwidth-bytes-per-s": "--bandwidth"}.get(option, option)
+        option = {"--memory-cap-bytes": "--memory-cap", "--bandwidth-bytes-per-s": "--bandwidth",
+                  "--num-gpus": "--gpus", "--zero-stage": "--zero"}.get(option, option)
         message = f"{option}: {first['msg'].removeprefix('Value error, ')}"
+        if first["type"] == "missing":
+            message = f"{option}: missing"
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
         raise BadInputError(message) from None
 
 
-def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer, bandwidth, schedule,
-                   virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None, **cluster_options):
-    from pipeplan.quantities import parse_bandwidth, parse_bytes
-
+def _plan_request(stages, global_batch, microbatch_size, memory_cap, optimizer, bandwidth, schedule,
+                  virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None, **cluster_options):
+    """The request ``plan`` (and ``compare``) options make: a :class:`ClusterRequest` with
+    ``--gpus``, else a :class:`PipelineRequest`."""
     if optimizer not in ("adam", "adam-fp32-grads", "sgd", "none"):
         raise BadInputError(f"--optimizer: {optimizer!r} is not one of adam, adam-fp32-grads, sgd, none")
     if solver not in ("auto", "dp", "ilp"):
@@ -62,22 +66,26 @@ def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer,
         raise BadInputError(f"--recompute: {recompute!r} is not one of auto, none, selective, all")
     if stages is None and cluster_options.get("num_gpus") is None:
         raise BadInputError("--stages: give the pipeline stages, or --gpus to search data x tensor x pipeline")
-    bandwidth_value = parse_bandwidth(bandwidth)
-    return _settings(
+    common = dict(
         stages=stages,
         global_batch=global_batch,
         microbatch_size=microbatch_size,
         memory_cap_bytes=parse_bytes(memory_cap) if memory_cap is not None else None,
         optimizer=optimizer,
-        bandwidth_bytes_per_s=None if bandwidth_value == float("inf") else bandwidth_value,
         schedule=schedule,
         virtual_stages=virtual_stages,
         recompute=recompute,
         solver=solver,
         action_overhead_ms=action_overhead_ms,
         launcher=launcher,
-        **_cluster_settings(**cluster_options),
     )
+    cluster = _cluster_options(**cluster_options)
+    if cluster:
+        # The cluster's links replace --bandwidth (a ClusterRequest has none).
+        return _request(ClusterRequest, **common, **cluster)
+    bandwidth_value = parse_bandwidth(bandwidth)
+    return _request(PipelineRequest, **common,
+                    bandwidth_bytes_per_s=None if bandwidth_value == float("inf") else bandwidth_value)
 
 
 def _counts(text: str) -> list[int]:
@@ -88,8 +96,8 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
-def _cluster_settings(num_gpus=None, cluster=None, data_parallel=None, tensor_parallel=None, zero=None,
-                      data_parallel_overlap=None):
+def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_parallel=None, zero=None,
+                     data_parallel_overlap=None):
     """The cluster options of ``pipeplan plan`` (docs/cluster-model.md); empty without --gpus."""
     if num_gpus is None:
         given = [name for name, value in (("--cluster", cluster), ("--data-parallel", data_parallel),
@@ -98,8 +106,6 @@ def _cluster_settings(num_gpus=None, cluster=None, data_parallel=None, tensor_pa
         if given:
             raise BadInputError(f"{given[0]}: needs --gpus (the cluster's GPU count)")
         return {}
-    from pipeplan.cluster import resolve_cluster
-
     if cluster is None:
         raise BadInputError("--gpus: give --cluster NAME or FILE too (pipeplan cluster lists the presets)")
     return {"num_gpus": num_gpus, "cluster": resolve_cluster(cluster), "data_parallel": data_parallel,
@@ -111,12 +117,14 @@ _STAGES = typer.Option(..., "--stages", "-p", help="Pipeline stages (GPUs).", sh
 _GLOBAL_BATCH = typer.Option(None, "--global-batch", "-g", help="Samples per iteration (default: 8 x the largest profiled micro-batch).")
 _MICROBATCH = typer.Option(None, "--microbatch-size", "-b", help="Fix the micro-batch size instead of searching.")
 _MEMORY_CAP = typer.Option(None, "--memory-cap", help="Per-GPU memory cap, e.g. 80GiB or 16e9.")
-_OPTIMIZER = typer.Option("adam", "--optimizer", help="adam (16 B/param), adam-fp32-grads (18, Megatron's), sgd (12) or none.")
-_BANDWIDTH = typer.Option("25GB/s", "--bandwidth", help="Point-to-point bandwidth, e.g. 25GB/s; inf ignores transfers.")
-_SCHEDULE = typer.Option("auto", "--schedule", help="auto, gpipe, 1f1b, interleaved, zb, zbv or dualpipev.")
+# Defaults come from the request models (one source; tests/test_layers.py checks every option).
+_DEFAULT = {name: field.default for name, field in PipelineRequest.model_fields.items()}
+_OPTIMIZER = typer.Option(_DEFAULT["optimizer"], "--optimizer", help="adam (16 B/param), adam-fp32-grads (18, Megatron's), sgd (12) or none.")
+_BANDWIDTH = typer.Option(f"{_DEFAULT['bandwidth_bytes_per_s'] / 1e9:g}GB/s", "--bandwidth", help="Point-to-point bandwidth, e.g. 25GB/s; inf ignores transfers.")
+_SCHEDULE = typer.Option(_DEFAULT["schedule"], "--schedule", help="auto, gpipe, 1f1b, interleaved, zb, zbv or dualpipev.")
 _VIRTUAL = typer.Option(None, "--virtual-stages", "-v", help="Stages per rank (interleaved/zero-bubble); default: search.")
-_RECOMPUTE = typer.Option("auto", "--recompute", help="Activation recomputation: auto, none, selective (the attention core; analytic profiles) or all.")
-_SOLVER = typer.Option("auto", "--solver", help="auto, dp (chain / ideal-lattice DP) or ilp (PuLP + HiGHS).")
+_RECOMPUTE = typer.Option(_DEFAULT["recompute"], "--recompute", help="Activation recomputation: auto, none, selective (the attention core; analytic profiles) or all.")
+_SOLVER = typer.Option(_DEFAULT["solver"], "--solver", help="auto, dp (chain / ideal-lattice DP) or ilp (PuLP + HiGHS).")
 _ACTION_OVERHEAD = typer.Option(
     None, "--action-overhead-ms",
     help="The schedule's own time per action on a rank (posting transfers, bookkeeping); `pipeplan run` "
@@ -253,13 +261,14 @@ def plan(
     from pipeplan.show import plan_tables
 
     refuse_overwriting_input(output, profile)
-    settings = _plan_settings(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size, memory_cap,
-                              optimizer, bandwidth, schedule, virtual_stages, recompute, solver, action_overhead_ms,
-                              launcher=launcher, num_gpus=gpus, cluster=cluster, data_parallel=data_parallel,
-                              tensor_parallel=tensor_parallel, zero=zero, data_parallel_overlap=data_parallel_overlap)
+    request = _plan_request(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size,
+                            memory_cap, optimizer, bandwidth, schedule, virtual_stages, recompute, solver,
+                            action_overhead_ms, launcher=launcher, num_gpus=gpus, cluster=cluster,
+                            data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero=zero,
+                            data_parallel_overlap=data_parallel_overlap)
     if layers_per_stage is not None:
-        settings = settings.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
-    result = plan_profile(profile, settings, output, record_time=record_time)
+        request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
+    result = plan_profile(profile, request, output, record_time=record_time)
     if not quiet:
         rich_console().print(plan_tables(result))
         if output:
@@ -324,8 +333,9 @@ def compare(
     from pipeplan.api import compare_splits
     from pipeplan.show import comparison_table
 
-    settings = _plan_settings(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size, memory_cap,
-                              optimizer, bandwidth, schedule, None, "none", solver, action_overhead_ms)
+    request = _plan_request(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size,
+                            memory_cap, optimizer, bandwidth, schedule, None, "none", solver, action_overhead_ms)
+    settings = request.settings()
     rows = compare_splits(profile, settings)
     rich_console().print(comparison_table(rows, f"{profile}: {stages} stages, global batch {settings.global_batch}",
                                       memory_cap_bytes=settings.memory_cap_bytes))

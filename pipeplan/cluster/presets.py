@@ -102,24 +102,11 @@ def resolve_cluster(name_or_path: str | Path) -> ClusterSpec:
 
 
 def memory_cap_bytes(spec: ClusterSpec) -> int:
-    """The spec's cap, else its GPU model's memory (the GPU table, ``pipeplan gpus``).
-
-    Raises
-    ------
-    BadInputError
-        If neither is known: the file must give ``memory_cap``.
+    """The spec's cap, else its GPU model's memory (:meth:`ClusterSpec.cap_bytes`).
 
     Examples
     --------
     >>> memory_cap_bytes(PRESETS["dgx-h100"]) / 2**30   # H100 SXM: 80 GB of HBM3 (80 GiB)
     80.0
     """
-    if spec.memory_cap_bytes is not None:
-        return spec.memory_cap_bytes
-    from pipeplan.facts.gpus import GPUS
-
-    if spec.gpu in GPUS:
-        return GPUS[spec.gpu].memory_bytes
-    raise BadInputError(
-        f"cluster {spec.name!r}: gpu: {spec.gpu!r} is not in the GPU table (pipeplan gpus); give memory_cap "
-        f"(known GPUs: {', '.join(GPUS)})")
+    return spec.cap_bytes()

@@ -494,8 +494,15 @@ def _assemble(best: _Trial, trials, profile, settings: PlanSettings, view: Degre
               state) -> Plan:
     plan, parts = best.plan, best.parts
     d, t, p = best.data, best.tensor, best.pipeline
+    # The selective family's view bakes the attention core's recomputation into every unit's
+    # costs, so its pipeline plan says "none"; the plan must say what runs (every stage selective),
+    # or exports and doctor would drop --recompute-granularity selective.
+    selective = best.family == "selective"
     stages = []
     for stage in plan.stages:
+        if selective:
+            stage = stage.model_copy(update={"recompute": True, "recompute_granularity": "selective",
+                                             "selective_activation_bytes": stage.activation_bytes})
         params = stage.param_bytes / profile.dtype_bytes
         memory = state_memory(params, state, best.zero_stage, d)
         static = math.ceil(state_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes, best.zero_stage, d)
@@ -527,7 +534,8 @@ def _assemble(best: _Trial, trials, profile, settings: PlanSettings, view: Degre
                 flops_per_token * G * profile.sequence_length, iteration_ms, settings.num_gpus, peak), 6)})
     peak_rank = max(r.peak_memory_bytes for r in plan.ranks) if plan.ranks else max(s.peak_memory_bytes for s in plan.stages)
     link_text = {"inter": "the network", "intra": "the intra-node link", "local": "no link"}[best.extras["link"]]
-    notes = list(plan.notes) + [
+    notes = [note.replace(", recompute none", ", recompute selective on every stage") if selective else note
+             for note in plan.notes] + [
         f"layout d={d} x t={t} x p={p} on {cluster.name} ({cluster.gpus_per_node} GPUs per node), ranks in "
         f"Megatron's order (tensor, data, pipeline); pipeline transfers on {link_text}",
         f"data-parallel sync: {int(round(100 * (settings.data_parallel_overlap or 0)))}% assumed hidden behind "

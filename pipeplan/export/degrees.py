@@ -117,8 +117,9 @@ class Recompute:
 def recompute_of(plan: Plan) -> Recompute:
     """The plan's recomputation, folded into one launcher-wide setting.
 
-    ``full`` wins over ``selective`` (it holds less). A cluster plan made with ``--recompute
-    selective`` records it in its settings (the cluster search bakes it into the costs).
+    ``full`` wins over ``selective`` (it holds less). Read off the stages: a cluster plan whose
+    search chose selective recomputation marks every stage so (older cluster plan files made with
+    ``--recompute selective`` said it only in their settings).
 
     Examples
     --------
@@ -132,6 +133,7 @@ def recompute_of(plan: Plan) -> Recompute:
     full = [s.index for s in stages if s.recompute and s.recompute_granularity != "selective"]
     selective = [s.index for s in stages if s.recompute and s.recompute_granularity == "selective"]
     if plan.parallelism is not None and plan.settings.recompute == "selective" and not full:
+        # Cluster plan files from before the stages said so (the search baked it into the costs).
         selective = [s.index for s in stages]
     if full:
         return Recompute("full", tuple(sorted(full + selective)), len(full) != len(stages))

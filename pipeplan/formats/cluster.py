@@ -33,6 +33,7 @@ from typing import Any, Mapping, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeplan.errors import BadInputError, format_validation_error
+from pipeplan.facts.gpus import GPUS
 
 __all__ = ["Link", "ClusterSpec", "load_cluster_file", "cluster_from_dict"]
 
@@ -124,6 +125,22 @@ class ClusterSpec(_Strict):
     def _quantities(cls, data: Any) -> Any:
         return _parse_quantities(data, {"memory_cap": ("memory_cap_bytes", "bytes"),
                                         "reserve": ("reserve_bytes", "bytes")})
+
+    def cap_bytes(self) -> int:
+        """The memory cap per GPU: the spec's, else its GPU model's (the GPU table, ``pipeplan gpus``).
+
+        Raises
+        ------
+        BadInputError
+            If neither is known: the file must give ``memory_cap``.
+        """
+        if self.memory_cap_bytes is not None:
+            return self.memory_cap_bytes
+        if self.gpu in GPUS:
+            return GPUS[self.gpu].memory_bytes
+        raise BadInputError(
+            f"cluster {self.name!r}: gpu: {self.gpu!r} is not in the GPU table (pipeplan gpus); give memory_cap "
+            f"(known GPUs: {', '.join(GPUS)})")
 
     def node_of(self, gpu: int) -> int:
         """The node that global rank ``gpu`` lies on (ranks fill nodes in order)."""

@@ -12,6 +12,9 @@ from pipeplan.cluster.search import plan_cluster
 from pipeplan.requests import ClusterRequest, PipelineRequest, Request, request_of
 from pipeplan.plan.given import plan_split
 from pipeplan.plan.search import make_plan
+from pipeplan.importers import import_pipedream
+from pipeplan.plan.baselines import compare_baselines
+from pipeplan.formats.io import load_report
 
 __all__ = ["PipelineRequest", "ClusterRequest", "import_profile", "plan_any", "plan_profile", "plan_split", "compare_splits", "validate_file", "ComparisonRow"]
 
@@ -20,7 +23,6 @@ def import_profile(source: str, path: str | Path, batch_size: int, output: str |
     """``pipeplan import``: convert another tool's profile and write it atomically."""
     if source != "pipedream":
         raise BadInputError(f"import: unknown source {source!r}; supported: pipedream")
-    from pipeplan.importers import import_pipedream
 
     profile = import_pipedream(path, batch_size, model=model)
     write_json_atomic(output, profile)
@@ -96,8 +98,6 @@ def compare_splits(profile_path: str | Path, settings: PlanSettings) -> list[Com
     (:func:`pipeplan.plan.baselines.compare_baselines`), at the optimal plan's micro-batch
     size and schedule, so the rows differ only in the split.
     """
-    from pipeplan.plan.baselines import compare_baselines
-
     profile = load_profile(profile_path)
     optimal, baselines = compare_baselines(profile, settings, file_sha256(profile_path))
     cap = settings.memory_cap_bytes
@@ -134,8 +134,6 @@ def validate_file(path: str | Path) -> str:
     data = load_json(path)
     if isinstance(data, dict) and (str(data.get("schema", "")).startswith("pipeplan-run-report")
                                    or ("ranks" in data and "measured" in data)):
-        from pipeplan.formats.io import load_report
-
         report = load_report(path)
         return (f"{path}: valid run report: {report.schedule}, {len(report.ranks)} ranks, "
                 f"{report.num_microbatches} x {report.microbatch_size}")

@@ -18,6 +18,25 @@ from pipeplan.cluster.presets import resolve_cluster
 from pipeplan.errors import BadInputError
 from pipeplan.quantities import parse_bandwidth, parse_bytes
 from pipeplan.requests import ClusterRequest, PipelineRequest
+from pipeplan.formats.io import load_profile, refuse_overwriting_input
+from pipeplan.formats.limits import check_microbatch_count
+from pipeplan.api import compare_splits, import_profile, plan_profile, validate_file
+from pipeplan.profile import profile_to_file, summary_table
+from pipeplan.analytic.tables import gpu_table
+from pipeplan.show import comparison_table, plan_tables
+from pipeplan.cluster.tables import cluster_table
+from pipeplan.formats.schema import json_schema_text
+from pipeplan.export import run_export
+from pipeplan.doctor import run_doctor_command
+from pipeplan.check.commands import run_check, run_diff
+from pipeplan.formats.io import load_plan
+from pipeplan.show import simulation_from_plan
+from pipeplan.analytic import analytic_profile_to_file
+from pipeplan.analytic.tables import analytic_summary_table
+from pipeplan.cluster.presets import PRESETS
+from pipeplan.plan.timeline import render_timeline_text, write_timeline_image
+from pipeplan.formats.io import write_text_atomic
+from pipeplan.profile.hf import read_config
 
 app = typer.Typer(
     cls=Group,
@@ -132,9 +151,6 @@ _ACTION_OVERHEAD = typer.Option(
 
 
 def _default_global_batch(profile_path, global_batch, microbatch_size=None):
-    from pipeplan.formats.io import load_profile
-    from pipeplan.formats.limits import check_microbatch_count
-
     sizes = load_profile(profile_path).microbatch_sizes
     if global_batch is None:
         return 8 * max(sizes)
@@ -151,9 +167,6 @@ def import_pipedream_cmd(
     model: Optional[str] = typer.Option(None, "--model", help="Model name (default: from the file name)."),
 ):
     """Import a PipeDream profile (graph.txt), keeping its layer DAG."""
-    from pipeplan.api import import_profile
-    from pipeplan.formats.io import refuse_overwriting_input
-
     refuse_overwriting_input(output, path)
     profile = import_profile("pipedream", path, batch_size, output, model=model)
     edges = len(profile.edges or ())
@@ -189,9 +202,6 @@ def profile(
 ):
     """Measure a torch model per unit (time, activation and output bytes) into a profile, or estimate one (--analytic)."""
     if analytic:
-        from pipeplan.analytic import analytic_profile_to_file
-        from pipeplan.analytic.tables import analytic_summary_table
-
         estimated = analytic_profile_to_file(
             model, output, gpu=gpu, gpu_spec=gpu_spec, microbatch_sizes=microbatch_sizes,
             tensor_parallel=tensor_parallel, seq_len=seq_len, dtype=dtype or "bf16",
@@ -202,12 +212,9 @@ def profile(
         return
     if gpu or gpu_spec or tensor_parallel != "1":
         raise BadInputError("--gpu, --gpu-spec and --tensor-parallel: only with --analytic")
-    from pipeplan.profile import profile_to_file, summary_table
 
     options = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}
     if config is not None:
-        from pipeplan.profile.hf import read_config
-
         options["config"] = read_config(model, str(config))
     result = profile_to_file(
         model, str(output), microbatch_sizes=microbatch_sizes, seq_len=128 if seq_len is None else seq_len,
@@ -223,8 +230,6 @@ def profile(
 @handled
 def gpus():
     """The GPU specifications `profile --analytic --gpu NAME` knows (dense peaks, with sources)."""
-    from pipeplan.analytic.tables import gpu_table
-
     rich_console().print(gpu_table())
 
 
@@ -256,10 +261,6 @@ def plan(
     layers_per_stage: Optional[str] = typer.Option(None, "--layers-per-stage", help="Fix the split: units per stage in profile order, e.g. 5,7,7,7 (virtual stages in order); needs a named --schedule."),
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
-    from pipeplan.api import plan_profile
-    from pipeplan.formats.io import refuse_overwriting_input
-    from pipeplan.show import plan_tables
-
     refuse_overwriting_input(output, profile)
     request = _plan_request(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size,
                             memory_cap, optimizer, bandwidth, schedule, virtual_stages, recompute, solver,
@@ -281,9 +282,6 @@ def cluster(
     spec: Optional[str] = typer.Argument(None, metavar="[NAME|FILE]", help="A preset or a cluster TOML file to check and show."),
 ):
     """The cluster presets (or one spec): GPUs per node, memory, links; docs/cluster-model.md."""
-    from pipeplan.cluster import PRESETS, resolve_cluster
-    from pipeplan.cluster.tables import cluster_table
-
     specs = list(PRESETS.values()) if spec is None else [resolve_cluster(spec)]
     rich_console().print(cluster_table(specs, "cluster presets" if spec is None else str(spec)))
 
@@ -297,16 +295,11 @@ def show(
     width: int = typer.Option(100, "--width", help="Timeline width in characters."),
 ):
     """Show a plan: stages, layers, times, memory, bubble."""
-    from pipeplan.formats.io import load_plan, refuse_overwriting_input
-    from pipeplan.show import plan_tables, simulation_from_plan
-
     refuse_overwriting_input(timeline_out, plan_file)
     loaded = load_plan(plan_file)
     console = rich_console()
     console.print(plan_tables(loaded))
     if timeline or timeline_out:
-        from pipeplan.plan.timeline import render_timeline_text, write_timeline_image
-
         sim = simulation_from_plan(loaded)
         if timeline:
             console.print(render_timeline_text(sim, width))
@@ -330,9 +323,6 @@ def compare(
     action_overhead_ms: Optional[float] = _ACTION_OVERHEAD,
 ):
     """Compare the optimal plan with uniform, parameter-balanced and greedy splits."""
-    from pipeplan.api import compare_splits
-    from pipeplan.show import comparison_table
-
     request = _plan_request(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size,
                             memory_cap, optimizer, bandwidth, schedule, None, "none", solver, action_overhead_ms)
     settings = request.settings()
@@ -345,8 +335,6 @@ def compare(
 @handled
 def validate(path: Path = typer.Argument(..., metavar="FILE", help="Profile, plan or run report JSON.", show_default=False)):
     """Check a profile, plan or run report file and explain any problem."""
-    from pipeplan.api import validate_file
-
     typer.echo(validate_file(path))
 
 
@@ -357,12 +345,8 @@ def schema(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write to a file instead of stdout."),
 ):
     """Print the JSON Schema of the profile, plan or run report format."""
-    from pipeplan.formats.schema import json_schema_text
-
     text = json_schema_text(kind)
     if output:
-        from pipeplan.formats.io import write_text_atomic
-
         write_text_atomic(output, text)
         typer.echo(f"wrote {output}")
     else:
@@ -379,9 +363,6 @@ def export(
     schedule_csv: bool = typer.Option(False, "--schedule-csv", help="torchtitan: also write the simulated per-rank action order as a CSV."),
 ):
     """Restate a plan for a launcher: torchtitan TOML, Megatron-LM flags, DeepSpeed parts, torch split points."""
-    from pipeplan.export import run_export
-    from pipeplan.formats.io import refuse_overwriting_input
-
     refuse_overwriting_input(output, plan_file, profile)
     text, written = run_export(plan_file, format, output=output, profile_path=profile, with_schedule_csv=schedule_csv)
     if not written:
@@ -414,8 +395,6 @@ def doctor(
     junit: Optional[Path] = typer.Option(None, "--junit", help="Also write a JUnit XML report here."),
 ):
     """Read a launcher config, flag what is wrong (lost layers, refused schedules, memory), compare with the best plan; exit 1 on an error finding."""
-    from pipeplan.doctor import run_doctor_command
-
     text, written, code = run_doctor_command(
         launcher, config_file, profile, memory_cap=memory_cap, optimizer=optimizer, bandwidth=bandwidth,
         cluster=cluster, search_layouts=search_layouts, world_size=world_size, tensor_degree=tensor_parallel, variables=var or [], num_stages=num_stages, partition_method=partition_method,
@@ -439,8 +418,6 @@ def check(
     update: bool = typer.Option(False, "--update", help="Rewrite the baselines with the re-made plans."),
 ):
     """Re-plan each profile with its baseline's settings; exit 1 on a throughput drop or a cap overrun."""
-    from pipeplan.check.commands import run_check
-
     report, text = run_check(profiles, baseline, tolerance=tolerance, memory_cap=memory_cap, format=format,
                              junit_path=junit, update=update)
     typer.echo(text, nl=False)
@@ -461,8 +438,6 @@ def diff(
     microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", "-b", help="Profiles: compare costs at this micro-batch size."),
 ):
     """Two plans or two profiles side by side: moved layers, slower or bigger units, effect on the plan."""
-    from pipeplan.check.commands import run_diff
-
     typer.echo(run_diff(a, b, format=format, settings_from=settings_from, microbatch_size=microbatch_size,
                         stages=stages, global_batch=global_batch, memory_cap=memory_cap, schedule=schedule), nl=False)
 

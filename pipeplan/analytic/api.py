@@ -16,6 +16,8 @@ from pipeplan.analytic.memory import unit_activation_bytes, unit_output_bytes
 from pipeplan.analytic.shapes import check_tensor_parallel, unit_param_count
 from pipeplan.errors import BadInputError
 from pipeplan.formats.profile import Device, Layer, LayerCost, Profile
+from pipeplan.formats.io import write_json_atomic
+from pipeplan.profile.api import parse_microbatch_sizes
 
 __all__ = ["analytic_profile", "analytic_profile_to_file", "parse_degrees", "default_seq_len", "DTYPE_BYTES",
            "model_units"]
@@ -212,9 +214,6 @@ def analytic_profile_to_file(config: Union[str, Path], output: Union[str, Path],
                              gpu_spec: Optional[Union[str, Path]] = None, microbatch_sizes="1,2,4",
                              tensor_parallel="1", **kwargs) -> Profile:
     """``pipeplan profile CONFIG --analytic``: build and write atomically (options as the CLI's)."""
-    from pipeplan.formats.io import write_json_atomic
-    from pipeplan.profile.api import parse_microbatch_sizes
-
     spec = resolve_gpu(gpu, gpu_spec)
     profile = analytic_profile(config, spec, microbatch_sizes=parse_microbatch_sizes(microbatch_sizes),
                                tensor_parallel=parse_degrees(tensor_parallel), **kwargs)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pipeplan.formats.profile import Profile
 from pipeplan.quantities import format_bytes
+from pipeplan.analytic.api import summary_rows
+from pipeplan.facts.gpus import gpu_rows
 
 __all__ = ["analytic_summary_table", "gpu_table"]
 
@@ -11,8 +13,6 @@ __all__ = ["analytic_summary_table", "gpu_table"]
 def analytic_summary_table(profile: Profile):
     """Per tensor-parallel degree and micro-batch size: one rank's whole-model time and memory."""
     from rich.table import Table
-
-    from pipeplan.analytic.api import summary_rows
 
     table = Table(title=f"{profile.model} on {profile.device.name}, sequence {profile.sequence_length}, "
                         f"{profile.dtype} (one rank, all units)")
@@ -30,8 +30,6 @@ def analytic_summary_table(profile: Profile):
 def gpu_table():
     """The shipped GPU specifications."""
     from rich.table import Table
-
-    from pipeplan.facts.gpus import gpu_rows
 
     table = Table(title="GPU specifications (dense peaks; link: one direction)")
     for column in ("name", "GPU", "memory", "bf16", "fp8", "HBM", "link", "source"):

@@ -39,6 +39,10 @@ from pipeplan.formats.plan import Alternative, Parallelism, Plan, PlanSettings
 from pipeplan.plan.bound import Incumbent, PrunedError
 from pipeplan.plan.given import plan_split
 from pipeplan.quantities import format_bytes
+from pipeplan.plan.memo import planning_cache
+from pipeplan.plan import make_plan, plan_simulation, with_profile_defaults
+from pipeplan.facts.schedules import valid_virtual_stages
+from pipeplan.facts.gpus import get_gpu
 
 __all__ = ["plan_cluster", "hbm_bytes_per_s", "peak_flops_per_s"]
 
@@ -57,10 +61,6 @@ def _gpu_figure(profile, cluster, key: str):
     gpu = (profile.measurement or {}).get("gpu") or {}
     if gpu.get("name") == cluster.gpu and key in gpu:
         return gpu[key]
-    try:  # the GPU table of the analytic profiles (issue 12), where installed
-        from pipeplan.facts.gpus import get_gpu
-    except ImportError:
-        return gpu.get(key)
     try:
         return getattr(get_gpu(cluster.gpu), key)
     except BadInputError:
@@ -144,15 +144,11 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
     The whole search runs inside :func:`pipeplan.plan.memo.planning_cache`, so the layer graphs,
     chain partitions and stage costs that recur across its pipeline plans are computed once.
     """
-    from pipeplan.plan.memo import planning_cache
-
     with planning_cache():
         return _plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
 
 
 def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool) -> Plan:
-    from pipeplan.plan import with_profile_defaults
-
     settings = with_profile_defaults(profile, settings)
     if settings.search_stages:  # re-planning a plan file whose pipeline degree was searched
         settings = settings.model_copy(update={"stages": None, "search_stages": None})
@@ -279,8 +275,6 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
 
 def _fixed_split_stages(settings: PlanSettings) -> PlanSettings:
     """With ``--layers-per-stage`` the pipeline degree is the split's: counts / stages per rank."""
-    from pipeplan.facts.schedules import valid_virtual_stages
-
     if settings.schedule == "auto":
         raise BadInputError("--layers-per-stage: a given split needs a named --schedule, not auto")
     v = settings.virtual_stages or valid_virtual_stages(settings.schedule)[0]
@@ -298,8 +292,6 @@ def _pipeline_plan(view: DegreeView, sub: PlanSettings, settings: PlanSettings, 
                    record_time: bool = False, incumbent: Optional[Incumbent] = None) -> Plan:
     """The pipeline planner's best plan of one replica, or the given split's (--layers-per-stage);
     with ``incumbent``, pruned against the best iteration so far (PrunedError)."""
-    from pipeplan.plan import make_plan
-
     if settings.layers_per_stage is None:
         # What would fit is worked out only for the layouts whose reason the plan shows (_reason).
         return make_plan(view.profile, sub, profile_sha256=profile_sha256, record_time=record_time,
@@ -375,8 +367,6 @@ def _rank_tails(trial: _Trial, rank_params, m: int, span, cluster, state, hbm, o
 
 def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView, cluster, usable: int, state,
                hbm, overlap: float, profile_sha256: str, record_time: bool, best_ms: Optional[float] = None) -> None:
-    from pipeplan.plan import plan_simulation
-
     layout, links, link = _pipeline_link(cluster, trial)
     largest_unit_params = max(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes
     gathered = zero3_gathered_bytes(largest_unit_params, state, trial.data) if trial.zero_stage == 3 else 0

@@ -5,6 +5,9 @@ from __future__ import annotations
 from rich.table import Table
 
 from pipeplan.formats.cluster import ClusterSpec
+from pipeplan.cluster.presets import memory_cap_bytes
+from pipeplan.quantities import format_bytes
+from pipeplan.cluster.placement import Layout
 
 __all__ = ["cluster_table", "cluster_plan_tables"]
 
@@ -15,9 +18,6 @@ def _bandwidth(value: float) -> str:
 
 def cluster_table(specs: list[ClusterSpec], title: str = "cluster presets") -> Table:
     """One row per spec: GPU, node size, memory cap, links (per GPU, per direction)."""
-    from pipeplan.cluster.presets import memory_cap_bytes
-    from pipeplan.quantities import format_bytes
-
     table = Table(title=title)
     for column in ("name", "gpu", "gpus/node", "memory cap", "intra-node", "latency", "network/GPU",
                    "latency", "efficiency"):
@@ -35,9 +35,6 @@ def cluster_table(specs: list[ClusterSpec], title: str = "cluster presets") -> T
 def cluster_plan_tables(plan):
     """``show`` for a cluster plan: the layout, the iteration's parts, memory per GPU by part."""
     from rich.console import Group
-
-    from pipeplan.cluster.placement import Layout
-    from pipeplan.quantities import format_bytes
 
     par, p = plan.parallelism, plan.predicted
     layout = Layout(par.data, par.tensor, par.pipeline, par.gpus_per_node)
@@ -70,9 +67,7 @@ def cluster_plan_tables(plan):
         rows.append(("MFU", f"{p.model_flops_utilization:.1%}"))
     cap = plan.settings.memory_cap_bytes
     if cap is None and cluster is not None:
-        from pipeplan.cluster.presets import memory_cap_bytes
-
-        cap = memory_cap_bytes(cluster)
+        cap = cluster.cap_bytes()
     rows.append(("memory cap per GPU", format_bytes(cap) if cap else "none"))
     rows.append(("solver", f"{plan.solver.method}, {'optimal' if plan.solver.optimal else 'not proven optimal'}"))
     for key, value in rows:

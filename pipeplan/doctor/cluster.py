@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.limits import MAX_BYTES
 from pipeplan.formats.plan import Plan, PlanSettings
+from pipeplan.cluster.presets import memory_cap_bytes
+from pipeplan.cluster.memory import reserve_bytes
+from pipeplan.facts.training_state import state_memory, training_state
+from pipeplan.cluster.search import plan_cluster
 
 __all__ = ["RankMemory", "ClusterCost", "LAUNCHER_ZERO_STAGES", "cost_on_cluster", "best_on_cluster",
            "rank_memory"]
@@ -72,8 +76,6 @@ class ClusterCost:
 
 
 def _cap(settings: PlanSettings, cluster) -> int:
-    from pipeplan.cluster.presets import memory_cap_bytes
-
     return settings.memory_cap_bytes or memory_cap_bytes(cluster)
 
 
@@ -83,10 +85,6 @@ def rank_memory(plan: Plan, profile, cluster) -> tuple[RankMemory, ...]:
     The activations are the rank's simulated peak less its static state; under ZeRO 3 the units
     gathered whole count once per rank (they are prefetched one after the other).
     """
-    from pipeplan.cluster.memory import reserve_bytes
-    from pipeplan.facts.training_state import state_memory
-    from pipeplan.facts.training_state import training_state
-
     par = plan.parallelism
     state = training_state(plan.settings.optimizer, profile.dtype_bytes)
     out = []
@@ -138,8 +136,6 @@ def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int]
         The profile has no entries at ``tensor``, ``tensor`` is above the GPUs per node, or the
         schedule refuses the numbers.
     """
-    from pipeplan.cluster.search import plan_cluster
-
     cap = _cap(settings, cluster)
     pipeline = len(layers_per_stage) // virtual_stages
     given = settings.model_copy(update={
@@ -186,8 +182,6 @@ def best_on_cluster(profile, settings: PlanSettings, *, launcher: str, cluster, 
     One cluster search per (ZeRO stage, recomputation); each is exact for its settings, so the
     best of them is the best plan the launcher can express.
     """
-    from pipeplan.cluster.search import plan_cluster
-
     cap = _cap(settings, cluster)
     d, t, p = degrees if degrees is not None else (None, None, None)
     best, notes = None, []

@@ -18,13 +18,12 @@ from pipeplan.doctor.units import stage_positions, unit_positions
 from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.quantities import format_bytes
+from pipeplan.facts.schedules import check_schedule
 
 __all__ = ["diagnose", "launcher_refusal"]
 
 def launcher_refusal(launcher: str, schedule: str, p: int, m: int, v: int, group_size: int | None = None) -> str | None:
     """Why ``launcher`` refuses ``schedule`` with ``m`` micro-batches on ``p`` ranks x ``v``, or None."""
-    from pipeplan.facts.schedules import check_schedule
-
     if launcher == "megatron":
         if schedule == "interleaved":
             return interleaved_refusal(p, m, group_size)

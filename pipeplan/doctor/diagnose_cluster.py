@@ -17,6 +17,7 @@ from pipeplan.doctor.cluster import LAUNCHER_ZERO_STAGES, ClusterCost, best_on_c
 from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import PlanSettings
 from pipeplan.quantities import format_bytes
+from pipeplan.cluster import PRESETS
 
 __all__ = ["diagnose_on_cluster", "profile_sequence_parallel", "SEARCH_ZERO_STAGES"]
 
@@ -195,7 +196,6 @@ def _layout_gap_findings(result, global_batch: int) -> list:
     speedup = mine.predicted.iteration_ms / best_any.predicted.iteration_ms
     if speedup <= 1 + 1e-3:
         return []
-    from pipeplan.cluster import PRESETS
 
     name = best_any.settings.cluster.name
     settings_text = {

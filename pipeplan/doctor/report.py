@@ -8,6 +8,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 from pipeplan.doctor.findings import Diagnosis, parts_text
 from pipeplan.quantities import format_bytes
+from pipeplan.formats.io import write_text_atomic
 
 __all__ = ["render", "write_junit", "as_dict"]
 
@@ -168,8 +169,6 @@ def render(result: Diagnosis, output_format: str = "table") -> str:
 
 def write_junit(result: Diagnosis, path: str | Path) -> None:
     """One test case per finding; errors fail, the rest pass (warnings as system-out)."""
-    from pipeplan.formats.io import write_text_atomic
-
     findings = _findings(result)
     name = quoteattr(f"pipeplan doctor {result.config.path}")
     failures = sum(f.severity == "error" for f in findings)

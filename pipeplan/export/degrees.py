@@ -181,10 +181,8 @@ def _cap_bytes(plan: Plan) -> int | None:
     if plan.settings.memory_cap_bytes is not None:
         return plan.settings.memory_cap_bytes
     if plan.settings.cluster is not None:
-        from pipeplan.cluster import memory_cap_bytes
-
         try:
-            return memory_cap_bytes(plan.settings.cluster)
+            return plan.settings.cluster.cap_bytes()
         except BadInputError:
             return None
     return None

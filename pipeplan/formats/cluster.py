@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pipeplan.errors import BadInputError, format_validation_error
 from pipeplan.facts.gpus import GPUS
+from pipeplan.quantities import parse_bandwidth, parse_bytes
 
 __all__ = ["Link", "ClusterSpec", "load_cluster_file", "cluster_from_dict"]
 
@@ -50,7 +51,6 @@ def _parse_quantities(data: Any, fields: dict[str, tuple[str, str]]) -> Any:
     """
     if not isinstance(data, dict):
         return data
-    from pipeplan.quantities import parse_bandwidth, parse_bytes
 
     out = dict(data)
     for short, (long, kind) in fields.items():

@@ -13,6 +13,9 @@ from pydantic import BaseModel, ValidationError
 
 from pipeplan.errors import BadInputError, format_validation_error
 from pipeplan.formats.limits import MAX_NESTING
+from pipeplan.formats.profile import Profile, SCHEMA_VERSIONS
+from pipeplan.formats.plan import PLAN_SCHEMA_VERSIONS, Plan
+from pipeplan.formats.report import RunReport
 
 __all__ = [
     "dump_model",
@@ -110,22 +113,16 @@ def load_profile(path: str | Path):
     BadInputError
         If the file is missing, not JSON, or breaks a rule of the format.
     """
-    from pipeplan.formats.profile import SCHEMA_VERSIONS, Profile
-
     return _load(path, Profile, "a profile", SCHEMA_VERSIONS)
 
 
 def load_plan(path: str | Path):
     """Read and check a plan file."""
-    from pipeplan.formats.plan import PLAN_SCHEMA_VERSIONS, Plan
-
     return _load(path, Plan, "a plan", PLAN_SCHEMA_VERSIONS)
 
 
 def load_report(path: str | Path):
     """Read and check a run report (``pipeplan run --report``)."""
-    from pipeplan.formats.report import RunReport
-
     return _load(path, RunReport, "a run report")
 
 

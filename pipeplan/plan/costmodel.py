@@ -59,6 +59,7 @@ from typing import Any, Callable, ClassVar
 
 from pipeplan.facts.training_state import state_bytes_per_param_byte
 from pipeplan.plan.graph import LAYER_ARRAYS
+from pipeplan.plan.simulate import StageCost
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -298,8 +299,6 @@ class StageBreakdown:
         ``recompute_bytes`` with its static bytes. Bytes are rounded up, so the simulated
         peak never undercuts the solvers' model.
         """
-        from pipeplan.plan.simulate import StageCost
-
         t, m = self.time, self.memory
         return StageCost(
             forward_ms=t.forward_ms,
@@ -465,8 +464,6 @@ class CostModel:
         the peak less the in-flight ones. Plans without ``backward_input_ms`` get half the
         (recompute-free) backward as B.
         """
-        from pipeplan.plan.simulate import StageCost
-
         mode = ("selective" if stage.recompute_granularity == "selective" else "full") if stage.recompute else "none"
         # A plan keeps a selective stage's kept bytes, not its recompute time (B includes it).
         # Full recomputation keeps each layer's input (checkpoint_bytes); plans from before it was

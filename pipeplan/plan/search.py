@@ -62,6 +62,9 @@ from pipeplan.facts.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, che
 from pipeplan.plan.simulate import simulate
 from pipeplan.plan.solve import search_partition, solve_partition
 from pipeplan.quantities import format_bytes
+from pipeplan.formats.plan import DEFAULT_GLOBAL_BATCH_PER_MICROBATCH
+from pipeplan.plan.runnable import default_overhead_note, execution_order_note, refuse_unrunnable
+from pipeplan.plan.runnable import default_action_overhead_ms
 
 __all__ = [
     "make_plan",
@@ -319,8 +322,6 @@ def with_profile_defaults(profile, settings: PlanSettings) -> PlanSettings:
 
     A plan records the settings after this, so re-planning from a plan file is reproducible.
     """
-    from pipeplan.formats.plan import DEFAULT_GLOBAL_BATCH_PER_MICROBATCH
-
     update = {}
     if settings.global_batch is None:
         update["global_batch"] = DEFAULT_GLOBAL_BATCH_PER_MICROBATCH * max(profile.microbatch_sizes)
@@ -329,8 +330,6 @@ def with_profile_defaults(profile, settings: PlanSettings) -> PlanSettings:
         update["action_overhead_ms"] = max(0.0, float(measured_ms))
     elif settings.action_overhead_ms is None:
         # The measured default for where the profile was measured (pipeplan.plan.runnable).
-        from pipeplan.plan.runnable import default_action_overhead_ms
-
         default = default_action_overhead_ms(profile)
         if default is not None:
             update["action_overhead_ms"] = default[0]
@@ -434,7 +433,6 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
             f"--stages: {settings.stages} stages but the profile has only {n} "
             f"layers; use at most {n}"
         )
-    from pipeplan.plan.runnable import default_overhead_note, execution_order_note, refuse_unrunnable
 
     refuse_unrunnable(profile)
     overhead_note = default_overhead_note(profile, settings)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from pipeplan.errors import BadInputError
+from pipeplan.profile.hf import is_hf_model
 
 __all__ = ["Routing", "traced_stage_class", "traced_split", "check_builders"]
 
@@ -194,7 +195,6 @@ def check_builders(model_name: str, net: Any, order: Sequence[str], graph: Any, 
     may choose). Recorded in the profile's ``measurement.stage_builders``; ``plan`` refuses a
     profile where neither works (:func:`pipeplan.plan.runnable.runnable_problem`).
     """
-    from pipeplan.profile.hf import is_hf_model
     from pipeplan.profile.measure import exception_line
 
     units_ok = (":" not in model_name) or (graph.method == "torch.fx"

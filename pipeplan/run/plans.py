@@ -22,6 +22,7 @@ from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.problem import PartitionProblem, evaluate_split
 from pipeplan.plan.problem import stage_costs as split_stage_costs
 from pipeplan.plan.simulate import simulate
+from pipeplan.facts.schedules import check_schedule, valid_virtual_stages
 
 __all__ = ["balanced_plan", "simulate_plan", "stage_costs"]
 
@@ -163,8 +164,6 @@ def balanced_plan(profile: Any, *, schedule: str, ranks: int, microbatch_size: i
     [(0, ['l0']), (1, ['l1']), (1, ['l2']), (0, ['l3'])]
     """
     from pipeplan.plan import PartitionProblem, build_layer_graph, partition_chain, plan_given_split
-    from pipeplan.facts.schedules import check_schedule, valid_virtual_stages
-
     if virtual_stages is None:
         virtual_stages = valid_virtual_stages(schedule)[0]
     check_schedule(schedule, ranks, num_microbatches, virtual_stages)

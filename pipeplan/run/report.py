@@ -76,6 +76,9 @@ import statistics
 from typing import Any, Optional, Sequence
 
 from pipeplan.quantities import format_bytes
+from pipeplan.plan.actions import rank_actions
+from pipeplan.plan import plan_simulation, plan_stage_costs
+from pipeplan.plan.simulate import simulate
 
 __all__ = ["build_report", "report_table", "SCHEMA"]
 
@@ -147,7 +150,6 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
     iteration_ms = _median([iteration_steps[i] for i in timed])
 
     predicted_rank = {summary.rank: summary for summary in plan.ranks}
-    from pipeplan.plan.actions import rank_actions
 
     actions_per_rank = [len(actions) for actions in rank_actions(
         plan.schedule, plan.settings.stages, plan.num_microbatches, plan.virtual_stages)]
@@ -294,7 +296,6 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
     if all(row.get("overhead_per_action_ms") is not None for row in ranks):
         report["measured"]["action_overhead_ms"] = _r(
             sum(row["post_ms"] + row["overhead_ms"] for row in ranks) / sum(row["actions"] for row in ranks))
-    from pipeplan.plan import plan_simulation
 
     planned_busy_ms = plan_simulation(plan).rank_busy_ms
     if all(row["busy_ms"] is not None and planned_busy_ms[row["pipeline_rank"]] > 0 for row in ranks):
@@ -397,9 +398,6 @@ def _scaled_iteration_ms(plan: Any, factors: dict[int, float]) -> float:
     """The plan's schedule simulated again with each rank's compute times multiplied by its factor."""
     from dataclasses import replace
 
-    from pipeplan.plan import plan_stage_costs
-    from pipeplan.plan.simulate import simulate
-
     rank_of = {s.index: s.rank for s in plan.stages}
     scaled = []
     for index, cost in enumerate(plan_stage_costs(plan)):
@@ -422,8 +420,6 @@ def _x(value: Optional[float]) -> str:
 def report_table(report: dict[str, Any]) -> Any:
     """A rich table: one row per rank, measured beside predicted, then the iteration."""
     from rich.table import Table
-
-    from pipeplan.quantities import format_bytes
 
     measured, predicted = report["measured"], report["predicted"]
     data = report.get("data_parallel") or 1

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 from pipeplan.errors import BadInputError
 from pipeplan.profile.tracing import Routing, check_builders, traced_split, traced_stage_class
 from pipeplan.run.gradsync import TiedGrads  # re-exported: it lived here before gradsync
+from pipeplan.profile.hf import is_hf_model
 
 __all__ = [
     "RankStages",
@@ -73,8 +74,6 @@ def stage_builder(model: str, stage_layers: Sequence[Sequence[str]], *, seed: in
                   dtype: str = "fp32", unit_patterns: Optional[Sequence[str]] = None, bundle: Any = None,
                   **options: Any) -> str:
     """``units`` or ``traced``: which builder runs this model split this way (see the module doc)."""
-    from pipeplan.profile.hf import is_hf_model
-
     if is_hf_model(model):
         return "traced"
     if ":" not in model:

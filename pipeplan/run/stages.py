@@ -139,7 +139,7 @@ def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_i
     builder = builder or stage_builder(model, stage_layers, seed=seed, device=device, dtype=dtype,
                                        unit_patterns=unit_patterns, **options)
     if builder == "units":
-        from pipeplan.profile import build_stage
+        from pipeplan.profile.units import build_stage
 
         modules = [build_stage(model, stage_layers[i], seed=seed, device=device, dtype=dtype,
                                unit_patterns=unit_patterns, **options) for i in stage_indices]

@@ -8,7 +8,7 @@ rank under torchrun: ``d x p`` of them for a plan with ``d`` data-parallel repli
    hung peer ends the job instead of waiting gloo's default 30 minutes; with ``d > 1`` it
    makes each replica's pipeline group and each pipeline rank's data group;
 2. builds only the units of its own stages, by the plan's layer names
-   (:func:`pipeplan.profile.build_stage`), and wraps each in a ``PipelineStage`` (talking in
+   (:func:`pipeplan.profile.units.build_stage`), and wraps each in a ``PipelineStage`` (talking in
    its replica's pipeline group);
 3. runs the torch schedule class the plan names, with the plan's micro-batch size and count,
    for ``steps`` iterations with an optimizer, on synthetic batches (or the model's own batch
@@ -64,7 +64,7 @@ from pipeplan.run.timing import (ComputeTimer, capture_inputs, measure_link, rea
                                   time_alone, time_transfers)
 from pipeplan.formats.plan import Plan
 from pipeplan.facts.schedules import SPLIT_BACKWARD_SCHEDULES, TORCH_SCHEDULE_CLASS
-from pipeplan.profile import load_bundle, make_microbatch
+from pipeplan.profile.loading import load_bundle, make_microbatch
 from pipeplan.run.gradsync import DataParallelGrads, ReplicaGroups, TiedGrads, replica_share
 from pipeplan.run.stages import build_rank_stages, stage_builder
 

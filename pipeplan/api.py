@@ -11,7 +11,8 @@ from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.cluster.search import plan_cluster
 from pipeplan.requests import ClusterRequest, PipelineRequest, Request, request_of
 from pipeplan.plan.given import plan_split
-from pipeplan.plan.search import make_plan
+from pipeplan.plan.search import make_plan, with_profile_defaults
+from pipeplan.formats.limits import check_microbatch_count
 from pipeplan.importers import import_pipedream
 from pipeplan.plan.baselines import compare_baselines
 from pipeplan.formats.io import load_report
@@ -53,6 +54,12 @@ def plan_any(profile, request: Request | PlanSettings, *, profile_sha256: str, r
     return make_plan(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
 
 
+def _check_batch(profile, request) -> None:
+    """A given global batch within the micro-batch count limit, or exit 2 saying which fit."""
+    if request.global_batch is not None:
+        check_microbatch_count(request.global_batch, profile.microbatch_sizes, request.microbatch_size)
+
+
 def plan_profile(profile_path: str | Path, request: Request | PlanSettings, output: str | Path | None = None,
                  record_time: bool = False) -> Plan:
     """``pipeplan plan``: plan a profile file and write the plan atomically.
@@ -67,6 +74,7 @@ def plan_profile(profile_path: str | Path, request: Request | PlanSettings, outp
     ('1f1b', 2)
     """
     profile = load_profile(profile_path)
+    _check_batch(profile, request)
     plan = plan_any(profile, request, profile_sha256=file_sha256(profile_path), record_time=record_time)
     if output is not None:
         write_json_atomic(output, plan)
@@ -89,9 +97,11 @@ class ComparisonRow:
     """The largest stage's predicted peak."""
     fits: bool
     """Whether every stage is within the memory cap."""
+    global_batch: int
+    """Samples per iteration the row was planned at (the profile's default where none was given)."""
 
 
-def compare_splits(profile_path: str | Path, settings: PlanSettings) -> list[ComparisonRow]:
+def compare_splits(profile_path: str | Path, request: PipelineRequest | PlanSettings) -> list[ComparisonRow]:
     """``pipeplan compare``: the optimal plan beside the splits users make by hand.
 
     Every row is a plan costed and simulated by the planner's own machinery
@@ -99,6 +109,11 @@ def compare_splits(profile_path: str | Path, settings: PlanSettings) -> list[Com
     size and schedule, so the rows differ only in the split.
     """
     profile = load_profile(profile_path)
+    request = request_of(request)
+    if not isinstance(request, PipelineRequest):
+        raise BadInputError("compare: compares pipeline splits; give --stages, not --gpus")
+    _check_batch(profile, request)
+    settings = with_profile_defaults(profile, request.settings())
     optimal, baselines = compare_baselines(profile, settings, file_sha256(profile_path))
     cap = settings.memory_cap_bytes
 
@@ -113,6 +128,7 @@ def compare_splits(profile_path: str | Path, settings: PlanSettings) -> list[Com
             samples_per_second=costed.predicted.samples_per_second,
             peak_memory_bytes=int(max(peaks)),
             fits=cap is None or max(peaks) <= cap,
+            global_batch=settings.global_batch,
         )
 
     rows = []

@@ -18,8 +18,7 @@ from pipeplan.cluster.presets import resolve_cluster
 from pipeplan.errors import BadInputError
 from pipeplan.quantities import parse_bandwidth, parse_bytes
 from pipeplan.requests import ClusterRequest, PipelineRequest
-from pipeplan.formats.io import load_profile, refuse_overwriting_input
-from pipeplan.formats.limits import check_microbatch_count
+from pipeplan.formats.io import load_plan, refuse_overwriting_input, write_text_atomic
 from pipeplan.api import compare_splits, import_profile, plan_profile, validate_file
 from pipeplan.profile import profile_to_file, summary_table
 from pipeplan.analytic.tables import gpu_table
@@ -29,13 +28,11 @@ from pipeplan.formats.schema import json_schema_text
 from pipeplan.export import run_export
 from pipeplan.doctor import run_doctor_command
 from pipeplan.check.commands import run_check, run_diff
-from pipeplan.formats.io import load_plan
 from pipeplan.show import simulation_from_plan
 from pipeplan.analytic import analytic_profile_to_file
 from pipeplan.analytic.tables import analytic_summary_table
 from pipeplan.cluster.presets import PRESETS
 from pipeplan.plan.timeline import render_timeline_text, write_timeline_image
-from pipeplan.formats.io import write_text_atomic
 from pipeplan.profile.hf import read_config
 
 app = typer.Typer(
@@ -150,14 +147,6 @@ _ACTION_OVERHEAD = typer.Option(
          "measures it. Default: the profile's (from `pipeplan calibrate`), else 0.")
 
 
-def _default_global_batch(profile_path, global_batch, microbatch_size=None):
-    sizes = load_profile(profile_path).microbatch_sizes
-    if global_batch is None:
-        return 8 * max(sizes)
-    check_microbatch_count(global_batch, sizes, microbatch_size)
-    return global_batch
-
-
 @import_app.command("pipedream")
 @handled
 def import_pipedream_cmd(
@@ -262,7 +251,7 @@ def plan(
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
     refuse_overwriting_input(output, profile)
-    request = _plan_request(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size,
+    request = _plan_request(stages, global_batch, microbatch_size,
                             memory_cap, optimizer, bandwidth, schedule, virtual_stages, recompute, solver,
                             action_overhead_ms, launcher=launcher, num_gpus=gpus, cluster=cluster,
                             data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero=zero,
@@ -323,12 +312,12 @@ def compare(
     action_overhead_ms: Optional[float] = _ACTION_OVERHEAD,
 ):
     """Compare the optimal plan with uniform, parameter-balanced and greedy splits."""
-    request = _plan_request(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size,
+    request = _plan_request(stages, global_batch, microbatch_size,
                             memory_cap, optimizer, bandwidth, schedule, None, "none", solver, action_overhead_ms)
-    settings = request.settings()
-    rows = compare_splits(profile, settings)
-    rich_console().print(comparison_table(rows, f"{profile}: {stages} stages, global batch {settings.global_batch}",
-                                      memory_cap_bytes=settings.memory_cap_bytes))
+    rows = compare_splits(profile, request)
+    batch = f", global batch {rows[0].global_batch}" if rows else ""
+    rich_console().print(comparison_table(rows, f"{profile}: {stages} stages{batch}",
+                                      memory_cap_bytes=request.memory_cap_bytes))
 
 
 @app.command()

@@ -26,7 +26,6 @@ pipeplan.errors.BadInputError: data_parallel, zero_stage: cluster options need n
 
 from __future__ import annotations
 
-import math
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -34,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pipeplan.errors import BadInputError, format_validation_error
 from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.formats.limits import PositiveCount
-from pipeplan.formats.plan import PlanSettings
+from pipeplan.formats.plan import PlanSettings, effective_cap_bytes
 
 __all__ = ["PipelineRequest", "ClusterRequest", "Request", "request_of", "CLUSTER_ONLY_FIELDS"]
 
@@ -92,7 +91,7 @@ class PipelineRequest(_Request):
     @property
     def cap_bytes(self) -> float:
         """The per-GPU cap the planner tests against: none means infinite."""
-        return math.inf if self.memory_cap_bytes is None else float(self.memory_cap_bytes)
+        return effective_cap_bytes(self.memory_cap_bytes, None)
 
 
 class ClusterRequest(_Request):
@@ -111,7 +110,7 @@ class ClusterRequest(_Request):
     @property
     def cap_bytes(self) -> float:
         """The per-GPU cap: the request's, else the cluster's (its spec or its GPU's memory)."""
-        return float(self.memory_cap_bytes if self.memory_cap_bytes is not None else self.cluster.cap_bytes())
+        return effective_cap_bytes(self.memory_cap_bytes, self.cluster)
 
 
 Request = Union[PipelineRequest, ClusterRequest]

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from pipeplan.cli import app
 from pipeplan.facts.gpus import GPUS
-from pipeplan.cluster.presets import PRESETS, memory_cap_bytes, resolve_cluster
+from pipeplan.cluster.presets import PRESETS, resolve_cluster
 from pipeplan.errors import BadInputError
 from pipeplan.formats.cluster import ClusterSpec, load_cluster_file
 
@@ -44,7 +44,7 @@ def test_presets_are_valid_and_name_known_gpus():
     for name, spec in PRESETS.items():
         assert spec.name == name
         assert spec.gpu in GPUS  # the GPU table holds its memory, FLOP/s and HBM bandwidth
-        assert spec.memory_cap_bytes is None and memory_cap_bytes(spec) == GPUS[spec.gpu].memory_bytes
+        assert spec.memory_cap_bytes is None and spec.cap_bytes() == GPUS[spec.gpu].memory_bytes
         assert spec.intra_node.bandwidth_bytes_per_s > spec.inter_node.bandwidth_bytes_per_s
         assert ClusterSpec.model_validate(spec.model_dump()) == spec  # round-trips
 
@@ -102,7 +102,7 @@ def test_unknown_names(tmp_path):
     spec = load_cluster_file(_write(tmp_path, GOOD.replace('gpu = "h100-sxm"', 'gpu = "tpu-v5"')
                                     .replace('memory_cap = "80GB"\n', '')))
     with pytest.raises(BadInputError, match="give memory_cap"):
-        memory_cap_bytes(spec)
+        spec.cap_bytes()
 
 
 def test_cluster_command_lists_presets():

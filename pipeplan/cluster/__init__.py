@@ -13,6 +13,6 @@ Pure cost terms, one job per module, that the one cost model combines (docs/clus
 The spec's file format is :mod:`pipeplan.formats.cluster`.
 """
 
-from pipeplan.cluster.presets import PRESETS, memory_cap_bytes, resolve_cluster
+from pipeplan.cluster.presets import PRESETS, resolve_cluster
 
-__all__ = ["PRESETS", "memory_cap_bytes", "resolve_cluster"]
+__all__ = ["PRESETS", "resolve_cluster"]

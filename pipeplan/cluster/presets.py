@@ -15,7 +15,7 @@ from pathlib import Path
 from pipeplan.errors import BadInputError
 from pipeplan.formats.cluster import ClusterSpec, Link, load_cluster_file
 
-__all__ = ["PRESETS", "resolve_cluster", "memory_cap_bytes"]
+__all__ = ["PRESETS", "resolve_cluster"]
 
 GB = 10**9
 
@@ -99,14 +99,3 @@ def resolve_cluster(name_or_path: str | Path) -> ClusterSpec:
         return load_cluster_file(path, PRESETS)
     raise BadInputError(
         f"--cluster: {text!r} is neither a preset ({', '.join(PRESETS)}) nor a TOML file")
-
-
-def memory_cap_bytes(spec: ClusterSpec) -> int:
-    """The spec's cap, else its GPU model's memory (:meth:`ClusterSpec.cap_bytes`).
-
-    Examples
-    --------
-    >>> memory_cap_bytes(PRESETS["dgx-h100"]) / 2**30   # H100 SXM: 80 GB of HBM3 (80 GiB)
-    80.0
-    """
-    return spec.cap_bytes()

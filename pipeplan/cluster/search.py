@@ -28,15 +28,14 @@ from pipeplan.cluster.bounds import seed_estimate_ms, unit_sums
 from pipeplan.cluster.iteration import (iteration_parts, model_flops_utilization, pipeline_lower_bound_ms,
                                         tokens_per_s_per_gpu)
 from pipeplan.cluster.memory import plannable_bytes, zero3_gathered_bytes
-from pipeplan.facts.training_state import state_bytes_per_param_byte, state_memory
-from pipeplan.facts.training_state import optimizer_step_ms, training_state
+from pipeplan.facts.training_state import optimizer_step_ms, state_bytes_per_param_byte, training_state
 from pipeplan.cluster.placement import Layout
-from pipeplan.cluster.presets import memory_cap_bytes
 from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, tensor_degrees
 from pipeplan.cluster.space import candidates, parallel_degrees
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.plan import Alternative, Parallelism, Plan, PlanSettings
 from pipeplan.plan.bound import Incumbent, PrunedError
+from pipeplan.plan.assemble import plan_cost_model, stage_state_memory
 from pipeplan.plan.given import plan_split
 from pipeplan.quantities import format_bytes
 from pipeplan.plan.memo import planning_cache
@@ -162,7 +161,7 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
     degrees = parallel_degrees(n_gpus, cluster.gpus_per_node, units, head_counts(profile), tensor_degrees(profile),
                                data=settings.data_parallel, tensor=settings.tensor_parallel, pipeline=settings.stages)
     G = settings.global_batch
-    cap = settings.memory_cap_bytes or memory_cap_bytes(cluster)
+    cap = settings.cap_bytes()
     usable = plannable_bytes(cap, cluster.reserve_bytes, cluster.fragmentation)
     state = training_state(settings.optimizer, profile.dtype_bytes)
     hbm = hbm_bytes_per_s(profile, cluster)
@@ -493,10 +492,9 @@ def _assemble(best: _Trial, trials, profile, settings: PlanSettings, view: Degre
         if selective:
             stage = stage.model_copy(update={"recompute": True, "recompute_granularity": "selective",
                                              "selective_activation_bytes": stage.activation_bytes})
-        params = stage.param_bytes / profile.dtype_bytes
-        memory = state_memory(params, state, best.zero_stage, d)
-        static = math.ceil(state_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes, best.zero_stage, d)
-                           * stage.param_bytes)
+        # The replica's plan carries the trial's ZeRO stage and d: its cost model is the plan's.
+        memory = stage_state_memory(plan, stage, profile.dtype_bytes)
+        static = math.ceil(plan_cost_model(plan, profile.dtype_bytes).static_bytes_per_param_byte * stage.param_bytes)
         stages.append(stage.model_copy(update={
             "weight_bytes": memory.weight_bytes + (best.extras["gathered"] if best.zero_stage == 3 else 0),
             "gradient_bytes": memory.gradient_bytes, "optimizer_bytes": memory.optimizer_bytes,

@@ -14,6 +14,8 @@ step ends): :func:`unsharded_extra_bytes` says how much more such a launcher hol
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from pipeplan.errors import BadInputError
@@ -178,14 +180,12 @@ def unsharded_extra_bytes(plan: Plan, *, gradients: bool, weights: bool) -> int:
 
 
 def _cap_bytes(plan: Plan) -> int | None:
-    if plan.settings.memory_cap_bytes is not None:
-        return plan.settings.memory_cap_bytes
-    if plan.settings.cluster is not None:
-        try:
-            return plan.settings.cluster.cap_bytes()
-        except BadInputError:
-            return None
-    return None
+    """The plan's cap per GPU (its request's rule, :meth:`PlanSettings.cap_bytes`); None if none is known."""
+    try:
+        cap = plan.settings.cap_bytes()
+    except BadInputError:  # a cluster GPU the table does not know, with no cap given
+        return None
+    return None if math.isinf(cap) else cap
 
 
 def check_fits(plan: Plan, extra_bytes: int, launcher: str, why: str, fix: str) -> str | None:

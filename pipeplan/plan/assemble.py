@@ -15,6 +15,7 @@ import math
 from typing import Optional
 
 from pipeplan.errors import BadInputError
+from pipeplan.facts.training_state import StateMemory, state_memory, training_state
 from pipeplan.formats.plan import Plan, PlanProfileRef, PlanSettings, PlanStage, Predicted, RankSummary, SolverInfo
 from pipeplan.plan.costmodel import CostModel
 from pipeplan.plan.memory import stage_in_flight
@@ -24,7 +25,7 @@ from pipeplan.plan.simulate import Simulation, StageCost, simulate
 from pipeplan.quantities import format_bytes
 
 __all__ = ["plan_from_partition", "plan_given_split", "plan_stage_costs", "plan_simulation", "plan_effective_settings",
-           "plan_recompute_modes", "plan_cost_model"]
+           "plan_recompute_modes", "plan_cost_model", "stage_state_memory"]
 
 
 def plan_from_partition(profile, settings, problem: PartitionProblem, partition: Partition, *, schedule: str,
@@ -199,6 +200,15 @@ def plan_cost_model(plan: Plan, dtype_bytes: int, graph=None, *,
     if bandwidth_bytes_per_s is not None:
         settings = settings.model_copy(update={"bandwidth_bytes_per_s": bandwidth_bytes_per_s})
     return CostModel.from_settings(settings, dtype_bytes, graph)
+
+
+def stage_state_memory(plan: Plan, stage: PlanStage, dtype_bytes: int) -> StateMemory:
+    """A stage's training state by part (weights, gradients, optimizer state) under the plan's
+    optimizer, ZeRO stage and data-parallel degree: what the cost model's static term counts,
+    split as ZeRO shards it (:func:`pipeplan.facts.training_state.state_memory`)."""
+    settings = plan_effective_settings(plan)
+    return state_memory(stage.param_bytes / dtype_bytes, training_state(settings.optimizer, dtype_bytes),
+                        settings.zero_stage or 0, settings.data_parallel or 1)
 
 
 def plan_stage_costs(plan: Plan) -> list[StageCost]:

@@ -119,7 +119,7 @@ def build_problem(profile, graph: LayerGraph, settings, in_flight, recompute=(),
     """The problem of splitting ``graph`` under ``settings`` (a PlanSettings) for one schedule's
     in-flight counts; ``memory_cap_bytes`` overrides the settings' cap."""
     if memory_cap_bytes is None:
-        memory_cap_bytes = math.inf if settings.memory_cap_bytes is None else float(settings.memory_cap_bytes)
+        memory_cap_bytes = settings.cap_bytes()
     return PartitionProblem(
         graph=graph,
         num_stages=len(in_flight),

@@ -78,10 +78,6 @@ __all__ = [
 ]
 
 
-def _cap(settings: PlanSettings) -> float:
-    return math.inf if settings.memory_cap_bytes is None else float(settings.memory_cap_bytes)
-
-
 def candidate_microbatch_sizes(profile, settings: PlanSettings) -> list[int]:
     """Profiled micro-batch sizes that divide the global batch (or the fixed one).
 
@@ -175,7 +171,7 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
     in_flight = stage_in_flight(schedule, p, m, v)
     num_stages = len(in_flight)
     none = ("none",) * num_stages
-    cap = _cap(settings)
+    cap = float(settings.cap_bytes())
 
     def solve(recompute):
         problem = build_problem(profile, graph, settings, in_flight, recompute)
@@ -223,7 +219,7 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
 
 def _recompute_ladder(profile, graph, settings, schedule, m, v, in_flight, order, mode, base, solve):
     """The prefixes of ``order`` recomputing with ``mode`` worth simulating (empty if none fits)."""
-    p, num_stages, cap = settings.stages, len(in_flight), _cap(settings)
+    p, num_stages, cap = settings.stages, len(in_flight), float(settings.cap_bytes())
     found: dict[int, Partition | None] = {0: base}
 
     def at(k):
@@ -280,11 +276,11 @@ def evaluate_candidate(profile, graph, settings, cand: Candidate, in_flight, bes
     can beat both it and ``best_ms`` (the best simulated so far), keeping the faster."""
     _evaluate_split(profile, graph, settings, cand, in_flight)
     if cand.virtual_stages > 1 and cand.partition is not None:
-        try_balanced(cand, _cap(settings), settings.stages, best_ms)
+        try_balanced(cand, float(settings.cap_bytes()), settings.stages, best_ms)
 
 
 def _evaluate_split(profile, graph, settings, cand: Candidate, in_flight) -> None:
-    cap = _cap(settings)
+    cap = float(settings.cap_bytes())
     p, v, m = settings.stages, cand.virtual_stages, cand.num_microbatches
     share = 1.0
     for attempt in range(5):
@@ -441,7 +437,7 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
     settings = with_profile_defaults(profile, settings)
     space = schedule_space(settings, n)
     sizes = candidate_microbatch_sizes(profile, settings)
-    p, cap = settings.stages, _cap(settings)
+    p, cap = settings.stages, float(settings.cap_bytes())
     graphs = {b: memoised("layer_graph", (id(profile), b), (profile,), lambda b=b: build_layer_graph(profile, b))
               for b in sizes}
 

@@ -147,7 +147,52 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
         return _plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
 
 
+@dataclass
+class _Search:
+    """What the steps of one cluster search share."""
+
+    profile: object
+    settings: PlanSettings
+    cluster: object
+    cap: int
+    """The cap per GPU the request means."""
+    usable: int
+    """What may be planned of it: the cap less the reserve and the fragmentation share."""
+    state: object
+    """The optimizer's training state per parameter (:class:`pipeplan.facts.training_state.TrainingState`)."""
+    hbm: Optional[float]
+    overlap: float
+    sizes_all: list
+    profile_sha256: str
+    record_time: bool
+    views: dict = field(default_factory=dict)
+    """(t, recomputation family) -> the profile one GPU sees (:class:`DegreeView`)."""
+    trials: list = field(default_factory=list)
+
+    def run(self, trial: _Trial, best_ms: Optional[float] = None) -> None:
+        _run_trial(trial, self.profile, self.settings, self.views[(trial.tensor, trial.family)], self.cluster,
+                   self.usable, self.state, self.hbm, self.overlap, self.profile_sha256, self.record_time, best_ms)
+
+
 def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool) -> Plan:
+    search = _start(profile, settings, profile_sha256, record_time)
+    _bound_trials(search)
+    best, unbounded = _branch_and_bound(search)
+    settings, cluster, trials = search.settings, search.cluster, search.trials
+    if best is None:
+        total_state = training_state(settings.optimizer, profile.dtype_bytes).total_bytes * sum(
+            layer.param_bytes for layer in profile.layers) / profile.dtype_bytes
+        needs = min(((peak, key, zero) for key, (_, peak, zero) in unbounded.items()),
+                    default=(math.inf, None, 0))
+        raise InfeasibleError(_infeasible_message(trials, settings, cluster, search.usable, search.cap, total_state,
+                                                  needs))
+    return _assemble(best, trials, profile, settings, search.views[(best.tensor, best.family)], cluster,
+                     search.cap, search.state)
+
+
+def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bool) -> _Search:
+    """The request read (defaults, a re-planned file, a fixed split), and its trials: every
+    (d, t, p) some micro-batch size runs, x ZeRO stage x recomputation family."""
     settings = with_profile_defaults(profile, settings)
     if settings.search_stages:  # re-planning a plan file whose pipeline degree was searched
         settings = settings.model_copy(update={"stages": None, "search_stages": None})
@@ -156,44 +201,49 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
         raise BadInputError("--gpus: give the cluster (--cluster NAME or FILE; pipeplan cluster lists them)")
     if settings.layers_per_stage is not None:
         settings = _fixed_split_stages(settings)
-    n_gpus = settings.num_gpus
     units = len(profile.layers)
-    degrees = parallel_degrees(n_gpus, cluster.gpus_per_node, units, head_counts(profile), tensor_degrees(profile),
-                               data=settings.data_parallel, tensor=settings.tensor_parallel, pipeline=settings.stages)
-    G = settings.global_batch
+    degrees = parallel_degrees(settings.num_gpus, cluster.gpus_per_node, units, head_counts(profile),
+                               tensor_degrees(profile), data=settings.data_parallel, tensor=settings.tensor_parallel,
+                               pipeline=settings.stages)
     cap = settings.cap_bytes()
-    usable = plannable_bytes(cap, cluster.reserve_bytes, cluster.fragmentation)
-    state = training_state(settings.optimizer, profile.dtype_bytes)
-    hbm = hbm_bytes_per_s(profile, cluster)
-    overlap = DEFAULT_OVERLAP if settings.data_parallel_overlap is None else settings.data_parallel_overlap
-    sizes_all = profile.microbatch_sizes if settings.microbatch_size is None else [settings.microbatch_size]
-
-    bandwidth_only = cluster.model_copy(update={
-        "intra_node": cluster.intra_node.model_copy(update={"latency_us": 0.0}),
-        "inter_node": cluster.inter_node.model_copy(update={"latency_us": 0.0})})
-    views: dict[tuple[int, str], DegreeView] = {}
-    trials: list[_Trial] = []
+    search = _Search(
+        profile=profile, settings=settings, cluster=cluster, cap=cap,
+        usable=plannable_bytes(cap, cluster.reserve_bytes, cluster.fragmentation),
+        state=training_state(settings.optimizer, profile.dtype_bytes), hbm=hbm_bytes_per_s(profile, cluster),
+        overlap=DEFAULT_OVERLAP if settings.data_parallel_overlap is None else settings.data_parallel_overlap,
+        sizes_all=profile.microbatch_sizes if settings.microbatch_size is None else [settings.microbatch_size],
+        profile_sha256=profile_sha256, record_time=record_time)
     # The (d, t, p) that some micro-batch size b runs with d x b dividing the batch (space.candidates
     # raises, naming the sizes, when none does).
-    runnable = sorted({(c.data, c.tensor, c.pipeline) for c in candidates(degrees, G, sizes_all)})
+    runnable = sorted({(c.data, c.tensor, c.pipeline) for c in candidates(degrees, settings.global_batch,
+                                                                           search.sizes_all)})
     selective_ok = all(getattr(c, "selective_activation_bytes", None) is not None
                        for layer in profile.layers for c in layer.costs)
     for d, t, p in runnable:
-        if (t, "plain") not in views:
-            views[(t, "plain")] = degree_view(profile, t, cluster)
+        if (t, "plain") not in search.views:
+            search.views[(t, "plain")] = degree_view(profile, t, cluster)
         for zero in _zero_stages(settings, d, p):
             for family, _ in _families(settings, selective_ok):
-                trials.append(_Trial(d, t, p, zero, family, len(trials)))
+                search.trials.append(_Trial(d, t, p, zero, family, len(search.trials)))
+    return search
 
-    # Lower bounds and the state-only memory check.
+
+def _bound_trials(search: _Search) -> None:
+    """Each trial's lower bounds (per micro-batch size), its seed estimate, and the state-only
+    memory check (a trial whose training state alone is over the plannable bytes is dropped)."""
+    profile, settings, cluster, views = search.profile, search.settings, search.cluster, search.views
+    state, usable, hbm, overlap, G = search.state, search.usable, search.hbm, search.overlap, settings.global_batch
+    bandwidth_only = cluster.model_copy(update={
+        "intra_node": cluster.intra_node.model_copy(update={"latency_us": 0.0}),
+        "inter_node": cluster.inter_node.model_copy(update={"latency_us": 0.0})})
     sums_of: dict = {}
-    for trial in trials:
+    for trial in search.trials:
         vkey = (trial.tensor, trial.family)
         if vkey not in views:
             views[vkey] = degree_view(profile, trial.tensor, cluster, selective=trial.family == "selective")
         view = views[vkey]
         replica_batch = G // trial.data
-        sizes = tuple(b for b in sizes_all if replica_batch % b == 0)
+        sizes = tuple(b for b in search.sizes_all if replica_batch % b == 0)
         if (vkey, sizes) not in sums_of:
             sums_of[(vkey, sizes)] = unit_sums(view, sizes)
         sums = sums_of[(vkey, sizes)]
@@ -227,6 +277,11 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
                                                             static / trial.pipeline, usable)
                                           for b, bound in by_size.items())
 
+
+def _branch_and_bound(search: _Search):
+    """The best trial (or None) and, per layout, its pipeline optimum without a memory cap."""
+    profile, settings, cluster, views = search.profile, search.settings, search.cluster, search.views
+    profile_sha256 = search.profile_sha256
     # Branch and bound. A trial's bound is refined once, by its layout's pipeline optimum without
     # a memory cap (memory only ever constrains, so no ZeRO stage or recomputation beats it).
     best: Optional[_Trial] = None
@@ -234,14 +289,13 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
     # Seed: plan first the trials most likely to be fast (by an estimate with a bubble, which the
     # bounds leave out), so that the bounds of the layouts with deep pipelines are refined against
     # an incumbent rather than in full. The order changes only how much is pruned, not the winner.
-    for trial in sorted((t for t in trials if t.status == "new"),
+    for trial in sorted((t for t in search.trials if t.status == "new"),
                         key=lambda t: (t.extras["estimate_ms"], t.order))[:SEED_TRIALS]:
-        _run_trial(trial, profile, settings, views[(trial.tensor, trial.family)], cluster, usable, state, hbm,
-                   overlap, profile_sha256, record_time)
+        search.run(trial)
         if trial.status == "planned":
             best = trial
             break
-    heap = [(t.lower_bound_ms, t.order, False, t) for t in trials if t.status == "new"]
+    heap = [(t.lower_bound_ms, t.order, False, t) for t in search.trials if t.status == "new"]
     heapq.heapify(heap)
     while heap:
         bound, _, refined, trial = heapq.heappop(heap)
@@ -258,18 +312,11 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
             trial.lower_bound_ms = max(bound, unbounded[key][0] + trial.extras["step_lb"])
             heapq.heappush(heap, (trial.lower_bound_ms, trial.order, True, trial))
             continue
-        _run_trial(trial, profile, settings, views[(trial.tensor, trial.family)], cluster, usable, state, hbm,
-                   overlap, profile_sha256, record_time, best_ms)
+        search.run(trial, best_ms)
         if trial.status == "planned" and (best is None or (trial.parts.iteration_ms, trial.order)
                                           < (best.parts.iteration_ms, best.order)):
             best = trial
-    if best is None:
-        total_state = training_state(settings.optimizer, profile.dtype_bytes).total_bytes * sum(
-            layer.param_bytes for layer in profile.layers) / profile.dtype_bytes
-        needs = min(((peak, key, zero) for key, (_, peak, zero) in unbounded.items()),
-                    default=(math.inf, None, 0))
-        raise InfeasibleError(_infeasible_message(trials, settings, cluster, usable, cap, total_state, needs))
-    return _assemble(best, trials, profile, settings, views[(best.tensor, best.family)], cluster, cap, state)
+    return best, unbounded
 
 
 def _fixed_split_stages(settings: PlanSettings) -> PlanSettings:

@@ -444,6 +444,45 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
     # A fixed one-stage-per-rank schedule without recomputation is a small search: solve each
     # micro-batch size's split exactly, so its choice is among exact optima.
     exact = len(space) == 1 and space[0][1] == 1 and settings.recompute == "none" and order_note is None
+    candidates, refusals, cut_ms = _candidates(profile, graphs, settings, space, sizes, exact, incumbent)
+    # Refused only if nothing was pruned: a size the incumbent cut might have run.
+    if refusals and not cut_ms and all(c.status == "refused" for c in candidates):
+        raise BadInputError(refusals[0] if len(set(refusals)) == 1 else "; ".join(sorted(set(refusals))))
+
+    best = _simulate_by_bound(profile, graphs, settings, candidates, space, incumbent, cut_ms)
+    if cut_ms:
+        _raise_pruned(best, graphs, p, incumbent, cut_ms)
+    if best is None:
+        def explain() -> str:
+            return infeasible_message(profile, settings, space, sizes, candidates)
+
+        if explain_infeasible:
+            raise InfeasibleError(explain())
+        error = InfeasibleError(f"nothing fits --memory-cap {format_bytes(cap)} with {p} ranks")
+        error.explain = explain
+        raise error
+
+    graph = graphs[best.microbatch_size]
+    partition, simulation, notes = _exact_winner(best, graph, settings, exact, order_note, cap)
+    notes.extend(explain_choice(best, simulation, candidates, settings, space, graph, profile))
+    if partition.method == "rank-balanced":
+        notes.append(balanced_note(best, best.problem, partition, p))
+    if overhead_note is not None:
+        notes.append(overhead_note)
+    alternatives = runners_up(best, simulation, candidates)
+    seconds = time.perf_counter() - started if record_time else 0.0
+    return plan_from_partition(
+        profile, settings, best.problem, partition, schedule=best.schedule, virtual_stages=best.virtual_stages,
+        microbatch_size=best.microbatch_size, num_microbatches=best.num_microbatches,
+        profile_sha256=profile_sha256, seconds=seconds, alternatives=alternatives, notes=notes,
+        simulation=simulation,
+    )
+
+
+def _candidates(profile, graphs, settings: PlanSettings, space, sizes, exact: bool, incumbent):
+    """Every (schedule, v, micro-batch size, recompute set) with its split and busy-rank lower
+    bound; the schedules' refusals; the caller-time bounds of the sizes the incumbent cut."""
+    p = settings.stages
     candidates: list[Candidate] = []
     refusals: list[str] = []
     cut_ms: list[float] = []  # the caller-time bounds of what the incumbent pruned
@@ -479,11 +518,12 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
                 candidates.append(cand)
     for index, cand in enumerate(candidates):
         cand.order = index
-    # Refused only if nothing was pruned: a size the incumbent cut might have run.
-    if refusals and not cut_ms and all(c.status == "refused" for c in candidates):
-        raise BadInputError(refusals[0] if len(set(refusals)) == 1 else "; ".join(sorted(set(refusals))))
+    return candidates, refusals, cut_ms
 
-    # Branch and bound on the busy-rank lower bound: simulate in its order.
+
+def _simulate_by_bound(profile, graphs, settings: PlanSettings, candidates, space, incumbent, cut_ms):
+    """Branch and bound on the busy-rank lower bound: simulate in its order; the fastest that fits."""
+    p = settings.stages
     best: Candidate | None = None
     pending = sorted((c for c in candidates if c.status == "new"),
                      key=lambda c: (c.lower_bound_ms, tie_key(c, space)))
@@ -502,30 +542,31 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
         if cand.status == "fits" and (best is None or (cand.iteration_ms, tie_key(cand, space))
                                       < (best.iteration_ms, tie_key(best, space))):
             best = cand
-    if cut_ms:
-        if best is not None:
-            placement = stage_ranks(best.schedule, p, best.virtual_stages)
-            ends = [0.0] * p
-            for event in best.simulation.events:
-                ends[event.rank] = max(ends[event.rank], event.end_ms)
-            own_ms = incumbent.time_ms(ends, _rank_param_bytes(graphs[best.microbatch_size], best.partition,
-                                                               placement, p), best.num_microbatches)
-            if not above(own_ms, incumbent):
-                raise _Undecided()
-            cut_ms.append(own_ms)
-        raise PrunedError(min(cut_ms), incumbent.iteration_ms)
-    if best is None:
-        def explain() -> str:
-            return infeasible_message(profile, settings, space, sizes, candidates)
+    return best
 
-        if explain_infeasible:
-            raise InfeasibleError(explain())
-        error = InfeasibleError(f"nothing fits --memory-cap {format_bytes(cap)} with {p} ranks")
-        error.explain = explain
-        raise error
 
-    graph = graphs[best.microbatch_size]
+def _raise_pruned(best, graphs, p: int, incumbent, cut_ms) -> None:
+    """The incumbent cut part of the space: the search is pruned (PrunedError, with the least
+    bound of what was cut and of the best found) unless the best found beats the incumbent,
+    which the cut parts may still have beaten (_Undecided)."""
+    if best is not None:
+        placement = stage_ranks(best.schedule, p, best.virtual_stages)
+        ends = [0.0] * p
+        for event in best.simulation.events:
+            ends[event.rank] = max(ends[event.rank], event.end_ms)
+        own_ms = incumbent.time_ms(ends, _rank_param_bytes(graphs[best.microbatch_size], best.partition,
+                                                           placement, p), best.num_microbatches)
+        if not above(own_ms, incumbent):
+            raise _Undecided()
+        cut_ms.append(own_ms)
+    raise PrunedError(min(cut_ms), incumbent.iteration_ms)
+
+
+def _exact_winner(best, graph, settings: PlanSettings, exact: bool, order_note, cap: float):
+    """The winner's split and simulation, its DAG split solved exactly where the search only
+    split it along a few orders (kept if it fits and simulates no slower); and the notes."""
     partition, simulation, problem = best.partition, best.simulation, best.problem
+    p = settings.stages
     notes = []
     if order_note is not None and not graph.chain:
         notes.append(order_note)
@@ -549,18 +590,4 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
             else:
                 notes.append("the exact split goes over the cap on some rank when simulated; "
                              "kept the best split along the layer orders")
-    notes.extend(explain_choice(best, simulation, candidates, settings, space, graph, profile))
-    if partition.method == "rank-balanced":
-        notes.append(balanced_note(best, problem, partition, p))
-    if overhead_note is not None:
-        notes.append(overhead_note)
-    alternatives = runners_up(best, simulation, candidates)
-    seconds = time.perf_counter() - started if record_time else 0.0
-    return plan_from_partition(
-        profile, settings, problem, partition, schedule=best.schedule, virtual_stages=best.virtual_stages,
-        microbatch_size=best.microbatch_size, num_microbatches=best.num_microbatches,
-        profile_sha256=profile_sha256, seconds=seconds, alternatives=alternatives, notes=notes,
-        simulation=simulation,
-    )
-
-
+    return partition, simulation, notes

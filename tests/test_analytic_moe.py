@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from pipeplan.analytic import analytic_profile, get_gpu
 from pipeplan.analytic.api import model_parameter_counts
+from pipeplan.analytic.collectives import unit_collectives
 from pipeplan.analytic.configs import load_model_config, shipped_config_dir
 from pipeplan.analytic.flops import Shape, unit_work
 from pipeplan.cli import app
@@ -214,3 +215,12 @@ def test_expert_bytes_beyond_the_layers_are_refused_and_a_good_profile_loads(tmp
     path.write_text(json.dumps(data))
     with pytest.raises(BadInputError, match="exceeds param_bytes"):
         load_profile(path)
+
+
+def test_an_mtp_depth_moves_what_its_embedding_block_and_head_move_at_degree_2():
+    cfg = load_model_config("deepseek-v3")
+    shape = Shape(1024, 1, 2, sequence_parallel=True)
+    parts = [unit_collectives(cfg, kind, shape) for kind in ("embedding", "block", "head")]
+    depth = unit_collectives(cfg, "mtp", shape)
+    assert depth.forward_bytes == sum(p.forward_bytes for p in parts) > 0
+    assert depth.backward_count == sum(p.backward_count for p in parts)

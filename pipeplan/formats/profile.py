@@ -386,18 +386,7 @@ class Profile(_Strict):
                     f"edges[{index}]: [{src!r}, {dst!r}] goes backwards in the layer list "
                     f"({kind}); list layers in a topological order"
                 )
-        for index, layer in enumerate(self.layers):
-            if layer.expert_param_bytes:
-                if self.experts is None:
-                    raise ValueError(
-                        f"layers[{index}].expert_param_bytes: needs the profile's experts (num_experts, "
-                        f"experts_per_token, expert_intermediate_size)"
-                    )
-                if layer.expert_param_bytes % self.experts.num_experts:
-                    raise ValueError(
-                        f"layers[{index}].expert_param_bytes: {layer.expert_param_bytes} is not a multiple "
-                        f"of experts.num_experts {self.experts.num_experts} (each expert holds the same bytes)"
-                    )
+        self._check_experts()
         for index, tie in enumerate(self.tied_weights or ()):
             for layer in tie.layers:
                 if layer not in seen:
@@ -410,6 +399,23 @@ class Profile(_Strict):
                     f"needs some time to plan (a layer with no cost can share a stage with one that has)"
                 )
         return self
+
+    def _check_experts(self) -> None:
+        """Expert bytes need the experts' shape, and split evenly over the experts (as expert
+        parallelism divides them)."""
+        for index, layer in enumerate(self.layers):
+            if not layer.expert_param_bytes:
+                continue
+            if self.experts is None:
+                raise ValueError(
+                    f"layers[{index}].expert_param_bytes: needs the profile's experts (num_experts, "
+                    f"experts_per_token, expert_intermediate_size)"
+                )
+            if layer.expert_param_bytes % self.experts.num_experts:
+                raise ValueError(
+                    f"layers[{index}].expert_param_bytes: {layer.expert_param_bytes} is not a multiple "
+                    f"of experts.num_experts {self.experts.num_experts} (each expert holds the same bytes)"
+                )
 
     @property
     def microbatch_sizes(self) -> list[int]:

@@ -9,6 +9,7 @@ The counts themselves are checked against transformers in tests/test_analytic_pa
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace as NS
 
 import pytest
 from typer.testing import CliRunner
@@ -20,6 +21,7 @@ from pipeplan.analytic.configs import load_model_config, shipped_config_dir
 from pipeplan.analytic.flops import Shape, unit_work
 from pipeplan.cli import app
 from pipeplan.errors import BadInputError
+from pipeplan.export.common import tied_weight_notes
 from pipeplan.formats.io import load_profile
 
 from conftest import make_profile_dict
@@ -224,3 +226,19 @@ def test_an_mtp_depth_moves_what_its_embedding_block_and_head_move_at_degree_2()
     depth = unit_collectives(cfg, "mtp", shape)
     assert depth.forward_bytes == sum(p.forward_bytes for p in parts) > 0
     assert depth.backward_count == sum(p.backward_count for p in parts)
+
+
+def test_megatron_export_of_deepseek_says_untie_and_leaves_the_mtp_copy_to_megatron(tmp_path):
+    """DeepSeek-V3's head is its own matrix (untie: Megatron ties by default); the MTP depth's
+    copy of the token table is Megatron's MTP's to sync, not an embedding/head tie."""
+    profile = analytic_profile("deepseek-v3", get_gpu("h100-sxm"), seq_len=1024, microbatch_sizes=[1])
+    names = [layer.name for layer in profile.layers]
+    plan = NS(stages=[NS(index=0, rank=0, layers=names[:32]), NS(index=1, rank=1, layers=names[32:])])
+    notes = tied_weight_notes(plan, profile, "megatron")
+    assert "--untie-embeddings-and-output-weights" in notes[0]
+    assert any("model.embed_tokens.weight" in n and "--mtp-num-layers" in n for n in notes)
+    gemma = analytic_profile("gemma2-9b", get_gpu("h100-sxm"), seq_len=1024, microbatch_sizes=[1])
+    names = [layer.name for layer in gemma.layers]
+    plan = NS(stages=[NS(index=0, rank=0, layers=names[:20]), NS(index=1, rank=1, layers=names[20:])])
+    (note,) = tied_weight_notes(plan, gemma, "megatron")
+    assert "leave the flag off" in note and "model.embed_tokens.weight" in note

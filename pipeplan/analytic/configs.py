@@ -73,8 +73,9 @@ class ModelConfig:
     out_bias: bool = False
     mlp_bias: bool = False
     tied_embeddings: bool = False
-    """The head reuses the token table. The head unit still counts the weight: on another
-    pipeline stage it needs its own copy (as Megatron keeps one on the last stage)."""
+    """The head reuses the token table. The profile lists it as a tied weight of the embedding and
+    the head, counted in the embedding; a stage holding the head alone keeps a copy (as Megatron
+    keeps one on the last stage)."""
     learned_positions: int = 0
     """Rows of a learned position table (GPT-2: n_positions; OPT: max_positions + 2); 0: rotary."""
     embed_proj_dim: Optional[int] = None

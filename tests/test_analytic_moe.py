@@ -67,7 +67,7 @@ def test_cli_builds_each_moe_model_and_records_its_counts(tmp_path, name):
     assert counts.active == counts.total - skipped
 
 
-def test_deepseek_v3_dense_layers_mtp_depth_and_its_ties():
+def test_deepseek_v3_dense_layers_mtp_depth_and_its_ties(tmp_path):
     profile = analytic_profile("deepseek-v3", get_gpu("h100-sxm"), seq_len=1024, microbatch_sizes=[1])
     names = [layer.name for layer in profile.layers]
     assert names[-3:] == ["model.norm", "model.layers.61", "lm_head"]
@@ -82,8 +82,18 @@ def test_deepseek_v3_dense_layers_mtp_depth_and_its_ties():
     assert ties["model.embed_tokens.weight"].layers == ["model.embed_tokens", "model.layers.61"]
     assert ties["lm_head.weight"].layers == ["lm_head", "model.layers.61"]
     assert ties["lm_head.weight"].param_bytes == 2 * 129280 * 7168
-    # The depth sends the main model's hidden states on beside its own.
-    assert depth.costs[0].output_bytes == 2 * profile.layers[-3].costs[0].output_bytes
+    # The (last) depth computes its own loss and sends the main model's hidden states on; with two
+    # depths the first also sends its own to the second.
+    assert depth.costs[0].output_bytes == profile.layers[-3].costs[0].output_bytes
+    data = json.loads(shipped_config_dir().joinpath("deepseek-v3.json").read_text())
+    data.update(num_hidden_layers=4, num_nextn_predict_layers=2)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    two = analytic_profile(path, get_gpu("h100-sxm"), seq_len=1024, microbatch_sizes=[1])
+    assert [layer.name for layer in two.layers][-4:] == ["model.norm", "model.layers.4", "model.layers.5", "lm_head"]
+    norm_out = two.layers[-4].costs[0].output_bytes
+    assert [layer.costs[0].output_bytes for layer in two.layers[-3:-1]] == [2 * norm_out, norm_out]
+    assert two.tied_weights[0].layers == ["model.embed_tokens", "model.layers.4", "model.layers.5"]
     assert profile.measurement["multi_token_prediction"]["depths"] == 1
 
 

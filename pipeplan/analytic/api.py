@@ -96,7 +96,10 @@ def model_ties(cfg: ModelConfig, dtype_bytes: int) -> list[TiedWeight]:
 
 def _unit_key(cfg: ModelConfig, kind: str, index: int) -> tuple:
     """Units with one key have equal costs (blocks differ by window and by dense or routed MLP)."""
-    if kind in ("block", "mtp"):
+    if kind == "mtp":  # the last depth sends less on (memory.unit_output_bytes)
+        last = index == cfg.num_layers + cfg.mtp_layers - 1
+        return (kind, index in cfg.sliding_layers, cfg.is_moe_layer(index), last)
+    if kind == "block":
         return (kind, index in cfg.sliding_layers, cfg.is_moe_layer(index))
     return (kind,)
 
@@ -120,7 +123,7 @@ def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, 
         backward_input_ms=_round(b_input),
         backward_weight_ms=_round(b_weight),
         activation_bytes=unit_activation_bytes(cfg, kind, index, shape),
-        output_bytes=unit_output_bytes(cfg, kind, shape),
+        output_bytes=unit_output_bytes(cfg, kind, shape, index),
         selective_activation_bytes=unit_activation_bytes(cfg, kind, index, shape, selective=True),
         selective_recompute_ms=_round(parts_ms(work.attention_core, peak, bw, efficiency)),
     )

@@ -162,15 +162,17 @@ def unit_activation_bytes(cfg: ModelConfig, kind: str, index: int, shape: Shape,
     raise ValueError(kind)
 
 
-def unit_output_bytes(cfg: ModelConfig, kind: str, shape: Shape) -> int:
+def unit_output_bytes(cfg: ModelConfig, kind: str, shape: Shape, index: int | None = None) -> int:
     """Bytes one rank sends to the next pipeline stage: the hidden states (its sequence shard
-    with sequence parallelism); the head's output is the loss (4 bytes); a multi-token prediction
-    depth sends the main model's hidden states on (for the head) beside its own (for the next
-    depth)."""
+    with sequence parallelism); the head's output is the loss (4 bytes). A multi-token prediction
+    depth (number ``index``) computes its own loss and passes on the main model's hidden states
+    for the head, and, but for the last depth, its own for the next depth."""
     if kind == "head":
         return 4
+    hidden = shape.dtype_bytes * shape.tokens * cfg.hidden_size
     if kind == "mtp":
-        return int(2 * shape.dtype_bytes * shape.tokens * cfg.hidden_size // shape.sp_share)
+        last = index is None or index >= cfg.num_layers + cfg.mtp_layers - 1
+        return int((1 if last else 2) * hidden // shape.sp_share)
     width = cfg.embed_proj_dim if (kind == "norm" and cfg.embed_proj_dim) else cfg.hidden_size
     return int(shape.dtype_bytes * shape.tokens * width // shape.sp_share)
 

@@ -21,7 +21,8 @@ from pipeplan.analytic.configs import ModelConfig
 from pipeplan.errors import BadInputError
 
 __all__ = ["Gemm", "block_gemms", "head_gemm", "unit_param_count", "unit_expert_param_count",
-           "unit_active_param_count", "mtp_projection_gemm", "check_tensor_parallel", "kv_heads_per_rank", "tied_table_count"]
+           "unit_active_param_count", "mtp_projection_gemm", "check_tensor_parallel", "kv_heads_per_rank",
+           "tied_table_count"]
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeplan.formats.limits import Bytes, Ms, Name, OptionalRatio, PositiveCount, Text
 
-__all__ = ["Device", "LayerCost", "Layer", "Profile", "TiedWeight", "Experts", "ParameterCounts", "NonNegativeMs", "LAYER_KINDS", "DTYPES",
-           "SCHEMA_VERSIONS", "V2_COST_FIELDS", "TP_COLLECTIVES"]
+__all__ = ["Device", "LayerCost", "Layer", "Profile", "TiedWeight", "Experts", "ParameterCounts", "NonNegativeMs",
+           "LAYER_KINDS", "DTYPES", "SCHEMA_VERSIONS", "V2_COST_FIELDS", "TP_COLLECTIVES"]
 
 
 # Finite ranges (pipeplan.formats.limits): 0..1e9 ms, 0..2**53 bytes, no booleans or strings.

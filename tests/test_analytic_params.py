@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pipeplan.analytic.api import model_parameter_counts, model_units
 from pipeplan.analytic.configs import shipped_config_dir, load_model_config, shipped_configs
@@ -211,3 +212,49 @@ def test_flops_per_token_match_6n_plus_attention(tmp_path, name, data):
     expected = 6 * n + attention
     got = model_flops_per_token(cfg, seq)
     assert abs(got - expected) / expected < 0.02, (got, expected)
+
+
+@st.composite
+def _moe_configs(draw):
+    """Small DeepSeek-V3, Qwen3-MoE and GPT-OSS configs of any shape the readers take."""
+    family = draw(st.sampled_from(["deepseek_v3", "qwen3_moe", "gpt_oss"]))
+    heads = draw(st.sampled_from([2, 4]))
+    experts = draw(st.integers(1, 6))
+    layers = draw(st.integers(1, 3))
+    data = {"model_type": family, "hidden_size": 8 * heads * draw(st.integers(1, 3)),
+            "intermediate_size": 8 * draw(st.integers(1, 8)), "num_attention_heads": heads,
+            "num_hidden_layers": layers, "vocab_size": draw(st.integers(16, 64)),
+            "num_experts_per_tok": draw(st.integers(1, experts)),
+            "tie_word_embeddings": draw(st.booleans())}
+    if family == "deepseek_v3":
+        data.update(n_routed_experts=experts, moe_intermediate_size=8 * draw(st.integers(1, 4)),
+                    n_shared_experts=draw(st.integers(0, 2)), first_k_dense_replace=draw(st.integers(0, layers)),
+                    q_lora_rank=draw(st.sampled_from([None, 8, 16])), kv_lora_rank=8 * draw(st.integers(1, 3)),
+                    qk_nope_head_dim=draw(st.sampled_from([4, 8])), qk_rope_head_dim=draw(st.sampled_from([2, 4])),
+                    v_head_dim=draw(st.sampled_from([4, 8, 12])), num_key_value_heads=heads,
+                    attention_bias=draw(st.booleans()), n_group=1, topk_group=1)
+    elif family == "qwen3_moe":
+        data.update(num_experts=experts, moe_intermediate_size=8 * draw(st.integers(1, 4)),
+                    num_key_value_heads=draw(st.sampled_from([1, heads])), head_dim=draw(st.sampled_from([8, 16])),
+                    decoder_sparse_step=draw(st.integers(1, 2)),
+                    mlp_only_layers=draw(st.lists(st.integers(0, layers - 1), max_size=1)))
+    else:
+        data.update(num_local_experts=experts, num_key_value_heads=draw(st.sampled_from([1, heads])),
+                    head_dim=draw(st.sampled_from([8, 16])), sliding_window=draw(st.integers(2, 8)))
+    return data
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(data=_moe_configs())
+def test_any_small_moe_config_counts_as_transformers_does(tmp_path, data):
+    """Whatever the shape (latent attention with or without a query low rank, shared experts or
+    none, dense layers anywhere, tied or not): total, active and each unit's expert count equal
+    transformers' model on the meta device."""
+    cfg, model = _both(tmp_path, data)
+    counts = model_parameter_counts(cfg)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    assert counts.active == _hf_active(model, cfg)
+    for unit, kind, index in _main_units(cfg):
+        modules = _unit_modules(cfg, unit, kind)
+        assert unit_expert_param_count(cfg, kind, 1, index) == _expert_params(model, modules), unit

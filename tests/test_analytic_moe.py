@@ -9,6 +9,8 @@ The counts themselves are checked against transformers in tests/test_analytic_pa
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from types import SimpleNamespace as NS
 
 import pytest
@@ -24,7 +26,7 @@ from pipeplan.errors import BadInputError
 from pipeplan.export.common import tied_weight_notes
 from pipeplan.formats.io import load_profile
 
-from conftest import make_profile_dict
+from conftest import REPO, make_profile_dict
 
 runner = CliRunner()
 
@@ -252,3 +254,16 @@ def test_megatron_export_of_deepseek_says_untie_and_leaves_the_mtp_copy_to_megat
     plan = NS(stages=[NS(index=0, rank=0, layers=names[:20]), NS(index=1, rank=1, layers=names[20:])])
     (note,) = tied_weight_notes(plan, gemma, "megatron")
     assert "leave the flag off" in note and "model.embed_tokens.weight" in note
+
+
+def test_the_missing_expert_field_as_a_subprocess_is_one_line_and_exit_2(tmp_path):
+    data = json.loads(shipped_config_dir().joinpath("deepseek-v3.json").read_text())
+    del data["num_experts_per_tok"]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(data))
+    done = subprocess.run([sys.executable, "-m", "pipeplan", "profile", str(config), "--analytic", "--gpu",
+                           "h100-sxm", "-o", str(tmp_path / "p.json")], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and str(config) in lines[0] and "num_experts_per_tok: missing field" in lines[0]
+    assert "Traceback" not in done.stderr

@@ -16,8 +16,11 @@ from pipeplan.formats.limits import check_microbatch_count
 from pipeplan.importers import import_pipedream
 from pipeplan.plan.baselines import compare_baselines
 from pipeplan.formats.io import load_report
+from pipeplan.analytic import analytic_profile_to_file
+from pipeplan.profile.api import profile_to_file
+from pipeplan.profile.hf import read_config
 
-__all__ = ["PipelineRequest", "ClusterRequest", "import_profile", "plan_any", "plan_profile", "plan_split", "compare_splits", "validate_file", "ComparisonRow"]
+__all__ = ["PipelineRequest", "ClusterRequest", "import_profile", "make_profile", "plan_any", "plan_profile", "plan_split", "compare_splits", "validate_file", "ComparisonRow"]
 
 
 def import_profile(source: str, path: str | Path, batch_size: int, output: str | Path, model: str | None = None):
@@ -28,6 +31,39 @@ def import_profile(source: str, path: str | Path, batch_size: int, output: str |
     profile = import_pipedream(path, batch_size, model=model)
     write_json_atomic(output, profile)
     return profile
+
+
+def make_profile(model: str, output: str | Path, *, analytic: bool = False, microbatch_sizes="1,2,4",
+                 seq_len: int | None = None, dtype: str | None = None, gpu: str | None = None,
+                 gpu_spec: str | Path | None = None, tensor_parallel="1", sequence_parallel: bool = True,
+                 flash_attention: bool = True, options: dict | None = None, config: str | Path | None = None,
+                 units=None, progress: bool = False, **measure):
+    """``pipeplan profile``: measure a torch model into a profile, or (``analytic``) estimate one
+    from a model config on a GPU spec, and write it atomically.
+
+    ``measure`` are :func:`pipeplan.profile.api.profile_model`'s timing options (``device``,
+    ``repeats``, ``warmup``, ``threads``, ``seed``, ``split_backward``). The GPU and
+    tensor-parallel options belong to the estimate; ``config`` (a transformers ``config.json``) to
+    ``hf:`` models.
+
+    Raises
+    ------
+    BadInputError
+        An option of the other kind, a bad model or config, sizes that do not parse.
+    """
+    if analytic:
+        return analytic_profile_to_file(
+            model, output, gpu=gpu, gpu_spec=gpu_spec, microbatch_sizes=microbatch_sizes,
+            tensor_parallel=tensor_parallel, seq_len=seq_len, dtype=dtype or "bf16",
+            sequence_parallel=sequence_parallel, flash_attention=flash_attention)
+    if gpu or gpu_spec or str(tensor_parallel) != "1":
+        raise BadInputError("--gpu, --gpu-spec and --tensor-parallel: only with --analytic")
+    options = dict(options or {})
+    if config is not None:
+        options["config"] = read_config(model, str(config))
+    return profile_to_file(model, str(output), microbatch_sizes=microbatch_sizes,
+                           seq_len=128 if seq_len is None else seq_len, dtype=dtype or "fp32", units=units or None,
+                           options=options, progress=progress, **measure)
 
 
 def plan_any(profile, request: Request | PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:

@@ -19,8 +19,8 @@ from pipeplan.errors import BadInputError
 from pipeplan.quantities import parse_bandwidth, parse_bytes
 from pipeplan.requests import ClusterRequest, PipelineRequest
 from pipeplan.formats.io import load_plan, refuse_overwriting_input, write_text_atomic
-from pipeplan.api import compare_splits, import_profile, plan_profile, validate_file
-from pipeplan.profile import profile_to_file, summary_table
+from pipeplan.api import compare_splits, import_profile, make_profile, plan_profile, validate_file
+from pipeplan.profile import summary_table
 from pipeplan.analytic.tables import gpu_table
 from pipeplan.show import comparison_table, plan_tables
 from pipeplan.cluster.tables import cluster_table
@@ -29,11 +29,9 @@ from pipeplan.export import run_export
 from pipeplan.doctor import run_doctor_command
 from pipeplan.check.commands import run_check, run_diff
 from pipeplan.show import simulation_from_plan
-from pipeplan.analytic import analytic_profile_to_file
 from pipeplan.analytic.tables import analytic_summary_table
 from pipeplan.cluster.presets import PRESETS
 from pipeplan.plan.timeline import render_timeline_text, write_timeline_image
-from pipeplan.profile.hf import read_config
 
 app = typer.Typer(
     cls=Group,
@@ -190,28 +188,13 @@ def profile(
     flash_attention: bool = typer.Option(True, "--flash-attention/--no-flash-attention", help="With --analytic: flash attention (no s^2 activations)."),
 ):
     """Measure a torch model per unit (time, activation and output bytes) into a profile, or estimate one (--analytic)."""
-    if analytic:
-        estimated = analytic_profile_to_file(
-            model, output, gpu=gpu, gpu_spec=gpu_spec, microbatch_sizes=microbatch_sizes,
-            tensor_parallel=tensor_parallel, seq_len=seq_len, dtype=dtype or "bf16",
-            sequence_parallel=sequence_parallel, flash_attention=flash_attention,
-        )
-        rich_console().print(analytic_summary_table(estimated))
-        typer.echo(f"wrote {output}")
-        return
-    if gpu or gpu_spec or tensor_parallel != "1":
-        raise BadInputError("--gpu, --gpu-spec and --tensor-parallel: only with --analytic")
-
-    options = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}
-    if config is not None:
-        options["config"] = read_config(model, str(config))
-    result = profile_to_file(
-        model, str(output), microbatch_sizes=microbatch_sizes, seq_len=128 if seq_len is None else seq_len,
-        dtype=dtype or "fp32", device=device,
-        repeats=repeats, warmup=warmup, threads=threads, units=units or None, seed=seed,
-        options=options, split_backward=split_backward, progress=True,
-    )
-    rich_console().print(summary_table(result))
+    result = make_profile(
+        model, output, analytic=analytic, microbatch_sizes=microbatch_sizes, seq_len=seq_len, dtype=dtype,
+        gpu=gpu, gpu_spec=gpu_spec, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+        flash_attention=flash_attention, device=device, repeats=repeats, warmup=warmup, threads=threads,
+        options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}, units=units, seed=seed,
+        config=config, split_backward=split_backward, progress=True)
+    rich_console().print(analytic_summary_table(result) if analytic else summary_table(result))
     typer.echo(f"wrote {output}")
 
 

@@ -57,7 +57,7 @@ def make_profile(model: str, output: str | Path, *, analytic: bool = False, micr
             tensor_parallel=tensor_parallel, seq_len=seq_len, dtype=dtype or "bf16",
             sequence_parallel=sequence_parallel, flash_attention=flash_attention)
     if gpu or gpu_spec or str(tensor_parallel) != "1":
-        raise BadInputError("--gpu, --gpu-spec and --tensor-parallel: only with --analytic")
+        raise BadInputError("--gpu, --gpu-spec and --tensor-parallel-degrees: only with --analytic")
     options = dict(options or {})
     if config is not None:
         options["config"] = read_config(model, str(config))

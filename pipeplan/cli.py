@@ -183,7 +183,7 @@ def profile(
     analytic: bool = typer.Option(False, "--analytic", help="Estimate from a model config and a GPU spec instead of measuring (docs/analytic.md)."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="With --analytic: a known GPU (pipeplan gpus), e.g. h100-sxm."),
     gpu_spec: Optional[Path] = typer.Option(None, "--gpu-spec", help="With --analytic: a GPU spec TOML file instead of --gpu."),
-    tensor_parallel: str = typer.Option("1", "--tensor-parallel", help="With --analytic: tensor-parallel degrees, e.g. 1,2,4,8 (1 always included)."),
+    tensor_parallel: str = typer.Option("1", "--tensor-parallel-degrees", "--tensor-parallel", help="With --analytic: the tensor-parallel degrees to estimate, e.g. 1,2,4,8 (1 always included; --tensor-parallel is the old name). Not plan's --tensor-parallel, which fixes one degree."),
     sequence_parallel: bool = typer.Option(True, "--sequence-parallel/--no-sequence-parallel", help="With --analytic: Megatron sequence parallelism above degree 1."),
     flash_attention: bool = typer.Option(True, "--flash-attention/--no-flash-attention", help="With --analytic: flash attention (no s^2 activations)."),
 ):

@@ -81,6 +81,7 @@ def plan_any(profile, request: Request | PlanSettings, *, profile_sha256: str, r
         ``num_gpus``), naming the fields.
     """
     request = request_of(request)
+    _check_batch(profile, request)
     settings = request.settings()
     if isinstance(request, ClusterRequest):
         return plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
@@ -110,7 +111,6 @@ def plan_profile(profile_path: str | Path, request: Request | PlanSettings, outp
     ('1f1b', 2)
     """
     profile = load_profile(profile_path)
-    _check_batch(profile, request)
     plan = plan_any(profile, request, profile_sha256=file_sha256(profile_path), record_time=record_time)
     if output is not None:
         write_json_atomic(output, plan)

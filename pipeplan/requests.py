@@ -26,7 +26,7 @@ pipeplan.errors.BadInputError: data_parallel, zero_stage: cluster options need n
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -56,7 +56,10 @@ class _Request(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    global_batch: _FIELDS["global_batch"].annotation = _FIELDS["global_batch"]
+    # Unbounded here: the planner refuses a batch over its micro-batch count limit with the limit
+    # and the profile's sizes (api), before the plan file's own bound could say less.
+    global_batch: Optional[int] = Field(default=_FIELDS["global_batch"].default, gt=0,
+                                        description=_FIELDS["global_batch"].description)
     microbatch_size: _FIELDS["microbatch_size"].annotation = _FIELDS["microbatch_size"]
     memory_cap_bytes: _FIELDS["memory_cap_bytes"].annotation = _FIELDS["memory_cap_bytes"]
     optimizer: _FIELDS["optimizer"].annotation = _FIELDS["optimizer"]
@@ -77,8 +80,17 @@ class _Request(BaseModel):
             raise BadInputError(format_validation_error(where, exc)) from None
 
     def settings(self) -> PlanSettings:
-        """The plan file's record of this request (``Plan.settings``)."""
-        return PlanSettings(**self.model_dump(exclude_unset=True))
+        """The plan file's record of this request (``Plan.settings``).
+
+        Raises
+        ------
+        BadInputError
+            A value the record's finite ranges refuse (docs/formats.md).
+        """
+        try:
+            return PlanSettings(**self.model_dump(exclude_unset=True))
+        except ValidationError as exc:
+            raise BadInputError(format_validation_error("request", exc)) from None
 
 
 class PipelineRequest(_Request):

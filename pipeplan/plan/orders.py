@@ -121,6 +121,45 @@ def refine_split(problem: PartitionProblem, partition: Partition, max_moves: int
     def times():
         return [time(loads[j], bnd[j - 1] if j else 0, bnd[j] if j < k - 1 else 0) for j in range(k)]
 
+    def _move(v, b, target):
+        """Layer v from stage b to target: (key, v, target, boundary, its bytes, the two loads),
+        or None if the move breaks the order, does not lower the larger time, or goes over the cap."""
+        if not 0 <= target < k:
+            return None
+        if target < b and any(stage_of[u] >= b for u in pred[v]):
+            return None
+        if target > b and any(stage_of[w] <= b for w in succ[v]):
+            return None
+        edge = min(b, target)  # the boundary between the two stages
+        where = lambda x: target if x == v else stage_of[x]
+        delta = 0.0
+        for u in [v, *pred[v]]:
+            before = stage_of[u] <= edge and any(stage_of[w] > edge for w in succ[u])
+            after = crosses(u, edge, where)
+            delta += (int(after) - int(before)) * g.output_bytes[u]
+        new_bnd = bnd[edge] + delta
+        c_v = load(b, [v])
+        c_t = load(target, [v])
+        lo, hi = (b, target) if b < target else (target, b)
+        new_loads = {b: loads[b] - c_v, target: loads[target] + c_t}
+        t_lo = time(new_loads[lo], bnd[lo - 1] if lo else 0, new_bnd)
+        t_hi = time(new_loads[hi], new_bnd, bnd[hi] if hi < k - 1 else 0)
+        worst = max(t_lo, t_hi)
+        if worst >= current[b] - 1e-12:
+            return None
+        if cap < float("inf"):
+            m_b = members[b] - {v}
+            m_t = members[target] | {v}
+            sets = {b: m_b, target: m_t}
+            ok = True
+            for j in (lo, hi):
+                in_b = new_bnd if j == hi else (bnd[j - 1] if j else 0)
+                if memory(j, sets[j], in_b) > cap:
+                    ok = False
+            if not ok:
+                return None
+        return (worst, v, target), v, target, edge, new_bnd, new_loads
+
     for _ in range(max_moves):
         current = times()
         b = max(range(k), key=lambda j: (current[j], -j))
@@ -129,43 +168,9 @@ def refine_split(problem: PartitionProblem, partition: Partition, max_moves: int
             if len(members[b]) == 1:
                 break
             for target in (b - 1, b + 1):
-                if not 0 <= target < k:
-                    continue
-                if target < b and any(stage_of[u] >= b for u in pred[v]):
-                    continue
-                if target > b and any(stage_of[w] <= b for w in succ[v]):
-                    continue
-                edge = min(b, target)  # the boundary between the two stages
-                where = lambda x: target if x == v else stage_of[x]
-                delta = 0.0
-                for u in [v, *pred[v]]:
-                    before = stage_of[u] <= edge and any(stage_of[w] > edge for w in succ[u])
-                    after = crosses(u, edge, where)
-                    delta += (int(after) - int(before)) * g.output_bytes[u]
-                new_bnd = bnd[edge] + delta
-                c_v = load(b, [v])
-                c_t = load(target, [v])
-                lo, hi = (b, target) if b < target else (target, b)
-                new_loads = {b: loads[b] - c_v, target: loads[target] + c_t}
-                t_lo = time(new_loads[lo], bnd[lo - 1] if lo else 0, new_bnd)
-                t_hi = time(new_loads[hi], new_bnd, bnd[hi] if hi < k - 1 else 0)
-                worst = max(t_lo, t_hi)
-                if worst >= current[b] - 1e-12:
-                    continue
-                if cap < float("inf"):
-                    m_b = members[b] - {v}
-                    m_t = members[target] | {v}
-                    sets = {b: m_b, target: m_t}
-                    ok = True
-                    for j in (lo, hi):
-                        in_b = new_bnd if j == hi else (bnd[j - 1] if j else 0)
-                        if memory(j, sets[j], in_b) > cap:
-                            ok = False
-                    if not ok:
-                        continue
-                key = (worst, v, target)
-                if best_move is None or key < best_move[0]:
-                    best_move = (key, v, target, edge, new_bnd, new_loads)
+                move = _move(v, b, target)
+                if move is not None and (best_move is None or move[0] < best_move[0]):
+                    best_move = move
         if best_move is None:
             break
         _, v, target, edge, new_bnd, new_loads = best_move

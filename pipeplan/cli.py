@@ -13,7 +13,8 @@ import typer
 from pydantic import ValidationError
 
 from pipeplan import cli_run
-from pipeplan.cli_common import Group, handled, rich_console, state
+from pipeplan.cli_common import Group, handled, rich_console, state, terminal_progress
+from pipeplan.progress import reporting
 from pipeplan.cluster.presets import resolve_cluster
 from pipeplan.errors import BadInputError
 from pipeplan.quantities import parse_bandwidth, parse_bytes
@@ -241,7 +242,8 @@ def plan(
                             data_parallel_overlap=data_parallel_overlap)
     if layers_per_stage is not None:
         request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
-    result = plan_profile(profile, request, output, record_time=record_time)
+    with reporting(terminal_progress(quiet)):
+        result = plan_profile(profile, request, output, record_time=record_time)
     if not quiet:
         rich_console().print(plan_tables(result))
         if output:
@@ -297,7 +299,8 @@ def compare(
     """Compare the optimal plan with uniform, parameter-balanced and greedy splits."""
     request = _plan_request(stages, global_batch, microbatch_size,
                             memory_cap, optimizer, bandwidth, schedule, None, "none", solver, action_overhead_ms)
-    rows = compare_splits(profile, request)
+    with reporting(terminal_progress()):
+        rows = compare_splits(profile, request)
     batch = f", global batch {rows[0].global_batch}" if rows else ""
     rich_console().print(comparison_table(rows, f"{profile}: {stages} stages{batch}",
                                       memory_cap_bytes=request.memory_cap_bytes))
@@ -367,11 +370,13 @@ def doctor(
     junit: Optional[Path] = typer.Option(None, "--junit", help="Also write a JUnit XML report here."),
 ):
     """Read a launcher config, flag what is wrong (lost layers, refused schedules, memory), compare with the best plan; exit 1 on an error finding."""
-    text, written, code = run_doctor_command(
-        launcher, config_file, profile, memory_cap=memory_cap, optimizer=optimizer, bandwidth=bandwidth,
-        cluster=cluster, search_layouts=search_layouts, world_size=world_size, tensor_degree=tensor_parallel, variables=var or [], num_stages=num_stages, partition_method=partition_method,
-        parts=parts, checkpoint_interval=checkpoint_interval, fix_output=output if fix else None, fix=fix,
-        output_format=format, junit=junit)
+    with reporting(terminal_progress(format == "json")):
+        text, written, code = run_doctor_command(
+            launcher, config_file, profile, memory_cap=memory_cap, optimizer=optimizer, bandwidth=bandwidth,
+            cluster=cluster, search_layouts=search_layouts, world_size=world_size, tensor_degree=tensor_parallel,
+            variables=var or [], num_stages=num_stages, partition_method=partition_method, parts=parts,
+            checkpoint_interval=checkpoint_interval, fix_output=output if fix else None, fix=fix,
+            output_format=format, junit=junit)
     typer.echo(text, nl=False)
     for path in written:
         typer.echo(f"wrote {path}")
@@ -390,8 +395,9 @@ def check(
     update: bool = typer.Option(False, "--update", help="Rewrite the baselines with the re-made plans."),
 ):
     """Re-plan each profile with its baseline's settings; exit 1 on a throughput drop or a cap overrun."""
-    report, text = run_check(profiles, baseline, tolerance=tolerance, memory_cap=memory_cap, format=format,
-                             junit_path=junit, update=update)
+    with reporting(terminal_progress()):
+        report, text = run_check(profiles, baseline, tolerance=tolerance, memory_cap=memory_cap, format=format,
+                                 junit_path=junit, update=update)
     typer.echo(text, nl=False)
     raise typer.Exit(report.exit_code)
 

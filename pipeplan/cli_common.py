@@ -10,11 +10,13 @@ import traceback
 import unicodedata
 
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from typer.core import TyperGroup
 
 from pipeplan.errors import PipeplanError
 
-__all__ = ["state", "Group", "rich_console", "one_line", "handled"]
+__all__ = ["state", "Group", "rich_console", "one_line", "handled", "terminal_progress"]
 
 state = {"debug": False}
 
@@ -124,3 +126,54 @@ def handled(func):
             raise typer.Exit(1)
 
     return wrapper
+
+
+class _Shown:
+    """The outermost task, drawn by rich on stderr; it disappears when done."""
+
+    def __init__(self, owner: "_TerminalProgress", description: str, total):
+        self.owner = owner
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[note]}"),
+                                 console=Console(stderr=True), transient=True)
+        self.progress.start()
+        self.id = self.progress.add_task(_printable(description), total=total, note="")
+
+    def advance(self, steps: int = 1, note: str = "") -> None:
+        self.progress.update(self.id, advance=steps, note=_printable(note))
+
+    def close(self) -> None:
+        self.progress.stop()
+        self.owner.depth -= 1
+
+
+class _Nested:
+    """A task inside another (a replica's pipeline search inside the cluster search): not drawn."""
+
+    def __init__(self, owner: "_TerminalProgress"):
+        self.owner = owner
+
+    def advance(self, steps: int = 1, note: str = "") -> None:
+        pass
+
+    def close(self) -> None:
+        self.owner.depth -= 1
+
+
+class _TerminalProgress:
+    """Draws the outermost task of a command (:mod:`pipeplan.progress`)."""
+
+    def __init__(self):
+        self.depth = 0
+
+    def task(self, description: str, total):
+        self.depth += 1
+        return _Shown(self, description, total) if self.depth == 1 else _Nested(self)
+
+
+def terminal_progress(quiet: bool = False):
+    """A progress reporter for long steps when stderr is a terminal; None in pipes, files and
+    with ``--quiet`` (nothing but the result and errors there)."""
+    if quiet or not sys.stderr.isatty():
+        return None
+    return _TerminalProgress()

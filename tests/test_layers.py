@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pipeplan"
 #: Each top-level part of pipeplan and its layer: a module may import its own layer (without a
 #: cycle) and the layers below it, never one above.
 LAYERS = {
-    "": 0, "errors": 0, "quantities": 0,          # ground
+    "": 0, "errors": 0, "quantities": 0, "progress": 0,   # ground
     "facts": 1,                                    # schedules, GPUs, training state per parameter
     "formats": 2,                                  # file models
     "requests": 3,                                 # what a caller asks for

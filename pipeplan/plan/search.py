@@ -65,6 +65,7 @@ from pipeplan.quantities import format_bytes
 from pipeplan.formats.plan import DEFAULT_GLOBAL_BATCH_PER_MICROBATCH
 from pipeplan.plan.runnable import default_overhead_note, execution_order_note, refuse_unrunnable
 from pipeplan.plan.runnable import default_action_overhead_ms
+from pipeplan.progress import task
 
 __all__ = [
     "make_plan",
@@ -527,21 +528,24 @@ def _simulate_by_bound(profile, graphs, settings: PlanSettings, candidates, spac
     best: Candidate | None = None
     pending = sorted((c for c in candidates if c.status == "new"),
                      key=lambda c: (c.lower_bound_ms, tie_key(c, space)))
-    for cand in pending:
-        if best is not None and cand.lower_bound_ms > best.iteration_ms:
-            cand.status = "pruned"
-            continue
-        if incumbent is not None:
-            bound = _caller_bound_ms(cand, incumbent, graphs[cand.microbatch_size], p)
-            if above(bound, incumbent):
+    with task(f"pipeline search on {p} ranks: schedule x v x micro-batch x recomputation",
+              total=len(pending)) as shown:
+        for cand in pending:
+            shown.advance(note="" if best is None else f"best {best.iteration_ms:.1f} ms ({best.schedule})")
+            if best is not None and cand.lower_bound_ms > best.iteration_ms:
                 cand.status = "pruned"
-                cut_ms.append(bound)
                 continue
-        evaluate_candidate(profile, graphs[cand.microbatch_size], settings, cand, cand.problem.in_flight,
-                           math.inf if best is None else best.iteration_ms)
-        if cand.status == "fits" and (best is None or (cand.iteration_ms, tie_key(cand, space))
-                                      < (best.iteration_ms, tie_key(best, space))):
-            best = cand
+            if incumbent is not None:
+                bound = _caller_bound_ms(cand, incumbent, graphs[cand.microbatch_size], p)
+                if above(bound, incumbent):
+                    cand.status = "pruned"
+                    cut_ms.append(bound)
+                    continue
+            evaluate_candidate(profile, graphs[cand.microbatch_size], settings, cand, cand.problem.in_flight,
+                               math.inf if best is None else best.iteration_ms)
+            if cand.status == "fits" and (best is None or (cand.iteration_ms, tie_key(cand, space))
+                                          < (best.iteration_ms, tie_key(best, space))):
+                best = cand
     return best
 
 

@@ -6,7 +6,7 @@
   (``pipeplan plan --gpus N --cluster C``); any degree may be fixed.
 
 Each request owns its cross-field rules (a cluster option without ``num_gpus`` is not a request
-at all) and its effective memory cap (:attr:`PipelineRequest.cap_bytes`: none means infinite
+at all) and its effective memory cap (:meth:`PipelineRequest.cap_bytes`: none means infinite
 for a pipeline, the cluster's GPU memory for a cluster). Every field takes its type, default and
 description from the plan file's record of the request, :class:`pipeplan.formats.plan.PlanSettings`,
 so there is one source for every default; the CLI's options read theirs from here
@@ -100,7 +100,6 @@ class PipelineRequest(_Request):
     stages: PositiveCount = _required("stages", "Pipeline ranks p.")
     bandwidth_bytes_per_s: _FIELDS["bandwidth_bytes_per_s"].annotation = _FIELDS["bandwidth_bytes_per_s"]
 
-    @property
     def cap_bytes(self) -> float:
         """The per-GPU cap the planner tests against: none means infinite."""
         return effective_cap_bytes(self.memory_cap_bytes, None)
@@ -119,7 +118,6 @@ class ClusterRequest(_Request):
     data_parallel_overlap: _FIELDS["data_parallel_overlap"].annotation = _FIELDS["data_parallel_overlap"]
     search_stages: _FIELDS["search_stages"].annotation = _FIELDS["search_stages"]
 
-    @property
     def cap_bytes(self) -> float:
         """The per-GPU cap: the request's, else the cluster's (its spec or its GPU's memory)."""
         return effective_cap_bytes(self.memory_cap_bytes, self.cluster)

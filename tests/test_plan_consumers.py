@@ -98,3 +98,14 @@ def test_selective_winner_is_recorded_and_exported(no_flash_70b):
     # Re-simulated from the file, the plan is the same plan (selective keeps the same bytes).
     assert plan_simulation(plan).rank_peak_memory_bytes == pytest.approx(
         [r.peak_memory_bytes for r in plan.ranks], abs=2)
+
+
+def test_the_cap_rule_is_the_same_for_requests_and_records():
+    """No cap: infinite for a pipeline, the GPU's memory for a cluster (one rule, every entry)."""
+    import math
+
+    h100 = PRESETS["dgx-h100"]
+    assert math.isinf(PipelineRequest(stages=2).cap_bytes()) and math.isinf(PlanSettings(stages=2).cap_bytes())
+    assert ClusterRequest(num_gpus=8, cluster=h100).cap_bytes() == h100.cap_bytes() == 80 * 2**30
+    assert PlanSettings(num_gpus=8, cluster=h100).cap_bytes() == 80 * 2**30
+    assert ClusterRequest(num_gpus=8, cluster=h100, memory_cap_bytes=2**30).cap_bytes() == 2**30

@@ -406,7 +406,7 @@ def show(
     from pipeplan.formats.io import load_plan, refuse_overwriting_input
     from pipeplan.show import plan_tables, simulation_from_plan
 
-    refuse_overwriting_input(timeline_out, plan_file)
+    refuse_overwriting_input(timeline_out, plan_file, option="--timeline-out")
     loaded = load_plan(plan_file)
     console = rich_console()
     console.print(plan_tables(loaded))

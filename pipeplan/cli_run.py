@@ -50,7 +50,7 @@ def run(
     from pipeplan.run import report_table, run_plan_file
     from pipeplan.run.verify import check_verdict, verdict_lines
 
-    refuse_overwriting_input(report, plan_file, profile)
+    refuse_overwriting_input(report, plan_file, profile, option="--report")
     result = run_plan_file(
         plan_file, report_path=report, profile_path=profile, model=model, steps=steps, threads=threads,
         seq_len=seq_len, model_options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab},

@@ -60,14 +60,16 @@ def run_check(
     BadInputError
         See :func:`pipeplan.check.regress.check_profiles`; also a bad format or size.
     """
-    from pipeplan.formats.io import write_text_atomic
+    from pipeplan.formats.io import check_output_target, write_text_atomic
     from pipeplan.quantities import parse_bytes
 
     _check_format(format)
+    if junit_path is not None:
+        check_output_target(junit_path, "--junit")
     cap = parse_bytes(memory_cap) if memory_cap is not None else None
     report = check_profiles(profiles_dir, baseline_dir, tolerance=tolerance, memory_cap_bytes=cap, update=update)
     if junit_path is not None:
-        write_text_atomic(junit_path, check_junit(report))
+        write_text_atomic(junit_path, check_junit(report), option="--junit")
     text = render_check(report, format) if format == "markdown" else _render_table(report)
     return report, text
 

@@ -125,9 +125,16 @@ def doctor_file(launcher: str, path: str | Path, profile_path: str | Path, setti
     BadInputError
         Bad files or settings (exit 2).
     """
-    from pipeplan.doctor.report import render, write_junit
-    from pipeplan.formats.io import file_sha256, load_profile, write_text_atomic
+    from pipeplan.doctor.report import junit_text, render
+    from pipeplan.formats.io import (check_output_target, file_sha256, load_profile, refuse_overwriting_input,
+                                     write_files_atomic)
 
+    inputs = [path, profile_path, options.cluster]  # a preset's name matches no file
+    # Every output is checked before any work: not a device, FIFO or folder, not an input.
+    for option, target in (("-o", fix_output), ("--junit", junit_path)):
+        if target is not None:
+            check_output_target(target, option)
+            refuse_overwriting_input(target, *inputs, option=option)
     if output_format not in ("table", "markdown", "json"):
         raise BadInputError(f"--format: {output_format!r} is not one of table, markdown, json")
     profile = load_profile(profile_path)
@@ -139,20 +146,19 @@ def doctor_file(launcher: str, path: str | Path, profile_path: str | Path, setti
     config, layout = read_config(launcher, path, profile, options)
     result = diagnose(config, layout, profile, settings, profile_sha256=file_sha256(profile_path), cluster=cluster,
                       search_layouts=options.search_layouts)
-    written: list[Path] = []
+    outputs: dict[str | Path, str] = {}
     if fix_output is not None:
         from pipeplan.doctor.fix import fix_config
 
         if result.best is None:
             raise BadInputError("--fix: no plan fits, so there is nothing to write (see the findings)")
-        files = fix_config(config, Path(path).read_text(encoding="utf-8"), result.best, profile, str(fix_output))
-        for name, text in files.items():
-            write_text_atomic(name, text)
-            written.append(Path(name))
+        outputs.update(fix_config(config, Path(path).read_text(encoding="utf-8"), result.best, profile,
+                                  str(fix_output)))
     text = render(result, output_format)
     if junit_path is not None:
-        write_junit(result, junit_path)
-        written.append(Path(junit_path))
+        outputs[junit_path] = junit_text(result)
+    # The fixed config, its sidecar and the JUnit file: all written, or none.
+    written = write_files_atomic(outputs, inputs, option="-o/--junit") if outputs else []
     return result, text, written
 
 

@@ -125,7 +125,12 @@ def run_export(
     BadInputError
         Bad files, a missing or mismatched profile, or extra files without ``output``.
     """
-    from pipeplan.formats.io import file_sha256, load_plan, load_profile, write_text_atomic
+    from pipeplan.formats.io import (check_output_target, file_sha256, load_plan, load_profile,
+                                     refuse_overwriting_input, write_files_atomic)
+
+    if output is not None:
+        check_output_target(output)
+        refuse_overwriting_input(output, plan_path, profile_path)
 
     plan = load_plan(plan_path)
     if format not in FORMATS:
@@ -151,10 +156,6 @@ def run_export(
                 f"give -o FILE to write them"
             )
         return main_text, []
-    written = [output]
-    write_text_atomic(output, main_text)
-    for suffix, text in extras:
-        path = Path(stem + suffix)
-        write_text_atomic(path, text)
-        written.append(path)
-    return main_text, written
+    # The main file names its sidecars (the torchtitan TOML its CSV): all of them, or none.
+    outputs = {output: main_text, **{Path(stem + suffix): text for suffix, text in extras}}
+    return main_text, write_files_atomic(outputs, (plan_path, profile_path))

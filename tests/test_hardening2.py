@@ -152,3 +152,102 @@ def test_run_report_target_is_checked_before_the_run(tmp_path, plan_file, profil
     fifo = tmp_path / "report.json"
     os.mkfifo(fifo)
     one_line_error(invoke("run", plan_file, "--profile", profile_file, "--report", fifo), 2, "--report", "FIFO")
+
+
+# ---------------------------------------------------------------- input limits, before parsing
+def test_an_integer_past_pythons_digit_limit_is_one_line(tmp_path):
+    path = write(tmp_path, '{"schema_version": 1' + "0" * 5000 + "}")
+    one_line_error(invoke("validate", path), 2, "p.json", "line 1", "5001 digits", "at most 100")
+    text = json.dumps(make_profile_dict()).replace('"param_bytes": 1000', '"param_bytes": ' + "9" * 5000, 1)
+    one_line_error(invoke("plan", write(tmp_path, text, "q.json"), "--stages", 2), 2, "q.json", "digits")
+
+
+def test_a_file_without_end_is_refused_at_the_size_limit():
+    one_line_error(invoke("validate", "/dev/zero"), 2, "/dev/zero", "64 MiB")
+
+
+def test_a_huge_array_is_refused_before_the_model_sees_it(tmp_path):
+    data = make_profile_dict()
+    data["edges"] = [["layer0", "layer1"]] * 300_000
+    one_line_error(invoke("validate", write(tmp_path, data)), 2, "edges", "300000 items", "200,000")
+
+
+def test_every_toml_loader_has_the_limits(tmp_path, profile_file):
+    cluster = write(tmp_path, "name = 'c'\ngpus_per_node = " + "9" * 5000 + "\n", "c.toml")
+    one_line_error(invoke("cluster", cluster), 2, "c.toml", "line 2", "digits")
+    gpu = write(tmp_path, "[gpu]\nname = 'g'\nmemory = " + "9" * 5000 + "\n", "g.toml")
+    one_line_error(invoke("profile", "gpt2-tiny", "--analytic", "--gpu-spec", gpu, "-o", tmp_path / "o.json"), 2,
+                   "g.toml", "digits")
+    titan = write(tmp_path, "[training]\nglobal_batch_size = " + "9" * 5000 + "\n", "t.toml")
+    one_line_error(invoke("doctor", "torchtitan", titan, "--profile", profile_file), 2, "t.toml", "digits")
+
+
+def test_doctor_inputs_have_the_limits(tmp_path, profile_file):
+    script = write(tmp_path, "torchrun pretrain_gpt.py --global-batch-size " + "9" * 5000 + "\n", "m.sh")
+    one_line_error(invoke("doctor", "megatron", script, "--profile", profile_file), 2, "m.sh", "digits")
+    ds = write(tmp_path, '{"train_batch_size": ' + "9" * 5000 + "}", "ds.json")
+    one_line_error(invoke("doctor", "deepspeed", ds, "--profile", profile_file), 2, "ds.json", "digits")
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("abc", "found the string 'abc'"), ({}, "valid number"), (1e30, "less than or equal to 1000000000"),
+    (float("nan"), "finite"), (-1, "greater than or equal to 0"), ("1.5", "the string '1.5'"),
+    (True, "boolean"), (1e10, "less than or equal"),
+])
+def test_measurement_fields_the_planner_reads_are_strict(tmp_path, value, needle):
+    data = make_profile_dict()
+    data["source"] = "measured"
+    data["measurement"] = {"action_overhead_ms": value, "torch": "free-form, not checked"}
+    path = write(tmp_path, json.dumps(data))
+    for command in (("validate", path), ("plan", path, "--stages", 2, "-q")):
+        one_line_error(invoke(*command), 2, "p.json", "measurement: action_overhead_ms", needle)
+
+
+def test_schema_version_true_is_not_version_1(tmp_path):
+    data = make_profile_dict()
+    data["schema_version"] = True
+    one_line_error(invoke("validate", write(tmp_path, data)), 2, "schema_version: true")
+
+
+def test_a_plan_with_a_negative_bubble_is_refused(tmp_path, plan_file):
+    data = json.loads(plan_file.read_text())
+    data["predicted"]["bubble_fraction"] = -1
+    one_line_error(invoke("validate", write(tmp_path, data, "bad.json")), 2, "predicted.bubble_fraction")
+    data["predicted"]["bubble_fraction"] = 1.5
+    one_line_error(invoke("show", write(tmp_path, data, "bad.json")), 2, "predicted.bubble_fraction")
+
+
+def test_a_plan_without_an_action_overhead_shows(tmp_path, plan_file):
+    data = json.loads(plan_file.read_text())
+    data["settings"]["action_overhead_ms"] = None
+    result = invoke("show", write(tmp_path, data, "null.json"))
+    assert result.exit_code == 0, result.stderr
+
+
+CLUSTER = ('name = "c"\ngpu = "h100-sxm"\ngpus_per_node = 8\n[intra_node]\nbandwidth = "450GB/s"\nlatency_us = 3\n'
+           '[inter_node]\nbandwidth = "50GB/s"\nlatency_us = 14.0\n')
+
+
+@pytest.mark.parametrize("old, new, needle", [
+    ("gpus_per_node = 8", 'gpus_per_node = "8"', "gpus_per_node: expected a number, found the string '8'"),
+    ("gpus_per_node = 8", "gpus_per_node = 8.0", "gpus_per_node: expected a whole number"),
+    ("gpus_per_node = 8", "gpus_per_node = 1180591620717411303424", "gpus_per_node: Input should be less"),
+    ("latency_us = 3", "latency_us = 1e308", "intra_node.latency_us"),
+    ('bandwidth = "450GB/s"', "bandwidth_bytes_per_s = 1e-300", "intra_node.bandwidth_bytes_per_s"),
+    ('name = "c"', 'base = []\nname = "c"', "base: expected a preset's name"),
+    ('name = "c"', 'name = "c\\u001b[31m\\u202e"', "name: contains the control character U+001B"),
+    ('gpu = "h100-sxm"', 'gpu = "foo"', "'foo' is not in the GPU table"),
+    ("latency_us = 3", "latency_us = true", "intra_node.latency_us: expected a number, found a boolean"),
+])
+def test_cluster_values_are_strict_and_bounded(tmp_path, profile_file, old, new, needle):
+    path = write(tmp_path, CLUSTER.replace(old, new, 1), "c.toml")
+    one_line_error(invoke("cluster", path), 2, needle)
+    one_line_error(invoke("plan", profile_file, "--gpus", 16, "--cluster", path, "-q"), 2, needle)
+
+
+def test_a_cluster_file_at_its_limits_still_plans(tmp_path, profile_file):
+    text = CLUSTER.replace("latency_us = 3", "latency_us = 1e6").replace('bandwidth = "450GB/s"',
+                                                                          "bandwidth_bytes_per_s = 1e6")
+    path = write(tmp_path, "memory_cap_bytes = 80e9\n" + text, "c.toml")  # a whole float: bytes take it
+    result = invoke("plan", profile_file, "--gpus", 16, "--cluster", path, "-q")
+    assert result.exit_code in (0, 3), result.stderr

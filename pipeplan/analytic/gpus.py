@@ -21,7 +21,6 @@ collective runs at. HBM capacities are binary (an "80 GB" HBM part holds 80 GiB)
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -141,15 +140,10 @@ def load_gpu_spec(path: Union[str, Path]) -> GpuSpec:
     from pipeplan.formats.io import format_validation_error
     from pipeplan.quantities import parse_bandwidth, parse_bytes
 
+    from pipeplan.formats.io import load_toml
+
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BadInputError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"{path}: cannot read: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise BadInputError(f"{path}: not valid TOML: {exc}") from None
+    data = load_toml(path)
     data = dict(data.get("gpu", data))
     renames = {"memory": "memory_bytes", "hbm_bandwidth": "hbm_bytes_per_s", "link_bandwidth": "link_bytes_per_s"}
     try:

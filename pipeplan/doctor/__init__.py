@@ -60,11 +60,10 @@ def read_config(launcher: str, path: str | Path, profile, options: DoctorOptions
     """
     if launcher not in LAUNCHERS:
         raise BadInputError(f"doctor: launcher {launcher!r} is not one of {', '.join(LAUNCHERS)}")
+    from pipeplan.formats.io import read_input_text
+
     path = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"{path}: cannot read it: {exc}") from None
+    text = read_input_text(path, {"megatron": "launch script", "torchtitan": "TOML"}.get(launcher, "JSON"))
     if launcher == "megatron":
         from pipeplan.doctor.megatron import megatron_layout_of, parse_megatron
 

@@ -13,7 +13,6 @@ which must be the profile's layers in order.
 
 from __future__ import annotations
 
-import json
 import re
 
 from pipeplan.doctor.config import LauncherConfig, Layout, LayoutStage, Problem
@@ -125,10 +124,10 @@ def parse_deepspeed(path: str, text: str, *, num_stages: int | None = None, part
         Invalid JSON, a batch key that is not a positive integer, an unknown partition method, or
         no stage count.
     """
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadInputError(f"{path}: not valid JSON: {exc}") from None
+    from pipeplan.formats.io import check_integer_digits, parse_json_text
+
+    check_integer_digits(text, path)
+    data = parse_json_text(text, path)
     if not isinstance(data, dict):
         raise BadInputError(f"{path}: a ds_config is a JSON object, not {type(data).__name__}")
     for key in _INT_KEYS:

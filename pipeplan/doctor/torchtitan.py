@@ -57,14 +57,9 @@ _TYPES = {
 
 def load_toml(path: str, text: str) -> dict:
     """The TOML as a dict; invalid TOML is a BadInputError naming the file."""
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise BadInputError(f"{path}: not valid TOML: {exc}") from None
+    from pipeplan.formats.io import load_toml as load_limited_toml
+
+    return load_limited_toml(path, text)
 
 
 def _get(path: str, data: dict, section: str, key: str, default=None):

@@ -49,6 +49,9 @@ __all__ = [
     "MAX_MICROBATCHES",
     "MAX_NAME_CHARS",
     "MAX_NESTING",
+    "MAX_FILE_BYTES",
+    "MAX_ARRAY_ITEMS",
+    "MAX_INT_DIGITS",
     "Ms",
     "OptionalRatio",
     "Bytes",
@@ -61,7 +64,16 @@ __all__ = [
     "Count",
     "PositiveCount",
     "FiniteFloat",
+    "Fraction",
+    "NonNegativeFloat",
+    "MicrobatchCount",
     "Name",
+    "MAX_GPUS_PER_NODE",
+    "NodeGpus",
+    "LinkBandwidth",
+    "LatencyUs",
+    "Efficiency",
+    "Share",
     "Text",
     "plain_text_problem",
     "check_microbatch_count",
@@ -76,6 +88,13 @@ MAX_MICROBATCHES = 4096
 MAX_NAME_CHARS = 1000
 #: Deepest JSON nesting a file may have (the formats need 6; free-form ``measurement`` a few more).
 MAX_NESTING = 64
+#: Largest file pipeplan reads (JSON, TOML, launch script, graph.txt): 64 MiB, checked before parsing.
+MAX_FILE_BYTES = 64 * 2**20
+#: Most items one JSON/TOML array or object may hold (a 50,000-node PipeDream graph needs ~100,000).
+MAX_ARRAY_ITEMS = 200_000
+#: Most digits an integer in a file may have, checked before parsing: every count and byte count
+#: fits in 20 digits; Python refuses to convert past 4,300 anyway (an internal error before).
+MAX_INT_DIGITS = 100
 
 
 def _number(value: Any) -> Any:
@@ -93,6 +112,14 @@ def _integer(value: Any) -> Any:
     value = _number(value)
     if isinstance(value, float) and (not math.isfinite(value) or value != int(value)):
         raise ValueError(f"expected a whole number, found {value!r}")
+    return value
+
+
+def _toml_integer(value: Any) -> Any:
+    # A TOML file says 8 or 8.0 or "8" on purpose: only the first is a count.
+    value = _number(value)
+    if isinstance(value, float):
+        raise ValueError(f"expected a whole number, found the float {value!r}; write it without a point")
     return value
 
 
@@ -137,6 +164,12 @@ OptionalRatio = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False), Befor
 """A non-negative ratio or coefficient (spread, fraction)."""
 FiniteFloat = Annotated[float, Field(ge=-1e18, le=1e18, allow_inf_nan=False), BeforeValidator(_number)]
 """Any finite number of a sane size (predictions, bounds)."""
+Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False), BeforeValidator(_number)]
+"""A share, 0 to 1 (``Field(ge=...)`` beside an annotated type does not narrow it: its own bounds win)."""
+NonNegativeFloat = Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False), BeforeValidator(_number)]
+"""A finite number of a sane size, not negative (seconds, throughputs)."""
+MicrobatchCount = Annotated[int, Field(gt=0, le=MAX_MICROBATCHES), BeforeValidator(_integer)]
+"""Micro-batches per iteration, 1 to MAX_MICROBATCHES."""
 Rate = Annotated[float, Field(ge=0, allow_inf_nan=False), BeforeValidator(_number)]
 """A non-negative finite rate (samples per second)."""
 PlanMs = Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False), BeforeValidator(_number)]
@@ -153,6 +186,18 @@ Count = Annotated[int, Field(ge=0, le=MAX_COUNT), BeforeValidator(_integer)]
 """A non-negative count or index."""
 PositiveCount = Annotated[int, Field(gt=0, le=MAX_COUNT), BeforeValidator(_integer)]
 """A positive count (samples, stages)."""
+#: Most GPUs one node of a cluster spec may have (NVL72 racks have 72).
+MAX_GPUS_PER_NODE = 4096
+NodeGpus = Annotated[int, Field(gt=0, le=MAX_GPUS_PER_NODE), BeforeValidator(_toml_integer)]
+"""GPUs in one node of a cluster spec: a whole number, 1 to MAX_GPUS_PER_NODE."""
+LinkBandwidth = Annotated[float, Field(ge=1e6, le=1e15, allow_inf_nan=False), BeforeValidator(_number)]
+"""A link's bytes per second, 1 MB/s to 1 PB/s (beyond, the collective times stop being finite or sane)."""
+LatencyUs = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False), BeforeValidator(_number)]
+"""A link latency, 0 to 1e6 us (one second)."""
+Efficiency = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False), BeforeValidator(_number)]
+"""A share of a bandwidth achieved, above 0 and at most 1."""
+Share = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False), BeforeValidator(_number)]
+"""A share added on top, 0 to below 1 (fragmentation)."""
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_plain_text)]
 """A name printed in the terminal: plain text, no control characters."""
 Text = Annotated[str, Field(max_length=100_000), AfterValidator(_free_text)]

@@ -49,13 +49,10 @@ def _number(path, lineno: int, key: str, text: str) -> float:
 
 def parse_pipedream(path: str | Path):
     """Parse a graph.txt into ``(nodes, edges)``; nodes map id -> (description, metrics)."""
+    from pipeplan.formats.io import read_input_text
+
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise BadInputError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"{path}: cannot read: {exc}") from None
+    lines = read_input_text(path, "graph.txt").splitlines()
     nodes: dict[str, tuple[str, dict[str, float]]] = {}
     edges: list[tuple[str, str]] = []
     for lineno, line in enumerate(lines, 1):

@@ -251,3 +251,91 @@ def test_a_cluster_file_at_its_limits_still_plans(tmp_path, profile_file):
     path = write(tmp_path, "memory_cap_bytes = 80e9\n" + text, "c.toml")  # a whole float: bytes take it
     result = invoke("plan", profile_file, "--gpus", 16, "--cluster", path, "-q")
     assert result.exit_code in (0, 3), result.stderr
+
+
+# ---------------------------------------------------------------- doctor: hangs and internal errors
+@pytest.fixture
+def llama(tmp_path):
+    return write_profile(llama3_8b(), tmp_path / "llama.json")
+
+
+MEGATRON = (DOCTOR / "megatron_llama3_8b_pp4.sh").read_text()
+DS_CONFIG = json.loads((DOCTOR / "deepspeed_pipeline_ds_config.json").read_text())
+
+
+@pytest.mark.parametrize("old, new, needle", [
+    ("--num-layers $NUM_LAYERS", "--num-layers $NUM_LAYERS --num-virtual-stages-per-pipeline-rank 0",
+     "virtual stages per rank v = 0"),
+    ("TP_SIZE=2", "TP_SIZE=1000000000", "--tensor-model-parallel-size 1000000000"),
+    ("GLOBAL_BATCH_SIZE=128", "GLOBAL_BATCH_SIZE=1000000000000", "micro-batches per pipeline"),
+    ("--num-layers $NUM_LAYERS", "--num-layers $NUM_LAYERS --pipeline-model-parallel-layout '(t*9999|)*99999'",
+     "expands to 999,990,000 entries"),
+    ("GPUS_PER_NODE=8", "GPUS_PER_NODE=8\nA=(x)\n" + "A=(${A[@]} ${A[@]})\n" * 40, "array A grows to"),
+    ("GPUS_PER_NODE=8", "GPUS_PER_NODE=8\nS=x\n" + 'S="$S$S"\n' * 40, "S grows to"),
+])
+def test_megatron_scripts_that_hung_or_crashed(tmp_path, llama, old, new, needle):
+    script = write(tmp_path, MEGATRON.replace(old, new, 1), "m.sh")
+    one_line_error(invoke("doctor", "megatron", script, "--profile", llama), 2, "m.sh", needle)
+
+
+@pytest.mark.parametrize("change, args, needle", [
+    ({"train_batch_size": 10**12}, ["--num-stages", 4], "micro-batches per pipeline"),
+    ({}, ["--num-stages", 10**9], "pipeline stages p = 1000000000"),
+    ({}, ["--num-stages", 4, "--partition-method", "type:(["], "not a regular expression"),
+    ({}, ["--num-stages", 4, "--memory-cap", "0.1"], "--memory-cap 0.1"),
+])
+def test_deepspeed_configs_that_hung_or_crashed(tmp_path, llama, change, args, needle):
+    config = write(tmp_path, dict(DS_CONFIG, **change), "ds.json")
+    one_line_error(invoke("doctor", "deepspeed", config, "--profile", llama, "--world-size", 4, *args), 2, needle)
+
+
+def test_a_null_batch_key_is_read_as_unset(tmp_path, llama):
+    config = write(tmp_path, dict(DS_CONFIG, train_batch_size=None), "ds.json")
+    result = invoke("doctor", "deepspeed", config, "--profile", llama, "--world-size", 4, "--num-stages", 4)
+    assert result.exit_code in (0, 1, 2) and "internal error" not in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------- shell reading: valid bash, read as bash reads it
+def _read(text):
+    from pipeplan.doctor.shell import read_script
+
+    return read_script("t.sh", text)
+
+
+@pytest.mark.parametrize("text, name, value", [
+    ("A=$(( -9/2 ))", "A", "-4"),
+    ("A=$(( -1 % 5 ))", "A", "-1"),
+    ("A=$(( 010 + 0x10 + 2#101 ))", "A", "29"),
+    ("A=$(( 2**63 ))", "A", str(-(2**63))),  # 64-bit wrap-around
+    ("A=${X:-${Y:-4}}", "A", "4"),
+    ("A=$'a\\tb'", "A", "a\tb"),
+    ("A=$'it\\'s'", "A", "it's"),
+    ("A=\"it's\"", "A", "it's"),
+    ("A='say \"hi\"'", "A", 'say "hi"'),
+    ('A="a \\"b\\""', "A", 'a "b"'),
+    ('if [ -z "$1" ]; then A=5; fi', "A", "5"),
+    ("A=(a b c)\nA[1]=z\nB=${A[1]}", "B", "z"),
+    ("A=1\n[ -z $Y ] || exit 1\nif true; then\n  exit 2\nfi\nusage() {\n  exit 1\n}\nA=2\nexit 0\nA=3", "A", "2"),
+    ("A=1\ncat <<EOF > f.txt\nA=9\nEOF\nB=2", "A", "1"),
+])
+def test_the_shell_reader_reads_valid_bash_as_bash(text, name, value):
+    assert _read(text).scalars[name] == value
+
+
+def test_unset_and_indexed_assignment():
+    script = _read("A=1\nB=(x y)\nunset A\nB[2]=z")
+    assert "A" not in script.scalars and script.arrays["B"] == ["x", "y", "z"]
+
+
+def test_a_heredoc_body_does_not_win_over_the_commands_flag(tmp_path, llama):
+    text = MEGATRON.replace("PP_SIZE=4", "PP_SIZE=4\ncat <<'EOF' > notes.txt\ntorchrun x.py --num-layers 8 "
+                                         "--pipeline-model-parallel-size 8\nEOF", 1)
+    script = write(tmp_path, text, "m.sh")
+    result = invoke("doctor", "megatron", script, "--profile", llama, "--format", "json")
+    assert json.loads(result.stdout)["config"]["pipeline_degree"] == 4, result.stdout
+
+
+def test_the_shell_reader_never_runs_anything(tmp_path):
+    marker = tmp_path / "ran"
+    _read(f"A=$(touch {marker})\nB=`touch {marker}`\ntouch {marker}\neval 'touch {marker}'\nexit 0")
+    assert not marker.exists()

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from pipeplan.doctor.config import LAUNCHERS, LauncherConfig, Layout
 from pipeplan.doctor.diagnose import Diagnosis, Finding, diagnose
+from pydantic import ValidationError
+
 from pipeplan.errors import BadInputError
 
 __all__ = ["LAUNCHERS", "DoctorOptions", "read_config", "doctor_file", "run_doctor_command", "Diagnosis", "Finding"]
@@ -208,8 +210,14 @@ def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: 
     else:
         cap = load_profile(profile_path).device.memory_bytes
     rate = parse_bandwidth(bandwidth)
-    settings = PlanSettings(stages=1, global_batch=1, memory_cap_bytes=cap, optimizer=optimizer,
-                            bandwidth_bytes_per_s=None if rate == float("inf") else rate)
+    try:
+        settings = PlanSettings(stages=1, global_batch=1, memory_cap_bytes=cap, optimizer=optimizer,
+                                bandwidth_bytes_per_s=None if rate == float("inf") else rate)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        option = {"memory_cap_bytes": f"--memory-cap {memory_cap}", "bandwidth_bytes_per_s": f"--bandwidth {bandwidth}"}
+        where = option.get(str(first["loc"][0]) if first["loc"] else "", "doctor")
+        raise BadInputError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
     options = DoctorOptions(world_size=world_size, variables=tuple(pairs), num_stages=num_stages,
                             partition_method=partition_method, parts=boundaries,
                             activation_checkpoint_interval=checkpoint_interval, tensor_degree=tensor_degree,

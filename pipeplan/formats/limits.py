@@ -50,6 +50,7 @@ __all__ = [
     "MAX_NAME_CHARS",
     "MAX_NESTING",
     "MAX_FILE_BYTES",
+    "MAX_PARALLEL_DEGREE",
     "MAX_ARRAY_ITEMS",
     "MAX_INT_DIGITS",
     "Ms",
@@ -88,6 +89,8 @@ MAX_MICROBATCHES = 4096
 MAX_NAME_CHARS = 1000
 #: Deepest JSON nesting a file may have (the formats need 6; free-form ``measurement`` a few more).
 MAX_NESTING = 64
+#: Largest pipeline, tensor, data or context degree (and p x v) a launcher config may give doctor.
+MAX_PARALLEL_DEGREE = 65_536
 #: Largest file pipeplan reads (JSON, TOML, launch script, graph.txt): 64 MiB, checked before parsing.
 MAX_FILE_BYTES = 64 * 2**20
 #: Most items one JSON/TOML array or object may hold (a 50,000-node PipeDream graph needs ~100,000).

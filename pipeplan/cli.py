@@ -295,6 +295,11 @@ def profile(
     flash_attention: bool = typer.Option(True, "--flash-attention/--no-flash-attention", help="With --analytic: flash attention (no s^2 activations)."),
 ):
     """Measure a torch model per unit (time, activation and output bytes) into a profile, or estimate one (--analytic)."""
+    from pipeplan.formats.limits import check_option_range
+
+    for option, value in (("--layers", layers), ("--hidden", hidden), ("--heads", heads), ("--vocab", vocab),
+                          ("--seq-len", seq_len)):
+        check_option_range(option, value)
     if analytic:
         from pipeplan.analytic import analytic_profile_to_file
         from pipeplan.analytic.tables import analytic_summary_table
@@ -406,7 +411,11 @@ def show(
     from pipeplan.formats.io import load_plan, refuse_overwriting_input
     from pipeplan.show import plan_tables, simulation_from_plan
 
+    from pipeplan.formats.limits import MAX_TIMELINE_WIDTH, check_option_range
+
     refuse_overwriting_input(timeline_out, plan_file, option="--timeline-out")
+    if timeline:
+        check_option_range("--width", width, 10, MAX_TIMELINE_WIDTH)
     loaded = load_plan(plan_file)
     console = rich_console()
     console.print(plan_tables(loaded))

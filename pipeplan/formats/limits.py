@@ -78,6 +78,9 @@ __all__ = [
     "Text",
     "plain_text_problem",
     "check_microbatch_count",
+    "check_option_range",
+    "MODEL_OPTION_LIMITS",
+    "MAX_TIMELINE_WIDTH",
 ]
 
 MAX_MS = 1e9
@@ -132,6 +135,8 @@ def plain_text_problem(text: str) -> str | None:
     >>> plain_text_problem("layer.0"), plain_text_problem("a\\x00b")
     (None, 'contains the control character U+0000; names must be plain text')
     """
+    if text.isascii() and text.isprintable():
+        return None  # the common case, without a category look-up per character (50,000-layer profiles)
     for char in text:
         if unicodedata.category(char) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
             return f"contains the control character U+{ord(char):04X}; names must be plain text"
@@ -205,6 +210,34 @@ Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValid
 """A name printed in the terminal: plain text, no control characters."""
 Text = Annotated[str, Field(max_length=100_000), AfterValidator(_free_text)]
 """Free text (descriptions, notes): lines allowed, terminal escapes not."""
+
+
+#: The sizes a model option may take (``profile``, ``run``): beyond them building or estimating the
+#: model runs for hours or out of memory (``--layers 1000000`` built a million blocks).
+MODEL_OPTION_LIMITS = {"--layers": 10_000, "--hidden": 1_000_000, "--heads": 10_000, "--vocab": 10_000_000,
+                       "--seq-len": 10_000_000}
+#: Widest timeline ``show --timeline`` draws, in characters.
+MAX_TIMELINE_WIDTH = 10_000
+
+
+def check_option_range(option: str, value: Any, low: int = 1, high: int | None = None) -> None:
+    """Refuse an option outside ``low..high`` (``high`` defaults to ``MODEL_OPTION_LIMITS[option]``).
+
+    >>> check_option_range("--layers", 12)
+    >>> check_option_range("--layers", 1000000)
+    Traceback (most recent call last):
+    ...
+    pipeplan.errors.BadInputError: --layers: 1000000 is more than 10,000, the most pipeplan takes
+    """
+    from pipeplan.errors import BadInputError
+
+    if value is None:
+        return
+    high = MODEL_OPTION_LIMITS[option] if high is None else high
+    if value < low:
+        raise BadInputError(f"{option}: {value} must be at least {low}")
+    if value > high:
+        raise BadInputError(f"{option}: {value} is more than {high:,}, the most pipeplan takes")
 
 
 def check_microbatch_count(global_batch: int, sizes: list[int], microbatch_size: int | None = None) -> None:

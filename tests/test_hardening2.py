@@ -405,3 +405,34 @@ def test_a_large_pipedream_graph_imports_in_order(tmp_path):
     data = json.loads(out.read_text())
     assert [layer["name"] for layer in data["layers"][:3]] == ["node0", "node1", "node2"]
     assert data["edges"][:2] == [["node0", "node1"], ["node1", "node2"]] and len(data["edges"]) == 19_999
+
+
+# ---------------------------------------------------------------- run: every option checked before anything starts
+@pytest.mark.parametrize("args, needle", [
+    (["--timeout", "nan"], "--timeout: nan"),
+    (["--timeout", "inf"], "--timeout: inf"),
+    (["--job-timeout", "nan"], "--job-timeout: nan"),
+    (["--nproc-per-node", "0"], "--nproc-per-node: 0"),
+    (["--verify", "--verify-tolerance", "nan"], "--verify-tolerance: nan"),
+    (["--seq-len", "0"], "--seq-len: 0 must be at least 1"),
+    (["--layers", "1000000"], "--layers: 1000000"),
+    (["--lr", "nan"], "--lr: nan"),
+])
+def test_run_refuses_bad_options_before_starting_torchrun(tmp_path, plan_file, profile_file, monkeypatch, args, needle):
+    import subprocess
+
+    def no_start(*a, **k):  # nothing may be started for a refused option
+        raise AssertionError(f"started {a[0] if a else k}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_start)
+    one_line_error(invoke("run", plan_file, "--profile", profile_file, *args), 2, needle)
+
+
+def test_run_device_cuda_without_cuda_is_refused_first(plan_file, profile_file, monkeypatch):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+    one_line_error(invoke("run", plan_file, "--profile", profile_file, "--device", "cuda"), 2, "--device cuda")

@@ -10,6 +10,7 @@ import functools
 import os
 import sys
 import traceback
+import unicodedata
 from pathlib import Path
 from typing import Optional
 
@@ -44,7 +45,7 @@ class _Group(TyperGroup):
             result = super().main(args=args, prog_name=prog_name or "pipeplan", complete_var=complete_var,
                                   standalone_mode=False, **extra)
         except typer.Abort:
-            typer.echo("interrupted; no output written", err=True)
+            echo("interrupted; no output written", err=True)
             code = 130
         except Exception as exc:
             # typer's own (vendored click) usage errors: duck-typed, their classes are private.
@@ -52,13 +53,13 @@ class _Group(TyperGroup):
                 raise
             ctx = getattr(exc, "ctx", None)
             if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
-                typer.echo(ctx.get_help())
+                echo(ctx.get_help())
                 code = 0
             else:
                 command = ctx.command_path if ctx is not None else "pipeplan"
                 message = " ".join(exc.format_message().split())
                 hint = f" (see {command} --help)" if ctx is not None else ""
-                typer.echo(f"error: {command}: {message}{hint}", err=True)
+                echo(f"error: {command}: {message}{hint}", err=True)
                 code = exc.exit_code
         else:
             code = result if isinstance(result, int) else 0
@@ -84,12 +85,26 @@ def rich_console(stderr: bool = False):
     return Console(stderr=stderr, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
 
 
-def _printable(line: str) -> str:
-    """Control and direction-override characters (from user input) escaped for the terminal."""
-    import unicodedata
+def _printable(line: str, keep: str = "") -> str:
+    """Control and direction-override characters (from user input) escaped for the terminal.
 
-    return "".join(f"\\u{ord(ch):04x}" if unicodedata.category(ch)[0] == "C" or unicodedata.category(ch) in ("Zl", "Zp")
+    Every message and every line the commands print goes through here (:func:`echo`), whatever
+    its source: a file's field, a cluster or layer name, a launcher script's value, an option.
+    ``keep`` lists characters left as they are (newline and tab in multi-line output).
+
+    >>> _printable("a\\x1b[31mb\\u202ec")
+    'a\\\\u001b[31mb\\\\u202ec'
+    """
+    if line.isascii() and line.isprintable():
+        return line
+    return "".join(f"\\u{ord(ch):04x}" if ch not in keep and (unicodedata.category(ch)[0] == "C"
+                                                           or unicodedata.category(ch) in ("Zl", "Zp"))
                    else ch for ch in line)
+
+
+def echo(text: str = "", err: bool = False, nl: bool = True) -> None:
+    """``typer.echo`` with :func:`_printable` applied (newlines and tabs kept)."""
+    typer.echo(_printable(str(text), keep="\n\t"), err=err, nl=nl)
 
 
 def one_line(text: str) -> str:
@@ -113,15 +128,15 @@ def handled(func):
             if state["debug"]:
                 traceback.print_exc()
             kind = "infeasible" if exc.exit_code == 3 else "error"
-            typer.echo(f"{kind}: {one_line(str(exc))}", err=True)
+            echo(f"{kind}: {one_line(str(exc))}", err=True)
             raise typer.Exit(exc.exit_code)
         except RecursionError:
             if state["debug"]:
                 raise
-            typer.echo("error: input nested too deep to read", err=True)
+            echo("error: input nested too deep to read", err=True)
             raise typer.Exit(2)
         except KeyboardInterrupt:
-            typer.echo("interrupted; no output written", err=True)
+            echo("interrupted; no output written", err=True)
             raise typer.Exit(130)
         except BrokenPipeError:
             # The reader left (`| head`); files were already written. Point stdout at devnull so
@@ -134,7 +149,7 @@ def handled(func):
         except Exception as exc:
             if state["debug"]:
                 raise
-            typer.echo(f"internal error: {type(exc).__name__}: {one_line(str(exc))} (rerun with --debug for the "
+            echo(f"internal error: {type(exc).__name__}: {one_line(str(exc))} (rerun with --debug for the "
                        f"traceback)", err=True)
             raise typer.Exit(1)
 
@@ -264,7 +279,7 @@ def import_pipedream_cmd(
     refuse_overwriting_input(output, path)
     profile = import_profile("pipedream", path, batch_size, output, model=model)
     edges = len(profile.edges or ())
-    typer.echo(f"wrote {output}: {profile.model}, {len(profile.layers)} layers, {edges} edges, micro-batch size {batch_size}")
+    echo(f"wrote {output}: {profile.model}, {len(profile.layers)} layers, {edges} edges, micro-batch size {batch_size}")
 
 
 @app.command()
@@ -310,7 +325,7 @@ def profile(
             sequence_parallel=sequence_parallel, flash_attention=flash_attention,
         )
         rich_console().print(analytic_summary_table(estimated))
-        typer.echo(f"wrote {output}")
+        echo(f"wrote {output}")
         return
     if gpu or gpu_spec or tensor_parallel != "1":
         raise BadInputError("--gpu, --gpu-spec and --tensor-parallel: only with --analytic")
@@ -328,7 +343,7 @@ def profile(
         options=options, split_backward=split_backward, progress=True,
     )
     rich_console().print(summary_table(result))
-    typer.echo(f"wrote {output}")
+    echo(f"wrote {output}")
 
 
 @app.command()
@@ -383,7 +398,7 @@ def plan(
     if not quiet:
         rich_console().print(plan_tables(result))
         if output:
-            typer.echo(f"wrote {output}")
+            echo(f"wrote {output}")
 
 
 @app.command()
@@ -427,7 +442,7 @@ def show(
             console.print(render_timeline_text(sim, width))
         if timeline_out:
             write_timeline_image(sim, timeline_out)
-            typer.echo(f"wrote {timeline_out}")
+            echo(f"wrote {timeline_out}")
 
 
 @app.command()
@@ -461,7 +476,7 @@ def validate(path: Path = typer.Argument(..., metavar="FILE", help="Profile, pla
     """Check a profile, plan or run report file and explain any problem."""
     from pipeplan.api import validate_file
 
-    typer.echo(validate_file(path))
+    echo(validate_file(path))
 
 
 @app.command()
@@ -478,9 +493,9 @@ def schema(
         from pipeplan.formats.io import write_text_atomic
 
         write_text_atomic(output, text)
-        typer.echo(f"wrote {output}")
+        echo(f"wrote {output}")
     else:
-        typer.echo(text, nl=False)
+        echo(text, nl=False)
 
 
 @app.command()
@@ -499,9 +514,9 @@ def export(
     refuse_overwriting_input(output, plan_file, profile)
     text, written = run_export(plan_file, format, output=output, profile_path=profile, with_schedule_csv=schedule_csv)
     if not written:
-        typer.echo(text, nl=False)
+        echo(text, nl=False)
     for path in written:
-        typer.echo(f"wrote {path}")
+        echo(f"wrote {path}")
 
 
 @app.command()
@@ -535,9 +550,9 @@ def doctor(
         cluster=cluster, search_layouts=search_layouts, world_size=world_size, tensor_degree=tensor_parallel, variables=var or [], num_stages=num_stages, partition_method=partition_method,
         parts=parts, checkpoint_interval=checkpoint_interval, fix_output=output if fix else None, fix=fix,
         output_format=format, junit=junit)
-    typer.echo(text, nl=False)
+    echo(text, nl=False)
     for path in written:
-        typer.echo(f"wrote {path}")
+        echo(f"wrote {path}")
     raise typer.Exit(code)
 
 
@@ -557,7 +572,7 @@ def check(
 
     report, text = run_check(profiles, baseline, tolerance=tolerance, memory_cap=memory_cap, format=format,
                              junit_path=junit, update=update)
-    typer.echo(text, nl=False)
+    echo(text, nl=False)
     raise typer.Exit(report.exit_code)
 
 
@@ -577,7 +592,7 @@ def diff(
     """Two plans or two profiles side by side: moved layers, slower or bigger units, effect on the plan."""
     from pipeplan.check.commands import run_diff
 
-    typer.echo(run_diff(a, b, format=format, settings_from=settings_from, microbatch_size=microbatch_size,
+    echo(run_diff(a, b, format=format, settings_from=settings_from, microbatch_size=microbatch_size,
                         stages=stages, global_batch=global_batch, memory_cap=memory_cap, schedule=schedule), nl=False)
 
 

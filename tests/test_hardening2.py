@@ -436,3 +436,40 @@ def test_run_device_cuda_without_cuda_is_refused_first(plan_file, profile_file, 
 
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
     one_line_error(invoke("run", plan_file, "--profile", profile_file, "--device", "cuda"), 2, "--device cuda")
+
+
+# ---------------------------------------------------------------- messages: control and bidi characters escaped everywhere
+RAW = ("\x1b", "\u202e", "\x07")
+
+
+def _clean(text):
+    return not any(ch in text for ch in RAW)
+
+
+def test_usage_errors_escape_control_characters(profile_file):
+    result = invoke("plan", profile_file, "--stages", 2, "--evil\x1b[2J\u202e")
+    # (click escapes these itself; pipeplan's echo is the second guard)
+    assert result.exit_code == 2 and _clean(result.stderr) and "--evil" in result.stderr, repr(result.stderr)
+
+
+def test_what_a_command_prints_escapes_the_names_it_was_given(tmp_path, profile_file):
+    out = tmp_path / "plan\x1b[2J\u202e.json"
+    result = invoke("plan", profile_file, "--stages", 2, "-o", out)
+    assert result.exit_code == 0, result.stderr
+    assert _clean(result.stdout) and "plan\\u001b[2J\\u202e.json" in result.stdout
+    missing = invoke("validate", tmp_path / "a\u202eb\x07.json")
+    one_line_error(missing, 2, "a\\u202eb\\u0007.json")
+
+
+def test_a_cluster_name_with_escapes_never_reaches_the_terminal(tmp_path, profile_file):
+    path = write(tmp_path, CLUSTER.replace('name = "c"', 'name = "evil\\u001b[31m\\u202e"'), "c.toml")
+    for args in (("cluster", path), ("plan", profile_file, "--gpus", 16, "--cluster", path, "-q")):
+        result = invoke(*args)
+        assert result.exit_code == 2 and _clean(result.stdout + result.stderr), repr(result.stderr)
+
+
+def test_doctor_output_escapes_what_the_script_holds(tmp_path, llama):
+    text = MEGATRON.replace("--num-layers $NUM_LAYERS", "--num-layers $NUM_LAYERS --tensorboard-dir $'\\e[31mx\\u202e'")
+    result = invoke("doctor", "megatron", write(tmp_path, text, "m.sh"), "--profile", llama, "--format", "markdown")
+    assert result.exit_code in (0, 1), result.stderr
+    assert _clean(result.stdout + result.stderr)

@@ -253,14 +253,16 @@ _ACTION_OVERHEAD = typer.Option(
          "measures it. Default: the profile's (from `pipeplan calibrate`), else 0.")
 
 
-def _default_global_batch(profile_path, global_batch, microbatch_size=None):
+def _default_global_batch(profile_path, global_batch, microbatch_size=None, replicas=1):
+    """The global batch, checked against the micro-batch limit per replica (``replicas``: the
+    fixed --data-parallel, or with --gpus the most a layout may have)."""
     from pipeplan.formats.io import load_profile
     from pipeplan.formats.limits import check_microbatch_count
 
     sizes = load_profile(profile_path).microbatch_sizes
     if global_batch is None:
         return 8 * max(sizes)
-    check_microbatch_count(global_batch, sizes, microbatch_size)
+    check_microbatch_count(global_batch, sizes, microbatch_size, replicas=replicas or 1)
     return global_batch
 
 
@@ -388,7 +390,9 @@ def plan(
     from pipeplan.show import plan_tables
 
     refuse_overwriting_input(output, profile)
-    settings = _plan_settings(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size, memory_cap,
+    replicas = data_parallel or gpus or 1
+    settings = _plan_settings(stages, _default_global_batch(profile, global_batch, microbatch_size, replicas),
+                              microbatch_size, memory_cap,
                               optimizer, bandwidth, schedule, virtual_stages, recompute, solver, action_overhead_ms,
                               launcher=launcher, num_gpus=gpus, cluster=cluster, data_parallel=data_parallel,
                               tensor_parallel=tensor_parallel, zero=zero, data_parallel_overlap=data_parallel_overlap)

@@ -473,3 +473,34 @@ def test_doctor_output_escapes_what_the_script_holds(tmp_path, llama):
     result = invoke("doctor", "megatron", write(tmp_path, text, "m.sh"), "--profile", llama, "--format", "markdown")
     assert result.exit_code in (0, 1), result.stderr
     assert _clean(result.stdout + result.stderr)
+
+
+# ---------------------------------------------------------------- the cluster search: one wrong refusal, one crash
+@pytest.fixture
+def sixteen_layers(tmp_path):
+    return write(tmp_path, make_profile_dict(n_layers=16, sizes=(1, 2)), "p16.json")
+
+
+def test_the_microbatch_limit_is_per_replica(tmp_path, sixteen_layers):
+    out = tmp_path / "plan.json"
+    result = invoke("plan", sixteen_layers, "--gpus", 4096, "--cluster", "dgx-h100", "--data-parallel", 512,
+                    "--global-batch", 8192, "-o", out, "-q")
+    assert result.exit_code == 0, result.stderr  # refused before as "8192 micro-batches"
+    plan = json.loads(out.read_text())
+    assert plan["parallelism"]["data"] == 512 and plan["num_microbatches"] * plan["microbatch_size"] == 16
+
+
+def test_past_the_limit_per_replica_is_still_refused(sixteen_layers):
+    one_line_error(invoke("plan", sixteen_layers, "--gpus", 16, "--cluster", "dgx-h100", "--data-parallel", 2,
+                          "--global-batch", 2 * 4097, "--microbatch-size", 1, "-q"), 2, "per replica", "4096")
+
+
+def test_layouts_whose_data_groups_straddle_nodes_are_not_admitted(tmp_path, sixteen_layers):
+    # 2,520 GPUs: t = 1, d = 180 put a pipeline rank's GPUs mid-node (an internal error before).
+    out = tmp_path / "plan.json"
+    result = invoke("plan", sixteen_layers, "--gpus", 2520, "--cluster", "dgx-h100", "--global-batch", 2520,
+                    "-o", out, "-q")
+    assert result.exit_code == 0, result.stderr
+    par = json.loads(out.read_text())["parallelism"]
+    group = par["tensor"] * par["data"]
+    assert group % par["gpus_per_node"] == 0 or par["gpus_per_node"] % group == 0

@@ -240,11 +240,13 @@ def check_option_range(option: str, value: Any, low: int = 1, high: int | None =
         raise BadInputError(f"{option}: {value} is more than {high:,}, the most pipeplan takes")
 
 
-def check_microbatch_count(global_batch: int, sizes: list[int], microbatch_size: int | None = None) -> None:
-    """Refuse a request whose micro-batch count would pass ``MAX_MICROBATCHES``.
+def check_microbatch_count(global_batch: int, sizes: list[int], microbatch_size: int | None = None,
+                           replicas: int = 1) -> None:
+    """Refuse a request whose micro-batch count per replica would pass ``MAX_MICROBATCHES``.
 
     The planner tries every profiled micro-batch size that divides the global batch (or the fixed
-    one); the smallest gives the most micro-batches.
+    one); the smallest gives the most micro-batches. The limit is per pipeline: with ``replicas``
+    data-parallel replicas (the most a cluster search may use), each runs ``1 / replicas`` of them.
 
     Raises
     ------
@@ -267,10 +269,13 @@ def check_microbatch_count(global_batch: int, sizes: list[int], microbatch_size:
     if not fitting or not all(isinstance(b, int) and b > 0 for b in fitting):
         return
     smallest = min(fitting)
-    count = global_batch // smallest
+    replicas = max(1, int(replicas))
+    count = global_batch // (smallest * replicas)
     if count > MAX_MICROBATCHES:
+        per = f" per replica ({replicas} data-parallel replicas)" if replicas > 1 else ""
         raise BadInputError(
             f"--global-batch: {global_batch} makes {count} micro-batches of {smallest} sample"
-            f"{'s' if smallest > 1 else ''}; pipeplan plans at most {MAX_MICROBATCHES} micro-batches per "
-            f"iteration: give a smaller --global-batch or a larger --microbatch-size"
+            f"{'s' if smallest > 1 else ''}{per}; pipeplan plans at most {MAX_MICROBATCHES} micro-batches per "
+            f"iteration{' of a replica' if replicas > 1 else ''}: give a smaller --global-batch or a larger "
+            f"--microbatch-size"
         )

@@ -13,10 +13,11 @@ import typer
 from pydantic import ValidationError
 
 from pipeplan import cli_run
-from pipeplan.cli_common import Group, handled, rich_console, state, terminal_progress
+from pipeplan.cli_common import Group, echo, handled, rich_console, state, terminal_progress
 from pipeplan.progress import reporting
 from pipeplan.cluster.presets import resolve_cluster
 from pipeplan.errors import BadInputError
+from pipeplan.formats.limits import MAX_TIMELINE_WIDTH, check_option_range
 from pipeplan.quantities import parse_bandwidth, parse_bytes
 from pipeplan.requests import ClusterRequest, PipelineRequest
 from pipeplan.formats.io import load_plan, refuse_overwriting_input, write_text_atomic
@@ -158,7 +159,7 @@ def import_pipedream_cmd(
     refuse_overwriting_input(output, path)
     profile = import_profile("pipedream", path, batch_size, output, model=model)
     edges = len(profile.edges or ())
-    typer.echo(f"wrote {output}: {profile.model}, {len(profile.layers)} layers, {edges} edges, micro-batch size {batch_size}")
+    echo(f"wrote {output}: {profile.model}, {len(profile.layers)} layers, {edges} edges, micro-batch size {batch_size}")
 
 
 @app.command()
@@ -196,7 +197,7 @@ def profile(
         options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}, units=units, seed=seed,
         config=config, split_backward=split_backward, progress=True)
     rich_console().print(analytic_summary_table(result) if analytic else summary_table(result))
-    typer.echo(f"wrote {output}")
+    echo(f"wrote {output}")
 
 
 @app.command()
@@ -247,7 +248,7 @@ def plan(
     if not quiet:
         rich_console().print(plan_tables(result))
         if output:
-            typer.echo(f"wrote {output}")
+            echo(f"wrote {output}")
 
 
 @app.command()
@@ -269,7 +270,9 @@ def show(
     width: int = typer.Option(100, "--width", help="Timeline width in characters."),
 ):
     """Show a plan: stages, layers, times, memory, bubble."""
-    refuse_overwriting_input(timeline_out, plan_file)
+    refuse_overwriting_input(timeline_out, plan_file, option="--timeline-out")
+    if timeline:
+        check_option_range("--width", width, 10, MAX_TIMELINE_WIDTH)
     loaded = load_plan(plan_file)
     console = rich_console()
     console.print(plan_tables(loaded))
@@ -279,7 +282,7 @@ def show(
             console.print(render_timeline_text(sim, width))
         if timeline_out:
             write_timeline_image(sim, timeline_out)
-            typer.echo(f"wrote {timeline_out}")
+            echo(f"wrote {timeline_out}")
 
 
 @app.command()
@@ -310,7 +313,7 @@ def compare(
 @handled
 def validate(path: Path = typer.Argument(..., metavar="FILE", help="Profile, plan or run report JSON.", show_default=False)):
     """Check a profile, plan or run report file and explain any problem."""
-    typer.echo(validate_file(path))
+    echo(validate_file(path))
 
 
 @app.command()
@@ -323,9 +326,9 @@ def schema(
     text = json_schema_text(kind)
     if output:
         write_text_atomic(output, text)
-        typer.echo(f"wrote {output}")
+        echo(f"wrote {output}")
     else:
-        typer.echo(text, nl=False)
+        echo(text, nl=False)
 
 
 @app.command()
@@ -341,9 +344,9 @@ def export(
     refuse_overwriting_input(output, plan_file, profile)
     text, written = run_export(plan_file, format, output=output, profile_path=profile, with_schedule_csv=schedule_csv)
     if not written:
-        typer.echo(text, nl=False)
+        echo(text, nl=False)
     for path in written:
-        typer.echo(f"wrote {path}")
+        echo(f"wrote {path}")
 
 
 @app.command()
@@ -377,9 +380,9 @@ def doctor(
             variables=var or [], num_stages=num_stages, partition_method=partition_method, parts=parts,
             checkpoint_interval=checkpoint_interval, fix_output=output if fix else None, fix=fix,
             output_format=format, junit=junit)
-    typer.echo(text, nl=False)
+    echo(text, nl=False)
     for path in written:
-        typer.echo(f"wrote {path}")
+        echo(f"wrote {path}")
     raise typer.Exit(code)
 
 
@@ -398,7 +401,7 @@ def check(
     with reporting(terminal_progress()):
         report, text = run_check(profiles, baseline, tolerance=tolerance, memory_cap=memory_cap, format=format,
                                  junit_path=junit, update=update)
-    typer.echo(text, nl=False)
+    echo(text, nl=False)
     raise typer.Exit(report.exit_code)
 
 
@@ -416,7 +419,7 @@ def diff(
     microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", "-b", help="Profiles: compare costs at this micro-batch size."),
 ):
     """Two plans or two profiles side by side: moved layers, slower or bigger units, effect on the plan."""
-    typer.echo(run_diff(a, b, format=format, settings_from=settings_from, microbatch_size=microbatch_size,
+    echo(run_diff(a, b, format=format, settings_from=settings_from, microbatch_size=microbatch_size,
                         stages=stages, global_batch=global_batch, memory_cap=memory_cap, schedule=schedule), nl=False)
 
 

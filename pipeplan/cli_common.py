@@ -16,7 +16,7 @@ from typer.core import TyperGroup
 
 from pipeplan.errors import PipeplanError
 
-__all__ = ["state", "Group", "rich_console", "one_line", "handled", "terminal_progress"]
+__all__ = ["state", "Group", "rich_console", "one_line", "echo", "handled", "terminal_progress"]
 
 state = {"debug": False}
 
@@ -44,7 +44,7 @@ class Group(TyperGroup):
             result = super().main(args=args, prog_name=prog_name or "pipeplan", complete_var=complete_var,
                                   standalone_mode=False, **extra)
         except typer.Abort:
-            typer.echo("interrupted; no output written", err=True)
+            echo("interrupted; no output written", err=True)
             code = 130
         except Exception as exc:
             # typer's own (vendored click) usage errors: duck-typed, their classes are private.
@@ -52,13 +52,13 @@ class Group(TyperGroup):
                 raise
             ctx = getattr(exc, "ctx", None)
             if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
-                typer.echo(ctx.get_help())
+                echo(ctx.get_help())
                 code = 0
             else:
                 command = ctx.command_path if ctx is not None else "pipeplan"
                 message = " ".join(exc.format_message().split())
                 hint = f" (see {command} --help)" if ctx is not None else ""
-                typer.echo(f"error: {command}: {message}{hint}", err=True)
+                echo(f"error: {command}: {message}{hint}", err=True)
                 code = exc.exit_code
         else:
             code = result if isinstance(result, int) else 0
@@ -73,10 +73,26 @@ def rich_console(stderr: bool = False):
     return Console(stderr=stderr, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
 
 
-def _printable(line: str) -> str:
-    """Control and direction-override characters (from user input) escaped for the terminal."""
-    return "".join(f"\\u{ord(ch):04x}" if unicodedata.category(ch)[0] == "C" or unicodedata.category(ch) in ("Zl", "Zp")
+def _printable(line: str, keep: str = "") -> str:
+    """Control and direction-override characters (from user input) escaped for the terminal.
+
+    Every message and every line the commands print goes through here (:func:`echo`), whatever
+    its source: a file's field, a cluster or layer name, a launcher script's value, an option.
+    ``keep`` lists characters left as they are (newline and tab in multi-line output).
+
+    >>> _printable("a\\x1b[31mb\\u202ec")
+    'a\\\\u001b[31mb\\\\u202ec'
+    """
+    if line.isascii() and line.isprintable():
+        return line
+    return "".join(f"\\u{ord(ch):04x}" if ch not in keep and (unicodedata.category(ch)[0] == "C"
+                                                           or unicodedata.category(ch) in ("Zl", "Zp"))
                    else ch for ch in line)
+
+
+def echo(text: str = "", err: bool = False, nl: bool = True) -> None:
+    """``typer.echo`` with :func:`_printable` applied (newlines and tabs kept)."""
+    typer.echo(_printable(str(text), keep="\n\t"), err=err, nl=nl)
 
 
 def one_line(text: str) -> str:
@@ -100,15 +116,15 @@ def handled(func):
             if state["debug"]:
                 traceback.print_exc()
             kind = "infeasible" if exc.exit_code == 3 else "error"
-            typer.echo(f"{kind}: {one_line(str(exc))}", err=True)
+            echo(f"{kind}: {one_line(str(exc))}", err=True)
             raise typer.Exit(exc.exit_code)
         except RecursionError:
             if state["debug"]:
                 raise
-            typer.echo("error: input nested too deep to read", err=True)
+            echo("error: input nested too deep to read", err=True)
             raise typer.Exit(2)
         except KeyboardInterrupt:
-            typer.echo("interrupted; no output written", err=True)
+            echo("interrupted; no output written", err=True)
             raise typer.Exit(130)
         except BrokenPipeError:
             # The reader left (`| head`); files were already written. Point stdout at devnull so
@@ -121,7 +137,7 @@ def handled(func):
         except Exception as exc:
             if state["debug"]:
                 raise
-            typer.echo(f"internal error: {type(exc).__name__}: {one_line(str(exc))} (rerun with --debug for the "
+            echo(f"internal error: {type(exc).__name__}: {one_line(str(exc))} (rerun with --debug for the "
                        f"traceback)", err=True)
             raise typer.Exit(1)
 

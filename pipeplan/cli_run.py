@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from pipeplan.cli_common import handled, rich_console, state
+from pipeplan.cli_common import echo, handled, rich_console, state
 from pipeplan.errors import BadInputError
 from pipeplan.formats.io import refuse_overwriting_input
 from pipeplan.run import report_table, run_plan_file
@@ -50,7 +50,7 @@ def run(
     verify_tolerance: Optional[float] = typer.Option(None, "--verify-tolerance", help="Largest relative difference --verify accepts (default 1e-4 in fp32, 2e-2 in bf16/fp16)."),
 ):
     """Run a plan with torch.distributed.pipelining under torchrun; report measured vs predicted."""
-    refuse_overwriting_input(report, plan_file, profile)
+    refuse_overwriting_input(report, plan_file, profile, option="--report")
     result = run_plan_file(
         plan_file, report_path=report, profile_path=profile, model=model, steps=steps, threads=threads,
         seq_len=seq_len, model_options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab},
@@ -61,11 +61,11 @@ def run(
     )
     rich_console().print(report_table(result))
     for note in result.get("notes", []):
-        typer.echo(f"note: {note}")
+        echo(f"note: {note}")
     for line in verdict_lines(result["verify"]) if result.get("verify") else []:
-        typer.echo(line)
+        echo(line)
     if report:
-        typer.echo(f"wrote {report}")
+        echo(f"wrote {report}")
     check_verdict(result)
 
 
@@ -84,10 +84,10 @@ def calibrate(
         refuse_overwriting_input(output, plan_file, measured)
         _, fit = calibrate_analytic_files(plan_file, measured, output)
         eff = fit["efficiency"]
-        typer.echo(f"efficiency fitted to {fit['entries']} unit times: gemm {eff['gemm']}, attention {eff['attention']}, "
+        echo(f"efficiency fitted to {fit['entries']} unit times: gemm {eff['gemm']}, attention {eff['attention']}, "
                    f"memory {eff['memory']}, kernel latency {eff['kernel_latency_us']} us; rms log error "
                    f"{fit['rms_log_error_before']:.3f} -> {fit['rms_log_error_after']:.3f}")
-        typer.echo(f"wrote {output}")
+        echo(f"wrote {output}")
         return
     if report_file is None:
         raise BadInputError("REPORT: missing (the run report of PLAN), or give --measured to fit an analytic profile")
@@ -97,5 +97,5 @@ def calibrate(
     rich_console().print(calibration_table(factors))
     overhead_ms = (calibrated.measurement or {}).get("action_overhead_ms")
     if overhead_ms is not None:
-        typer.echo(f"the schedule's own work: {overhead_ms:.2f} ms per action (plans from {output} count it)")
-    typer.echo(f"wrote {output}")
+        echo(f"the schedule's own work: {overhead_ms:.2f} ms per action (plans from {output} count it)")
+    echo(f"wrote {output}")

@@ -70,7 +70,7 @@ def test_fix_writes_the_launchers_file(profile, tmp_path):
     (["fairscale", "deepspeed_bad_type.json"], "launcher 'fairscale'"),
     (["deepspeed", "deepspeed_pipeline_ds_config.json", "--parts", "0,a"], "--parts"),
     (["megatron", "megatron_gpt3_175b.sh", "--fix"], "--fix: give -o FILE"),
-    (["megatron", "nowhere.sh"], "cannot read it"),
+    (["megatron", "nowhere.sh"], "no such file"),
 ])
 def test_bad_input_exits_2_with_one_line(profile, args, message):
     launcher, name, *rest = args

@@ -153,3 +153,44 @@ def test_a_stopped_child_is_continued_only_once_told_to_end():
     finally:
         parent.kill()
         parent.wait()
+
+
+def _torchrun_pid(launcher: int) -> int:
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == launcher and b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return int(pid)
+    raise AssertionError("no torchrun under the launcher")
+
+
+def _gone_within(tmp_path: Path, seconds: float) -> None:
+    """Issue 24's test: no rank, no torchrun and no temp folder ``seconds`` after the kill."""
+    tmp = tmp_path / "tmp"
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and (_processes_under(tmp) or any(tmp.glob("pipeplan-run-*"))):
+        time.sleep(0.2)
+    assert _processes_under(tmp) == [], "a rank or torchrun outlived the launcher"
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("pipeplan-run-")] == [], "temp folder left behind"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_kill_9_of_the_launcher_leaves_no_process_and_no_temp_folder(tmp_path):
+    proc = _start_run(tmp_path, "--steps", "100000", "--timeout", "30", "-q")
+    _worker_pid(tmp_path / "tmp", 1)
+    proc.kill()  # SIGKILL: the launcher runs no code; its watchdog sees the pipe close
+    proc.communicate(timeout=30)
+    _gone_within(tmp_path, 15)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_kill_9_of_torchrun_ends_the_ranks_at_once(tmp_path):
+    proc = _start_run(tmp_path, "--steps", "100000", "--timeout", "300", "-q")
+    _worker_pid(tmp_path / "tmp", 1)
+    os.kill(_torchrun_pid(proc.pid), signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)  # the ranks die with torchrun (not at their 300 s timeout)
+    assert proc.returncode != 0 and "Traceback" not in err, err
+    _gone_within(tmp_path, 15)

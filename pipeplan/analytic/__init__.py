@@ -15,7 +15,8 @@ from pipeplan.analytic.api import analytic_profile, analytic_profile_to_file, pa
 from pipeplan.analytic.configs import ModelConfig, shipped_configs
 from pipeplan.analytic.families import load_model_config
 from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY, EfficiencyModel
-from pipeplan.facts.gpus import GPUS, GpuSpec, get_gpu, load_gpu_spec
+from pipeplan.facts.gpus import GPUS, GpuSpec, get_gpu
+from pipeplan.formats.gpu import load_gpu_spec
 
 __all__ = [
     "analytic_profile", "analytic_profile_to_file", "parse_degrees", "summary_rows",

@@ -11,7 +11,8 @@ from pipeplan.analytic.configs import ModelConfig
 from pipeplan.analytic.families import load_model_config
 from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY, EfficiencyModel, parts_ms
 from pipeplan.analytic.flops import Shape, model_flops_per_token, unit_work
-from pipeplan.facts.gpus import GpuSpec, resolve_gpu
+from pipeplan.facts.gpus import GpuSpec
+from pipeplan.formats.gpu import resolve_gpu
 from pipeplan.analytic.memory import unit_activation_bytes, unit_output_bytes
 from pipeplan.analytic.shapes import (check_tensor_parallel, tied_table_count, unit_active_param_count,
                                       unit_expert_param_count, unit_param_count)

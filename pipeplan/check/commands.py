@@ -9,7 +9,7 @@ from pipeplan.check.diff import diff_files, diff_settings
 from pipeplan.check.regress import CheckReport, check_profiles
 from pipeplan.check.report import FORMATS, check_junit, render_check, render_diff
 from pipeplan.errors import BadInputError
-from pipeplan.formats.io import write_text_atomic
+from pipeplan.formats.io import check_output_target, write_text_atomic
 from pipeplan.quantities import parse_bytes
 from pipeplan.check.report import check_renderables, render_rich
 from pipeplan.check.report import diff_renderables
@@ -65,10 +65,12 @@ def run_check(
         See :func:`pipeplan.check.regress.check_profiles`; also a bad format or size.
     """
     _check_format(format)
+    if junit_path is not None:
+        check_output_target(junit_path, "--junit")
     cap = parse_bytes(memory_cap) if memory_cap is not None else None
     report = check_profiles(profiles_dir, baseline_dir, tolerance=tolerance, memory_cap_bytes=cap, update=update)
     if junit_path is not None:
-        write_text_atomic(junit_path, check_junit(report))
+        write_text_atomic(junit_path, check_junit(report), option="--junit")
     text = render_check(report, format) if format == "markdown" else _render_table(report)
     return report, text
 

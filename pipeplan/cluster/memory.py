@@ -75,9 +75,13 @@ def plannable_bytes(cap_bytes: int, fixed_bytes: int, fragmentation: float) -> i
     room = cap_bytes - fixed_bytes
     if room <= 0:
         return 0
-    x = int(room / (1 + fragmentation))
-    while x > 0 and x + reserve_bytes(x, fixed_bytes, fragmentation) > cap_bytes:
-        x -= 1
-    while x + 1 + reserve_bytes(x + 1, fixed_bytes, fragmentation) <= cap_bytes:
-        x += 1
-    return x
+    # x + reserve_bytes(x) grows with x, so bisect: ~log2(cap) steps, where correcting the float
+    # estimate one byte at a time took ~1e14 steps at a cap of 1e30 bytes.
+    lo, hi = 0, room  # lo fits (the fixed reserve is within the cap); the answer is at most room
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mid + reserve_bytes(mid, fixed_bytes, fragmentation) <= cap_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -6,7 +6,11 @@ For ``N`` GPUs in nodes of ``G``, a global batch of ``B`` samples and micro-batc
 - ``t`` divides ``G`` (tensor parallelism stays inside a node), divides every head count given
   (attention heads, KV heads: Megatron splits heads whole), and is a degree the profile has;
 - ``p`` is at most the number of units (each stage needs one);
-- ``B`` is divisible by ``d x b``; each replica runs ``m = B / (d x b)`` micro-batches.
+- a pipeline rank's ``t x d`` consecutive GPUs fill whole nodes or divide one (``t x d`` a multiple
+  or a divisor of ``G``), so every data group lies evenly over its nodes (t = 1, d = 180 on 8-GPU
+  nodes would start mid-node);
+- ``B`` is divisible by ``d x b``; each replica runs ``m = B / (d x b)`` micro-batches, at most
+  4096 (the limit is per replica: 4,096 GPUs at d = 512 with ``B`` = 8,192 run 16 each).
 
 A fixed degree (``--data-parallel``, ``--tensor-parallel``, ``--stages``, ``--microbatch-size``)
 keeps only its value. Schedules, virtual stages, recomputation and ZeRO are searched per
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from pipeplan.errors import BadInputError
+from pipeplan.formats.limits import MAX_MICROBATCHES
 
 __all__ = ["Degrees", "Candidate", "parallel_degrees", "candidates", "divisors"]
 
@@ -140,6 +145,10 @@ def parallel_degrees(num_gpus: int, gpus_per_node: int, num_units: int,
             d = num_gpus // (t * p)
             if data is not None and d != data:
                 continue
+            if (t * d) % gpus_per_node and gpus_per_node % (t * d):
+                # A pipeline rank's t x d GPUs would start mid-node (t = 1, d = 180 on 8-GPU
+                # nodes): its data groups straddle nodes unevenly, which no collective here costs.
+                continue
             out.append(Degrees(d, t, p))
     if not out:
         fixed = ", ".join(f"{n} {v}" for n, v in (("--data-parallel", data), ("--tensor-parallel", tensor),
@@ -171,10 +180,20 @@ def candidates(degrees: Iterable[Degrees], global_batch: int, microbatch_sizes: 
     sizes = sorted({int(b) for b in microbatch_sizes})
     degrees = list(degrees)
     out = []
+    over_limit = 0
     for deg in degrees:
         for b in sizes:
             if b >= 1 and global_batch % (deg.data * b) == 0:
-                out.append(Candidate(deg.data, deg.tensor, deg.pipeline, b, global_batch // (deg.data * b)))
+                count = global_batch // (deg.data * b)
+                if count > MAX_MICROBATCHES:  # per replica: the simulator steps through each one
+                    over_limit += 1
+                    continue
+                out.append(Candidate(deg.data, deg.tensor, deg.pipeline, b, count))
+    if not out and over_limit:
+        raise BadInputError(
+            f"--global-batch: {global_batch} makes more than {MAX_MICROBATCHES} micro-batches per replica in every "
+            f"layout and micro-batch size that divides it; give a smaller --global-batch, a larger "
+            f"--microbatch-size or more data-parallel replicas")
     if not out:
         datas = sorted({deg.data for deg in degrees})
         raise BadInputError(

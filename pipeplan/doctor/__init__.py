@@ -20,10 +20,13 @@ from pathlib import Path
 from pipeplan.doctor.config import LAUNCHERS, LauncherConfig, Layout
 from pipeplan.doctor.diagnose import diagnose
 from pipeplan.doctor.findings import Diagnosis, Finding
+from pydantic import ValidationError
+
 from pipeplan.errors import BadInputError
 from pipeplan.doctor.deepspeed import deepspeed_layout_of, parse_deepspeed
-from pipeplan.doctor.report import render, write_junit
-from pipeplan.formats.io import file_sha256, load_profile, write_text_atomic
+from pipeplan.doctor.report import junit_text, render
+from pipeplan.formats.io import (check_output_target, file_sha256, load_profile, refuse_overwriting_input,
+                                 write_files_atomic)
 from pipeplan.formats.plan import PlanSettings
 from pipeplan.quantities import parse_bandwidth, parse_bytes
 from pipeplan.facts.training_state import OPTIMIZERS
@@ -32,6 +35,7 @@ from pipeplan.doctor.fix import fix_config
 from pipeplan.doctor.megatron import megatron_layout_of, parse_megatron
 from pipeplan.doctor.torchtitan import load_toml, parse_torchtitan, torchtitan_layout_of
 from pipeplan.doctor.units import unit_positions
+from pipeplan.formats.reading import read_input_text
 
 __all__ = ["LAUNCHERS", "DoctorOptions", "read_config", "doctor_file", "run_doctor_command", "Diagnosis", "Finding"]
 
@@ -73,10 +77,7 @@ def read_config(launcher: str, path: str | Path, profile, options: DoctorOptions
     if launcher not in LAUNCHERS:
         raise BadInputError(f"doctor: launcher {launcher!r} is not one of {', '.join(LAUNCHERS)}")
     path = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"{path}: cannot read it: {exc}") from None
+    text = read_input_text(path, {"megatron": "launch script", "torchtitan": "TOML"}.get(launcher, "JSON"))
     if launcher == "megatron":
         config = parse_megatron(path, text, variables=dict(options.variables), world_size=options.world_size)
         return config, megatron_layout_of(config)
@@ -131,6 +132,12 @@ def doctor_file(launcher: str, path: str | Path, profile_path: str | Path, setti
     BadInputError
         Bad files or settings (exit 2).
     """
+    inputs = [path, profile_path, options.cluster]  # a preset's name matches no file
+    # Every output is checked before any work: not a device, FIFO or folder, not an input.
+    for option, target in (("-o", fix_output), ("--junit", junit_path)):
+        if target is not None:
+            check_output_target(target, option)
+            refuse_overwriting_input(target, *inputs, option=option)
     if output_format not in ("table", "markdown", "json"):
         raise BadInputError(f"--format: {output_format!r} is not one of table, markdown, json")
     profile = load_profile(profile_path)
@@ -140,18 +147,17 @@ def doctor_file(launcher: str, path: str | Path, profile_path: str | Path, setti
     config, layout = read_config(launcher, path, profile, options)
     result = diagnose(config, layout, profile, settings, profile_sha256=file_sha256(profile_path), cluster=cluster,
                       search_layouts=options.search_layouts)
-    written: list[Path] = []
+    outputs: dict[str | Path, str] = {}
     if fix_output is not None:
         if result.best is None:
             raise BadInputError("--fix: no plan fits, so there is nothing to write (see the findings)")
-        files = fix_config(config, Path(path).read_text(encoding="utf-8"), result.best, profile, str(fix_output))
-        for name, text in files.items():
-            write_text_atomic(name, text)
-            written.append(Path(name))
+        outputs.update(fix_config(config, Path(path).read_text(encoding="utf-8"), result.best, profile,
+                                  str(fix_output)))
     text = render(result, output_format)
     if junit_path is not None:
-        write_junit(result, junit_path)
-        written.append(Path(junit_path))
+        outputs[junit_path] = junit_text(result)
+    # The fixed config, its sidecar and the JUnit file: all written, or none.
+    written = write_files_atomic(outputs, inputs, option="-o/--junit") if outputs else []
     return result, text, written
 
 
@@ -196,8 +202,14 @@ def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: 
     else:
         cap = load_profile(profile_path).device.memory_bytes
     rate = parse_bandwidth(bandwidth)
-    settings = PlanSettings(stages=1, global_batch=1, memory_cap_bytes=cap, optimizer=optimizer,
-                            bandwidth_bytes_per_s=None if rate == float("inf") else rate)
+    try:
+        settings = PlanSettings(stages=1, global_batch=1, memory_cap_bytes=cap, optimizer=optimizer,
+                                bandwidth_bytes_per_s=None if rate == float("inf") else rate)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        option = {"memory_cap_bytes": f"--memory-cap {memory_cap}", "bandwidth_bytes_per_s": f"--bandwidth {bandwidth}"}
+        where = option.get(str(first["loc"][0]) if first["loc"] else "", "doctor")
+        raise BadInputError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
     options = DoctorOptions(world_size=world_size, variables=tuple(pairs), num_stages=num_stages,
                             partition_method=partition_method, parts=boundaries,
                             activation_checkpoint_interval=checkpoint_interval, tensor_degree=tensor_degree,

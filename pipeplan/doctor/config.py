@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 __all__ = ["LauncherConfig", "LayoutStage", "Layout", "Problem", "LAUNCHERS"]
 
+from pipeplan.errors import BadInputError
 from pipeplan.facts.schedules import LAUNCHER_SCHEDULES
+from pipeplan.formats.limits import MAX_MICROBATCHES, MAX_PARALLEL_DEGREE
 
 #: Launchers doctor reads, and the pipeplan schedules each can run.
 LAUNCHERS = LAUNCHER_SCHEDULES
@@ -57,6 +59,30 @@ class LauncherConfig:
     always shards the norms' activations this way)."""
     settings: dict[str, str] = field(default_factory=dict)
     """Launcher setting name to the value as written, for the ones doctor read."""
+
+    def __post_init__(self):
+        # Every degree and count is bounded here, where all three launchers' readers meet, so that
+        # a layout of 1e9 stages or an iteration of 1e12 micro-batches is refused, never built.
+        degrees = (("pipeline stages p", self.pipeline_degree), ("virtual stages per rank v", self.virtual_stages),
+                   ("tensor-parallel size t", self.tensor_degree), ("data-parallel size d", self.data_degree),
+                   ("context-parallel size", self.context_degree), ("micro-batch size", self.microbatch_size),
+                   ("layers", self.num_layers))
+        for what, value in degrees:
+            if value is not None and not 1 <= value <= MAX_PARALLEL_DEGREE:
+                raise BadInputError(f"{self.path}: {what} = {value} must be between 1 and {MAX_PARALLEL_DEGREE:,} "
+                                    f"(the most pipeplan plans){self._named(value)}")
+        if self.pipeline_degree * self.virtual_stages > MAX_PARALLEL_DEGREE:
+            raise BadInputError(f"{self.path}: p x v = {self.pipeline_degree * self.virtual_stages} stages; pipeplan "
+                                f"plans at most {MAX_PARALLEL_DEGREE:,}")
+        if self.num_microbatches is not None and not 1 <= self.num_microbatches <= MAX_MICROBATCHES:
+            raise BadInputError(f"{self.path}: {self.num_microbatches} micro-batches per pipeline (one data-parallel "
+                                f"replica); pipeplan plans 1 to {MAX_MICROBATCHES} per iteration: give a smaller "
+                                f"global batch or a larger micro-batch size")
+
+    def _named(self, value: int) -> str:
+        """`` (from SETTING VALUE)`` for the settings written with ``value``, or nothing."""
+        read = [self.setting(name) for name, text in self.settings.items() if str(text).strip() == str(value)]
+        return f" (from {', '.join(read[:3])})" if read else ""
 
     @property
     def samples_per_replica(self) -> int | None:

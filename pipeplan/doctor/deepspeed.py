@@ -13,11 +13,11 @@ which must be the profile's layers in order.
 
 from __future__ import annotations
 
-import json
 import re
 
 from pipeplan.doctor.config import LauncherConfig, Layout, LayoutStage, Problem
 from pipeplan.errors import BadInputError
+from pipeplan.formats.reading import check_integer_digits, parse_json_text
 
 __all__ = ["parse_deepspeed", "deepspeed_layout_of", "partition_uniform", "partition_balanced"]
 
@@ -125,12 +125,12 @@ def parse_deepspeed(path: str, text: str, *, num_stages: int | None = None, part
         Invalid JSON, a batch key that is not a positive integer, an unknown partition method, or
         no stage count.
     """
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadInputError(f"{path}: not valid JSON: {exc}") from None
+    check_integer_digits(text, path)
+    data = parse_json_text(text, path)
     if not isinstance(data, dict):
         raise BadInputError(f"{path}: a ds_config is a JSON object, not {type(data).__name__}")
+    # DeepSpeed reads a null batch key as not set (its config getters default on None).
+    data = {k: v for k, v in data.items() if not (k in _INT_KEYS and v is None)}
     for key in _INT_KEYS:
         value = data.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -155,6 +155,11 @@ def parse_deepspeed(path: str, text: str, *, num_stages: int | None = None, part
     if parts is None and not (method in ("uniform", "parameters") or method.startswith("type:")):
         raise BadInputError(f"--partition-method: {method!r} is not one of uniform, parameters, type:<regex> "
                             f"(DeepSpeed raises NotImplementedError for others)")
+    if parts is None and method.startswith("type:"):
+        try:
+            re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        except re.error as exc:
+            raise BadInputError(f"--partition-method: {method!r}: not a regular expression ({exc})") from None
     interval = activation_checkpoint_interval
     if interval is None:
         interval = pipeline.get("activation_checkpoint_interval", 0)

@@ -217,9 +217,50 @@ def _layout_stage_count(path: str, layout: str) -> int:
     return len(_expand(path, layout))
 
 
+#: Most characters a ``--pipeline-model-parallel-layout`` may expand to (a layer or a ``|`` each):
+#: far above any real model's layers + stages, far below what would exhaust time or memory.
+MAX_LAYOUT_CHARS = 1_000_000
+
+
+def layout_length(layout: str) -> int:
+    """How many characters ``layout`` expands to, computed without expanding it.
+
+    Repeats ``X*N`` and ``(...)*N`` (nested too) multiply; everything else counts one.
+
+    >>> layout_length("E|(t|)*3,tL"), layout_length("(t*9999|)*99999")
+    (10, 999990000)
+    """
+    text = layout.replace(",", "").replace(" ", "")
+    stack, total, i = [], 0, 0
+    last = 0  # the length of the item a following *N repeats
+    while i < len(text):
+        c = text[i]
+        if c == "(":
+            stack.append(total)
+            total, last = 0, 0
+        elif c == ")" and stack:
+            last = total
+            total = stack.pop() + total
+        elif c == "*":
+            digits = re.match(r"\d+", text[i + 1:])
+            count = int(digits.group()) if digits else 1
+            total += last * (count - 1)
+            last = last * count
+            i += len(digits.group()) if digits else 0
+        else:
+            total += 1
+            last = 1
+        i += 1
+    return total
+
+
 def _expand(path: str, layout: str) -> list[str]:
     """Stage strings of a layout, as megatron-core's ``parse_str_to_list`` expands them."""
     import warnings
+
+    if layout_length(layout) > MAX_LAYOUT_CHARS:
+        raise BadInputError(f"{path}: --pipeline-model-parallel-layout: {layout[:60]!r} expands to "
+                            f"{layout_length(layout):,} entries; pipeplan reads at most {MAX_LAYOUT_CHARS:,}")
 
     try:
         with warnings.catch_warnings():

@@ -168,6 +168,11 @@ def render(result: Diagnosis, output_format: str = "table") -> str:
 
 
 def write_junit(result: Diagnosis, path: str | Path) -> None:
+    """Write :func:`junit_text` to ``path`` atomically."""
+    write_text_atomic(path, junit_text(result), option="--junit")
+
+
+def junit_text(result: Diagnosis) -> str:
     """One test case per finding; errors fail, the rest pass (warnings as system-out)."""
     findings = _findings(result)
     name = quoteattr(f"pipeplan doctor {result.config.path}")
@@ -185,4 +190,4 @@ def write_junit(result: Diagnosis, path: str | Path) -> None:
             lines.append(f'  <testcase classname="doctor.{f.code}" name={case}>'
                          f'<system-out>{escape(f.severity + ": " + f.message)}</system-out></testcase>')
     lines.append("</testsuite>")
-    write_text_atomic(path, "\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"

@@ -2,18 +2,24 @@
 
 A small evaluator for the subset of bash that training scripts use: scalar and array assignments
 (``NAME=value``, ``NAME=( ... )``, ``NAME+=( ... )``, ``export``), ``$NAME``, ``${NAME}``,
-``${NAME:-default}``, ``${NAME[@]}``, ``$((arithmetic))``, quoting and line continuations.
+``${NAME:-default}`` (nested too), ``${NAME[@]}``, ``${NAME[i]}``, ``NAME[i]=value``, ``unset``,
+``$((arithmetic))`` (bash's: 64-bit, division truncating toward zero, octal ``010`` and ``16#ff``),
+``$'...'``, quoting, heredocs (their body is data, not commands) and line continuations.
 Commands are never run: ``if``/``for`` bodies are read in order as if every branch ran (later
-assignments win), and ``$(command)`` expands to nothing (recorded in ``unresolved``).
+assignments win), ``$(command)`` expands to nothing (recorded in ``unresolved``), and an ``exit``
+outside any block or condition ends the reading, as it ends bash's.
+
+What a script may build is bounded (``MAX_VALUE_CHARS`` per value, ``MAX_WORDS`` per array or
+command), so that doubling an array 40 times is refused in milliseconds instead of filling memory.
 """
 
 from __future__ import annotations
 
 import ast
-import operator
 import re
 from dataclasses import dataclass, field
 
+from pipeplan.doctor.shell_arith import ansi_c, ansi_c_end, based, eval_int, literal
 from pipeplan.errors import BadInputError
 
 __all__ = ["ShellScript", "read_script", "split_words"]
@@ -21,6 +27,13 @@ __all__ = ["ShellScript", "read_script", "split_words"]
 _KEYWORDS = {"if", "then", "else", "elif", "fi", "for", "do", "done", "while", "until", "case", "esac",
              "function", "{", "}", "!", "[[", "]]", "time"}
 _ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\+?)=(.*)$", re.S)
+#: Words that open or close a block: an ``exit`` inside one may not run, so only one outside ends the reading.
+_OPENERS = {"if", "case", "for", "while", "until", "select", "{"}
+_CLOSERS = {"fi", "esac", "done", "}"}
+#: Longest value (characters) and most words of an array or a command the reader builds.
+MAX_VALUE_CHARS = 1_000_000
+MAX_WORDS = 100_000
+_HEREDOC = re.compile(r"(?<!<)<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")
 
 
 @dataclass
@@ -48,6 +61,20 @@ class _Reader:
     def error(self, message: str):
         raise BadInputError(f"{self.path}: line {self.line}: {message}")
 
+    def set_scalar(self, name: str, value: str) -> None:
+        if len(value) > MAX_VALUE_CHARS:
+            self.error(f"{name} grows to {len(value):,} characters; doctor reads values of at most "
+                       f"{MAX_VALUE_CHARS:,}")
+        self.script.scalars[name] = value
+        self.script.arrays.pop(name, None)
+
+    def set_array(self, name: str, elements: list[str]) -> None:
+        if len(elements) > MAX_WORDS or sum(map(len, elements)) > MAX_VALUE_CHARS:
+            self.error(f"array {name} grows to {len(elements):,} elements; doctor reads arrays of at most "
+                       f"{MAX_WORDS:,} elements and {MAX_VALUE_CHARS:,} characters")
+        self.script.arrays[name] = elements
+        self.script.scalars.pop(name, None)
+
     # ---------------------------------------------------------------- expansion
     def lookup(self, name: str) -> list[str] | str | None:
         if name in self.script.arrays:
@@ -65,12 +92,17 @@ class _Reader:
         return value[0] if isinstance(value, list) else value
 
     def arith(self, expr: str) -> str:
-        expr = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: self.scalar(m.group(1)) or "0", expr)
-        expr = re.sub(r"\b([A-Za-z_][A-Za-z0-9_]*)\b", lambda m: self.scalar(m.group(1)) or "0", expr)
+        shown = expr.strip()
         try:
-            return str(_eval_int(ast.parse(expr.strip(), mode="eval").body))
-        except (SyntaxError, ValueError, ZeroDivisionError, TypeError):
-            self.error(f"cannot evaluate $(( {expr.strip()} ))")
+            expr = re.sub(r"\b(\d+)#([0-9A-Za-z@_]+)", lambda m: str(based(m.group(1), m.group(2))), expr)
+            expr = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: self.scalar(m.group(1)) or "0", expr)
+            expr = re.sub(r"\b([A-Za-z_][A-Za-z0-9_]*)\b", lambda m: self.scalar(m.group(1)) or "0", expr)
+            expr = re.sub(r"\b0[xX][0-9A-Fa-f]+\b|\b0[0-9]+\b", lambda m: str(literal(m.group())), expr)
+            if len(expr) > 10_000:
+                raise ValueError("too long")
+            return str(eval_int(ast.parse(expr.strip(), mode="eval").body))
+        except (SyntaxError, ValueError, ZeroDivisionError, TypeError, RecursionError, MemoryError):
+            self.error(f"cannot evaluate $(( {shown} ))")
 
     def expansion(self, text: str, i: int) -> tuple[list[str] | str, int]:
         """Expand the ``$...`` at ``text[i]``; returns (value, index after it). Lists are arrays."""
@@ -94,10 +126,16 @@ class _Reader:
             self.script.unresolved.append(text[i:j + 1])
             return "", j + 1
         if text.startswith("${", i):
-            end = text.find("}", i)
+            end = _closing_brace(text, i)
             if end < 0:
                 self.error("unterminated ${")
             body = text[i + 2:end]
+            m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)\[([^\]@*]+)\]", body)
+            if m:
+                value = self.lookup(m.group(1))
+                index = int(self.arith(m.group(2)))
+                items = value if isinstance(value, list) else ([value] if value is not None else [])
+                return (items[index] if -len(items) <= index < len(items) else ""), end + 1
             m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*|\d+)\[[@*]\]", body)
             if m:
                 value = self.lookup(m.group(1))
@@ -194,6 +232,13 @@ class _Reader:
                 if j >= n:
                     self.error("unterminated double quote")
                 i = j + 1
+            elif c == "$" and text.startswith("$'", i) and not as_string:
+                end = ansi_c_end(text, i + 2)
+                if end < 0:
+                    self.error("unterminated $'")
+                current.append(ansi_c(text[i + 2:end]))
+                started = True
+                i = end + 1
             elif c == "$":
                 value, i = self.expansion(text, i)
                 parts = value if isinstance(value, list) else [value]
@@ -238,17 +283,59 @@ class _Reader:
                     self.error("array assignment '(' is never closed")
             yield start, line
             i += 1
+            heredoc = _HEREDOC.search(_outside_quotes(line))
+            if heredoc:
+                # The body is the command's input, not script: skip it to the delimiter line.
+                word, strip_tabs = heredoc.group(2), "<<-" in heredoc.group(0)
+                while i < len(lines) and (lines[i].lstrip("\t") if strip_tabs else lines[i]) != word:
+                    i += 1
+                i += 1
 
     def run(self) -> ShellScript:
+        depth = 0  # blocks (if, for, while, case, { }) open around the statement
         for number, line in self.logical_lines():
             self.line = number
-            for statement in _statements(line):
+            for statement, conditional in _statements(line):
+                words = statement.split()
+                # The first word opens or closes a block; a { or } anywhere (`name() {`) does too.
+                for word in words[:1] + [w for w in words[1:] if w in ("{", "}")]:
+                    depth += (word in _OPENERS) - (word in _CLOSERS)
+                depth = max(depth, 0)
+                if words[:1] == ["exit"] and depth == 0 and not conditional:
+                    return self.script  # bash stops here: what follows never runs
                 self.statement(statement)
         return self.script
 
     def statement(self, text: str):
         stripped = text.strip()
+        # `if c; then X=1; fi`: what follows then/else/do/{ is a statement of its own.
+        while True:
+            m = re.match(r"^(then|else|do|\{|\}|fi|done|esac|!)(\s+|$)", stripped)
+            if not m:
+                break
+            stripped = stripped[m.end():]
         if not stripped or stripped.startswith("#"):
+            return
+        if re.match(r"^unset(\s|$)", stripped):
+            for name in self.words(stripped)[1:]:
+                if not name.startswith("-"):
+                    self.script.scalars.pop(name, None)
+                    self.script.arrays.pop(name, None)
+            return
+        m = re.match(r"^([A-Za-z_][A-Za-z0-9_]*)\[([^\]]*)\]=", stripped)
+        if m:
+            index = int(self.arith(m.group(2)))
+            value, _ = self.one_word(stripped[m.end():])
+            items = self.lookup(m.group(1))
+            items = list(items) if isinstance(items, list) else ([items] if items is not None else [])
+            if not 0 <= index <= MAX_WORDS:
+                self.error(f"{m.group(1)}[{m.group(2)}]: index {index} is outside 0 to {MAX_WORDS:,}")
+            # Bash arrays are sparse; here elements past the end are appended in order.
+            if index < len(items):
+                items[index] = value
+            else:
+                items.append(value)
+            self.set_array(m.group(1), items)
             return
         m = re.match(r"^(?:export\s+|local\s+|declare\s+(?:-a\s+)?)?([A-Za-z_][A-Za-z0-9_]*)(\+?)=\((.*)\)\s*(#.*)?$",
                      stripped, re.S)
@@ -261,8 +348,7 @@ class _Reader:
                 base = self.lookup(name)
                 base = list(base) if isinstance(base, list) else ([base] if base else [])
                 elements = base + elements
-            self.script.arrays[name] = elements
-            self.script.scalars.pop(name, None)
+            self.set_array(name, elements)
             return
         words_text = stripped
         for keyword in ("export ", "local ", "readonly ", "declare "):
@@ -280,8 +366,7 @@ class _Reader:
                 value = value_words
                 if m.group(2):
                     value = self.script.scalars.get(m.group(1), "") + value
-                self.script.scalars[m.group(1)] = value
-                self.script.arrays.pop(m.group(1), None)
+                self.set_scalar(m.group(1), value)
                 rest = rest[m.end() + consumed:].lstrip()
                 if not rest or rest.startswith("#"):
                     return
@@ -289,6 +374,8 @@ class _Reader:
         words = self.words(stripped)
         while words and words[0] in _KEYWORDS:
             words = words[1:]
+        if len(words) > MAX_WORDS:
+            self.error(f"a command of {len(words):,} words; doctor reads commands of at most {MAX_WORDS:,}")
         if words:
             self.script.commands.append((self.line, words))
 
@@ -298,13 +385,13 @@ class _Reader:
         while i < n:
             c = text[i]
             if quote:
-                if c == "\\" and quote == '"':
+                if c == "\\" and quote in ('"', "$'"):
                     i += 2
                     continue
-                if c == quote:
+                if c == quote[-1]:
                     quote = None
             elif c in "'\"":
-                quote = c
+                quote = "$'" if c == "'" and i and text[i - 1] == "$" else c
             elif c == "\\":
                 i += 2
                 continue
@@ -327,23 +414,65 @@ class _Reader:
         return self.expand_string(_unquote(self, word)), i
 
 
+def _protect(text: str) -> str:
+    """Literal text, escaped for :meth:`_Reader.expand_string` (which reads ``\\`` and ``$``)."""
+    return text.replace("\\", "\\\\").replace("$", "\\$")
+
+
 def _unquote(reader: _Reader, word: str) -> str:
-    # Remove the outer quoting of an assignment value while keeping $ for expansion;
-    # single-quoted parts are protected by escaping their $.
-    out, i = [], 0
+    """An assignment value with its quoting removed, as bash does, and ``$`` kept for expansion.
+
+    Quotes inside quotes of the other kind are kept (``"it's"``, ``'say "hi"'``), and so are
+    escaped ones (``"a \\"b\\""``); single-quoted and ``$'...'`` text is protected from expansion.
+    """
+    out, i, double = [], 0, False
     while i < len(word):
         c = word[i]
-        if c == "'":
-            end = word.find("'", i + 1)
+        if double:
+            if c == '"':
+                double = False
+            elif c == "\\" and i + 1 < len(word):
+                # Inside double quotes a backslash escapes only " \\ $ `; elsewhere it is literal.
+                out.append(word[i:i + 2] if word[i + 1] in '"\\$`' else "\\\\")
+                i += 2 if word[i + 1] in '"\\$`' else 1
+                continue
+            else:
+                out.append(c)
+        elif c == "'" or word.startswith("$'", i):
+            ansi = c == "$"
+            start = i + 2 if ansi else i + 1
+            end = ansi_c_end(word, start) if ansi else word.find("'", start)
             if end < 0:
                 reader.error("unterminated single quote")
-            out.append(word[i + 1:end].replace("\\", "\\\\").replace("$", "\\$"))
+            body = word[start:end]
+            out.append(_protect(ansi_c(body) if ansi else body))
             i = end + 1
+            continue
         elif c == '"':
-            i += 1
+            double = True
+        elif c == "\\" and i + 1 < len(word):
+            out.append(word[i:i + 2])
+            i += 2
+            continue
         else:
             out.append(c)
-            i += 1
+        i += 1
+    return "".join(out)
+
+
+def _outside_quotes(line: str) -> str:
+    """``line`` with quoted text blanked (to find ``<<WORD`` only where bash sees it)."""
+    out, quote = [], None
+    for c in line:
+        if quote:
+            out.append(" ")
+            if c == quote:
+                quote = None
+        elif c in "'\"":
+            quote = c
+            out.append(" ")
+        else:
+            out.append(c)
     return "".join(out)
 
 
@@ -373,20 +502,25 @@ def _array_closed(text: str) -> bool:
 
 
 def _statements(line: str):
-    """Split a logical line at ; && || | outside quotes and brackets."""
+    """Split a logical line at ; && || | outside quotes and brackets.
+
+    Returns (statement, conditional) pairs: conditional when it follows ``&&``, ``||`` or ``|``
+    (so it may not run, or runs in a subshell: an ``exit`` there does not end the script).
+    """
     parts, current, quote, depth, i = [], [], None, 0, 0
+    after: list[bool] = [False]
     while i < len(line):
         c = line[i]
         if quote:
             current.append(c)
-            if c == "\\" and quote == '"' and i + 1 < len(line):
+            if c == "\\" and quote in ('"', "$'") and i + 1 < len(line):
                 current.append(line[i + 1])
                 i += 2
                 continue
-            if c == quote:
+            if c == quote[-1]:
                 quote = None
         elif c in "'\"":
-            quote = c
+            quote = "$'" if c == "'" and i and line[i - 1] == "$" else c  # $'...' takes \' inside
             current.append(c)
         elif c == "\\" and i + 1 < len(line):
             current.append(line[i:i + 2])
@@ -402,6 +536,7 @@ def _statements(line: str):
             break
         elif not depth and (c == ";" or line.startswith("&&", i) or line.startswith("||", i) or c == "|"):
             parts.append("".join(current))
+            after.append(c != ";")
             current = []
             i += 2 if line.startswith(("&&", "||"), i) else 1
             continue
@@ -411,21 +546,7 @@ def _statements(line: str):
     if quote:
         raise BadInputError(f"unterminated {quote} quote in: {line.strip()[:80]}")
     parts.append("".join(current))
-    return parts
-
-
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-        ast.FloorDiv: operator.floordiv, ast.Div: operator.floordiv, ast.Mod: operator.mod}
-
-
-def _eval_int(node) -> int:
-    if isinstance(node, ast.Constant) and isinstance(node.value, int):
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        return _OPS[type(node.op)](_eval_int(node.left), _eval_int(node.right))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return -_eval_int(node.operand)
-    raise ValueError("unsupported arithmetic")
+    return list(zip(parts, after))
 
 
 def read_script(path: str, text: str, variables: dict[str, str] | None = None) -> ShellScript:
@@ -466,3 +587,22 @@ def split_words(path: str, text: str) -> list[str]:
     for _, command in script.commands:
         words += command
     return words
+
+
+def _closing_brace(text: str, start: int) -> int:
+    """Index of the ``}`` closing the ``${`` at ``start`` (nested ``${...}`` inside), or -1."""
+    depth, i = 0, start
+    while i < len(text):
+        if text.startswith("${", i):
+            depth += 1
+            i += 2
+            continue
+        if text[i] == "\\":
+            i += 2
+            continue
+        if text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return -1

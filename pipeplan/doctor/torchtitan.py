@@ -16,6 +16,7 @@ import math
 
 from pipeplan.doctor.config import LauncherConfig, Layout, LayoutStage, Problem
 from pipeplan.errors import BadInputError
+from pipeplan.formats.reading import load_toml as load_limited_toml
 
 __all__ = ["parse_torchtitan", "torchtitan_layout_of", "load_toml", "TORCHTITAN_SCHEDULES", "llm_fqns_per_stage",
            "model_layer_count"]
@@ -57,14 +58,7 @@ _TYPES = {
 
 def load_toml(path: str, text: str) -> dict:
     """The TOML as a dict; invalid TOML is a BadInputError naming the file."""
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise BadInputError(f"{path}: not valid TOML: {exc}") from None
+    return load_limited_toml(path, text)
 
 
 def _get(path: str, data: dict, section: str, key: str, default=None):

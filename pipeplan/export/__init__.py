@@ -16,7 +16,8 @@ from pipeplan.export.megatron import export_megatron
 from pipeplan.export.torch_pipelining import export_torch
 from pipeplan.export.torchtitan import export_torchtitan, schedule_csv
 from pipeplan.formats.plan import Plan
-from pipeplan.formats.io import file_sha256, load_plan, load_profile, write_text_atomic
+from pipeplan.formats.io import (check_output_target, file_sha256, load_plan, load_profile, refuse_overwriting_input,
+                                 write_files_atomic)
 
 __all__ = ["FORMATS", "NEEDS_PROFILE", "export_plan", "run_export"]
 
@@ -126,6 +127,10 @@ def run_export(
     BadInputError
         Bad files, a missing or mismatched profile, or extra files without ``output``.
     """
+    if output is not None:
+        check_output_target(output)
+        refuse_overwriting_input(output, plan_path, profile_path)
+
     plan = load_plan(plan_path)
     if format not in FORMATS:
         raise BadInputError(f"--format: {format!r} is not one of {', '.join(FORMATS)}")
@@ -150,10 +155,6 @@ def run_export(
                 f"give -o FILE to write them"
             )
         return main_text, []
-    written = [output]
-    write_text_atomic(output, main_text)
-    for suffix, text in extras:
-        path = Path(stem + suffix)
-        write_text_atomic(path, text)
-        written.append(path)
-    return main_text, written
+    # The main file names its sidecars (the torchtitan TOML its CSV): all of them, or none.
+    outputs = {output: main_text, **{Path(stem + suffix): text for suffix, text in extras}}
+    return main_text, write_files_atomic(outputs, (plan_path, profile_path))

@@ -6,7 +6,7 @@ sparsity", twice as high). ``link_bytes_per_s`` is one direction of the GPU's in
 (NVLink's "900 GB/s" is both directions together: 450 GB/s each way), which is what a ring
 collective runs at. HBM capacities are binary (an "80 GB" HBM part holds 80 GiB).
 
-``--gpu-spec my.toml`` reads any other GPU (:func:`load_gpu_spec`)::
+``--gpu-spec my.toml`` reads any other GPU (:func:`pipeplan.formats.gpu.load_gpu_spec`)::
 
     name = "my-gpu"
     memory = "80GiB"
@@ -21,17 +21,13 @@ collective runs at. HBM capacities are binary (an "80 GB" HBM part holds 80 GiB)
 
 from __future__ import annotations
 
-import tomllib
-from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeplan.errors import BadInputError
-from pipeplan.errors import format_validation_error
-from pipeplan.quantities import parse_bandwidth, parse_bytes
 
-__all__ = ["GpuSpec", "GPUS", "get_gpu", "load_gpu_spec", "resolve_gpu", "gpu_rows"]
+__all__ = ["GpuSpec", "GPUS", "get_gpu", "gpu_rows"]
 
 _GIB = 2**30
 
@@ -132,46 +128,6 @@ def get_gpu(name: str) -> GpuSpec:
     if key not in GPUS:
         raise BadInputError(f"--gpu: {name!r} is not a known GPU; known: {', '.join(GPUS)} (or give --gpu-spec FILE)")
     return GPUS[key]
-
-
-def _quantity(value: Any, parse, option: str) -> Any:
-    return parse(value, option) if isinstance(value, str) else value
-
-
-def load_gpu_spec(path: Union[str, Path]) -> GpuSpec:
-    """Read a GPU spec from TOML (see the module docstring); errors name the file and field."""
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BadInputError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"{path}: cannot read: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise BadInputError(f"{path}: not valid TOML: {exc}") from None
-    data = dict(data.get("gpu", data))
-    renames = {"memory": "memory_bytes", "hbm_bandwidth": "hbm_bytes_per_s", "link_bandwidth": "link_bytes_per_s"}
-    try:
-        for old, new in renames.items():
-            if old in data:
-                parse = parse_bytes if old == "memory" else parse_bandwidth
-                data[new] = _quantity(data.pop(old), parse, f"{path}: {old}")
-        return GpuSpec.model_validate(data)
-    except BadInputError:
-        raise
-    except ValidationError as exc:
-        raise BadInputError(format_validation_error(path, exc)) from None
-
-
-def resolve_gpu(gpu: Optional[str], gpu_spec: Optional[Union[str, Path]]) -> GpuSpec:
-    """``--gpu NAME`` or ``--gpu-spec FILE`` (exactly one)."""
-    if gpu and gpu_spec:
-        raise BadInputError("--gpu and --gpu-spec: give one, not both")
-    if gpu_spec:
-        return load_gpu_spec(gpu_spec)
-    if not gpu:
-        raise BadInputError(f"--gpu: needed with --analytic; known: {', '.join(GPUS)} (or --gpu-spec FILE)")
-    return get_gpu(gpu)
 
 
 def gpu_rows() -> list[dict[str, Any]]:

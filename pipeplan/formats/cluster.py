@@ -26,7 +26,6 @@ Every bandwidth is what one GPU can send in one direction at once; the collectiv
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -34,6 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pipeplan.errors import BadInputError, format_validation_error
 from pipeplan.facts.gpus import GPUS
+# Byte counts take 80e9 (a whole float, as the module docstring shows); a GPU count takes only 8.
+from pipeplan.formats.limits import Bytes, Efficiency, LatencyUs, LinkBandwidth, Name, NodeGpus, PositiveBytes, Share
+from pipeplan.formats.reading import load_toml
 from pipeplan.quantities import parse_bandwidth, parse_bytes
 
 __all__ = ["Link", "ClusterSpec", "load_cluster_file", "cluster_from_dict"]
@@ -71,20 +73,18 @@ def _parse_quantities(data: Any, fields: dict[str, tuple[str, str]]) -> Any:
 class Link(_Strict):
     """One kind of link: NVLink/NVSwitch or PCIe inside a node, or the network between nodes."""
 
-    bandwidth_bytes_per_s: float = Field(
-        gt=0, allow_inf_nan=False,
+    bandwidth_bytes_per_s: LinkBandwidth = Field(
         description="What one GPU can send in one direction at once, bytes per second (the "
                     "data sheet's figure; see efficiency).")
-    latency_us: float = Field(
-        ge=0, allow_inf_nan=False,
+    latency_us: LatencyUs = Field(
         description="Time of one step of a ring (one hop), microseconds; NCCL's tuning model "
                     "calls it the hardware latency.")
-    call_latency_us: float = Field(
-        default=0.0, ge=0, allow_inf_nan=False,
+    call_latency_us: LatencyUs = Field(
+        default=0.0,
         description="Fixed cost of each collective call, microseconds (NCCL's base latency: 8.4 us for "
                     "Ring/Simple in the presets); 0 in a file that does not give it.")
-    efficiency: float = Field(
-        default=0.8, gt=0, le=1,
+    efficiency: Efficiency = Field(
+        default=0.8,
         description="Share of bandwidth_bytes_per_s that collectives achieve (NCCL's bus "
                     "bandwidth over the data sheet's); docs/cluster-model.md.")
 
@@ -102,22 +102,22 @@ class Link(_Strict):
 class ClusterSpec(_Strict):
     """A homogeneous cluster: nodes of ``gpus_per_node`` GPUs of one model."""
 
-    name: str = Field(min_length=1, description="A name for tables and plans.")
-    gpu: str = Field(min_length=1, description="The GPU model, by name (pipeplan gpus), e.g. 'h100-sxm'.")
-    gpus_per_node: int = Field(gt=0, description="GPUs that share the intra-node link.")
-    memory_cap_bytes: Optional[int] = Field(
-        default=None, gt=0,
+    name: Name = Field(description="A name for tables and plans (plain text).")
+    gpu: Name = Field(description="The GPU model, by name (pipeplan gpus), e.g. 'h100-sxm'.")
+    gpus_per_node: NodeGpus = Field(description="GPUs that share the intra-node link.")
+    memory_cap_bytes: Optional[PositiveBytes] = Field(
+        default=None,
         description="Usable memory per GPU; null: the GPU model's memory. The reserve "
                     "(reserve_bytes) comes out of it.")
     intra_node: Link = Field(description="The link between GPUs of one node.")
     inter_node: Link = Field(description="The network between nodes, per GPU (rail-optimised: "
                                          "each GPU has its own NIC share).")
-    reserve_bytes: int = Field(
-        default=2 * 2**30, ge=0,
+    reserve_bytes: Bytes = Field(
+        default=2 * 2**30,
         description="Per GPU, memory pipeplan never plans: the CUDA context, NCCL's buffers, "
                     "kernel workspace (docs/cluster-model.md).")
-    fragmentation: float = Field(
-        default=0.05, ge=0, lt=1,
+    fragmentation: Share = Field(
+        default=0.05,
         description="Share of the planned memory added for the allocator's fragmentation.")
 
     @model_validator(mode="before")
@@ -171,6 +171,8 @@ def cluster_from_dict(data: dict, where: str = "cluster", bases: Optional[Mappin
     base_name = data.pop("base", None)
     if base_name is not None:
         bases = bases or {}
+        if not isinstance(base_name, str):
+            raise BadInputError(f"{where}: base: expected a preset's name (a string), found {type(base_name).__name__}")
         if base_name not in bases:
             raise BadInputError(f"{where}: base: {base_name!r} is not a preset; one of {', '.join(bases)}")
         merged = bases[base_name].model_dump(exclude_none=True)
@@ -199,15 +201,4 @@ def load_cluster_file(path: str | Path, bases: Optional[Mapping[str, ClusterSpec
     BadInputError
         If the file is missing, not TOML, or a field is missing, negative or unknown.
     """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BadInputError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"{path}: cannot read: {exc}") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise BadInputError(f"{path}: not valid TOML: {exc}") from None
-    return cluster_from_dict(data, str(path), bases)
+    return cluster_from_dict(load_toml(path), str(path), bases)

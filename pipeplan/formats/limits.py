@@ -50,6 +50,10 @@ __all__ = [
     "MAX_MICROBATCHES",
     "MAX_NAME_CHARS",
     "MAX_NESTING",
+    "MAX_FILE_BYTES",
+    "MAX_PARALLEL_DEGREE",
+    "MAX_ARRAY_ITEMS",
+    "MAX_INT_DIGITS",
     "Ms",
     "OptionalRatio",
     "Bytes",
@@ -62,10 +66,22 @@ __all__ = [
     "Count",
     "PositiveCount",
     "FiniteFloat",
+    "Fraction",
+    "NonNegativeFloat",
+    "MicrobatchCount",
     "Name",
+    "MAX_GPUS_PER_NODE",
+    "NodeGpus",
+    "LinkBandwidth",
+    "LatencyUs",
+    "Efficiency",
+    "Share",
     "Text",
     "plain_text_problem",
     "check_microbatch_count",
+    "check_option_range",
+    "MODEL_OPTION_LIMITS",
+    "MAX_TIMELINE_WIDTH",
 ]
 
 MAX_MS = 1e9
@@ -77,6 +93,15 @@ MAX_MICROBATCHES = 4096
 MAX_NAME_CHARS = 1000
 #: Deepest JSON nesting a file may have (the formats need 6; free-form ``measurement`` a few more).
 MAX_NESTING = 64
+#: Largest pipeline, tensor, data or context degree (and p x v) a launcher config may give doctor.
+MAX_PARALLEL_DEGREE = 65_536
+#: Largest file pipeplan reads (JSON, TOML, launch script, graph.txt): 64 MiB, checked before parsing.
+MAX_FILE_BYTES = 64 * 2**20
+#: Most items one JSON/TOML array or object may hold (a 50,000-node PipeDream graph needs ~100,000).
+MAX_ARRAY_ITEMS = 200_000
+#: Most digits an integer in a file may have, checked before parsing: every count and byte count
+#: fits in 20 digits; Python refuses to convert past 4,300 anyway (an internal error before).
+MAX_INT_DIGITS = 100
 
 
 def _number(value: Any) -> Any:
@@ -97,12 +122,22 @@ def _integer(value: Any) -> Any:
     return value
 
 
+def _toml_integer(value: Any) -> Any:
+    # A TOML file says 8 or 8.0 or "8" on purpose: only the first is a count.
+    value = _number(value)
+    if isinstance(value, float):
+        raise ValueError(f"expected a whole number, found the float {value!r}; write it without a point")
+    return value
+
+
 def plain_text_problem(text: str) -> str | None:
     """What makes ``text`` unfit to print in a terminal, or None.
 
     >>> plain_text_problem("layer.0"), plain_text_problem("a\\x00b")
     (None, 'contains the control character U+0000; names must be plain text')
     """
+    if text.isascii() and text.isprintable():
+        return None  # the common case, without a category look-up per character (50,000-layer profiles)
     for char in text:
         if unicodedata.category(char) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
             return f"contains the control character U+{ord(char):04X}; names must be plain text"
@@ -138,6 +173,12 @@ OptionalRatio = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False), Befor
 """A non-negative ratio or coefficient (spread, fraction)."""
 FiniteFloat = Annotated[float, Field(ge=-1e18, le=1e18, allow_inf_nan=False), BeforeValidator(_number)]
 """Any finite number of a sane size (predictions, bounds)."""
+Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False), BeforeValidator(_number)]
+"""A share, 0 to 1 (``Field(ge=...)`` beside an annotated type does not narrow it: its own bounds win)."""
+NonNegativeFloat = Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False), BeforeValidator(_number)]
+"""A finite number of a sane size, not negative (seconds, throughputs)."""
+MicrobatchCount = Annotated[int, Field(gt=0, le=MAX_MICROBATCHES), BeforeValidator(_integer)]
+"""Micro-batches per iteration, 1 to MAX_MICROBATCHES."""
 Rate = Annotated[float, Field(ge=0, allow_inf_nan=False), BeforeValidator(_number)]
 """A non-negative finite rate (samples per second)."""
 PlanMs = Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False), BeforeValidator(_number)]
@@ -154,17 +195,57 @@ Count = Annotated[int, Field(ge=0, le=MAX_COUNT), BeforeValidator(_integer)]
 """A non-negative count or index."""
 PositiveCount = Annotated[int, Field(gt=0, le=MAX_COUNT), BeforeValidator(_integer)]
 """A positive count (samples, stages)."""
+#: Most GPUs one node of a cluster spec may have (NVL72 racks have 72).
+MAX_GPUS_PER_NODE = 4096
+NodeGpus = Annotated[int, Field(gt=0, le=MAX_GPUS_PER_NODE), BeforeValidator(_toml_integer)]
+"""GPUs in one node of a cluster spec: a whole number, 1 to MAX_GPUS_PER_NODE."""
+LinkBandwidth = Annotated[float, Field(ge=1e6, le=1e15, allow_inf_nan=False), BeforeValidator(_number)]
+"""A link's bytes per second, 1 MB/s to 1 PB/s (beyond, the collective times stop being finite or sane)."""
+LatencyUs = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False), BeforeValidator(_number)]
+"""A link latency, 0 to 1e6 us (one second)."""
+Efficiency = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False), BeforeValidator(_number)]
+"""A share of a bandwidth achieved, above 0 and at most 1."""
+Share = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False), BeforeValidator(_number)]
+"""A share added on top, 0 to below 1 (fragmentation)."""
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_plain_text)]
 """A name printed in the terminal: plain text, no control characters."""
 Text = Annotated[str, Field(max_length=100_000), AfterValidator(_free_text)]
 """Free text (descriptions, notes): lines allowed, terminal escapes not."""
 
 
-def check_microbatch_count(global_batch: int, sizes: list[int], microbatch_size: int | None = None) -> None:
-    """Refuse a request whose micro-batch count would pass ``MAX_MICROBATCHES``.
+#: The sizes a model option may take (``profile``, ``run``): beyond them building or estimating the
+#: model runs for hours or out of memory (``--layers 1000000`` built a million blocks).
+MODEL_OPTION_LIMITS = {"--layers": 10_000, "--hidden": 1_000_000, "--heads": 10_000, "--vocab": 10_000_000,
+                       "--seq-len": 10_000_000}
+#: Widest timeline ``show --timeline`` draws, in characters.
+MAX_TIMELINE_WIDTH = 10_000
+
+
+def check_option_range(option: str, value: Any, low: int = 1, high: int | None = None) -> None:
+    """Refuse an option outside ``low..high`` (``high`` defaults to ``MODEL_OPTION_LIMITS[option]``).
+
+    >>> check_option_range("--layers", 12)
+    >>> check_option_range("--layers", 1000000)
+    Traceback (most recent call last):
+    ...
+    pipeplan.errors.BadInputError: --layers: 1000000 is more than 10,000, the most pipeplan takes
+    """
+    if value is None:
+        return
+    high = MODEL_OPTION_LIMITS[option] if high is None else high
+    if value < low:
+        raise BadInputError(f"{option}: {value} must be at least {low}")
+    if value > high:
+        raise BadInputError(f"{option}: {value} is more than {high:,}, the most pipeplan takes")
+
+
+def check_microbatch_count(global_batch: int, sizes: list[int], microbatch_size: int | None = None,
+                           replicas: int = 1) -> None:
+    """Refuse a request whose micro-batch count per replica would pass ``MAX_MICROBATCHES``.
 
     The planner tries every profiled micro-batch size that divides the global batch (or the fixed
-    one); the smallest gives the most micro-batches.
+    one); the smallest gives the most micro-batches. The limit is per pipeline: with ``replicas``
+    data-parallel replicas (the most a cluster search may use), each runs ``1 / replicas`` of them.
 
     Raises
     ------
@@ -185,10 +266,13 @@ def check_microbatch_count(global_batch: int, sizes: list[int], microbatch_size:
     if not fitting or not all(isinstance(b, int) and b > 0 for b in fitting):
         return
     smallest = min(fitting)
-    count = global_batch // smallest
+    replicas = max(1, int(replicas))
+    count = global_batch // (smallest * replicas)
     if count > MAX_MICROBATCHES:
+        per = f" per replica ({replicas} data-parallel replicas)" if replicas > 1 else ""
         raise BadInputError(
             f"--global-batch: {global_batch} makes {count} micro-batches of {smallest} sample"
-            f"{'s' if smallest > 1 else ''}; pipeplan plans at most {MAX_MICROBATCHES} micro-batches per "
-            f"iteration: give a smaller --global-batch or a larger --microbatch-size"
+            f"{'s' if smallest > 1 else ''}{per}; pipeplan plans at most {MAX_MICROBATCHES} micro-batches per "
+            f"iteration{' of a replica' if replicas > 1 else ''}: give a smaller --global-batch or a larger "
+            f"--microbatch-size"
         )

@@ -19,8 +19,8 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from pipeplan.formats.cluster import ClusterSpec
-from pipeplan.formats.limits import (MAX_MICROBATCHES, Bandwidth, Count, FiniteFloat, Ms, Name, PlanBytes,
-                                     PlanMs, PositiveBytes, PositiveCount, Rate, Text)
+from pipeplan.formats.limits import (Bandwidth, Count, FiniteFloat, Fraction, MicrobatchCount, Ms, Name,
+                                     NonNegativeFloat, PlanBytes, PlanMs, PositiveBytes, PositiveCount, Rate, Text)
 # Schedule names, one per torch.distributed.pipelining class; the records (torch class,
 # stages per rank, placement) are pipeplan.facts.schedules.SCHEDULE_INFO.
 from pipeplan.facts.schedules import SCHEDULES
@@ -265,7 +265,7 @@ class Predicted(_Strict):
     """Predicted performance; the named parts add up to ``iteration_ms``."""
 
     iteration_ms: PlanMs
-    bubble_fraction: FiniteFloat = Field(ge=0, le=1, description="Idle share of all ranks' time.")
+    bubble_fraction: Fraction = Field(description="Idle share of all ranks' time.")
     samples_per_second: Rate
     bottleneck_stage: Count
     compute_ms: PlanMs = Field(default=0.0, description="Busy time of the bottleneck rank.")
@@ -279,7 +279,7 @@ class Predicted(_Strict):
     tensor_parallel_ms: Optional[PlanMs] = Field(default=None, description="Tensor-parallel collectives.")
     data_parallel_ms: Optional[PlanMs] = Field(default=None, description="What the data-parallel sync adds.")
     optimizer_ms: Optional[PlanMs] = Field(default=None, description="The optimizer step.")
-    tokens_per_second_per_gpu: Optional[FiniteFloat] = Field(default=None, ge=0, description="Training throughput per GPU.")
+    tokens_per_second_per_gpu: Optional[NonNegativeFloat] = Field(default=None, description="Training throughput per GPU.")
     model_flops_utilization: Optional[FiniteFloat] = Field(
         default=None, ge=0, description="Model FLOPs per iteration (no recompute) over the GPUs' peak (MFU).")
 
@@ -323,7 +323,7 @@ class SolverInfo(_Strict):
     lower_bound_ms: Optional[PlanMs] = Field(
         default=None, description="Proven lower bound on the slowest stage's time (equals it when optimal)."
     )
-    seconds: FiniteFloat = Field(ge=0, description="Solver time; 0 unless recorded with --record-time, so plans are reproducible.")
+    seconds: NonNegativeFloat = Field(description="Solver time; 0 unless recorded with --record-time, so plans are reproducible.")
     failure: Optional[Text] = Field(
         default=None, description="Why an exact solver gave up and the split came from another (e.g. the "
                                   "ILP solve failed); also in the plan's notes. Null when none did.")
@@ -338,7 +338,7 @@ class Plan(_Strict):
     schedule: Literal[SCHEDULES]
     virtual_stages: PositiveCount = Field(default=1, description="Stages per rank.")
     microbatch_size: PositiveCount
-    num_microbatches: PositiveCount = Field(le=MAX_MICROBATCHES)
+    num_microbatches: MicrobatchCount
     stages: list[PlanStage] = Field(min_length=1)
     predicted: Predicted
     ranks: list[RankSummary] = Field(default_factory=list)

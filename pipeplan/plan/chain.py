@@ -27,6 +27,8 @@ DIRECT_DP_MAX_WORK = 4_000_000
 #: The matrix form of the direct DP holds a few (n + 1) x (n + 1) arrays; above this many
 #: entries it falls back to a loop over stage ends (same result, slower).
 _DIRECT_MATRIX_MAX_ENTRIES = 4_000_000
+#: Masked time matrices kept at once per chain (the fit masks are all kept; see _matrices).
+_MASKED_KEPT = 4
 
 
 class _Chain:
@@ -127,13 +129,23 @@ def _matrices(problem: PartitionProblem, chain: _Chain):
     def masked(j):
         # Stage j's times where it fits (and l < r), inf elsewhere; and their squares likewise:
         # an entry that does not fit then loses to any that does without a mask per step.
+        # Every (in-flight, recompute) key keeps its fit mask (1 byte an entry); only the last
+        # few keep the two float matrices (16 bytes an entry): at 1,000 layers, interleaved and
+        # zero-bubble searches met dozens of keys and held 1.1 GB of them.
         key = (problem.in_flight[j], problem.recompute[j])
-        if key not in fits_cache:
+        masks = fits_cache.setdefault("ok", {})
+        recent = fits_cache.setdefault("recent", {})
+        if key in recent:
+            recent[key] = recent.pop(key)  # most recently used last
+            return recent[key]
+        if key not in masks:
             memory = cost.stage_memory_bytes(sums, cut_in, problem.in_flight[j], problem.recompute[j])
-            ok = (memory <= cap) & upper
-            time = times(problem.recompute[j])
-            fits_cache[key] = (np.where(ok, time, inf), np.where(ok, time * time, inf))
-        return fits_cache[key]
+            masks[key] = (memory <= cap) & upper
+        ok, time = masks[key], times(problem.recompute[j])
+        recent[key] = (np.where(ok, time, inf), np.where(ok, time * time, inf))
+        while len(recent) > _MASKED_KEPT:
+            del recent[next(iter(recent))]
+        return recent[key]
 
     return times, masked
 

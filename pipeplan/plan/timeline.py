@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.text import Text
 
 from pipeplan.errors import BadInputError
+from pipeplan.formats.limits import MAX_TIMELINE_WIDTH
 from pipeplan.plan.simulate import Simulation
 from pipeplan.formats.io import write_bytes_atomic
 
@@ -63,8 +64,8 @@ def render_timeline_text(sim: Simulation, width: int = 100) -> Text:
     rank 1 |··F0B0F1B1··|  busy 4.00 ms  idle 2.00 ms
     F forward  I input grad  W weight grad  B backward  · idle  (digits: micro-batch)
     """
-    if not isinstance(width, int) or width < 10:
-        raise BadInputError(f"timeline width = {width!r} must be an integer >= 10")
+    if not isinstance(width, int) or not 10 <= width <= MAX_TIMELINE_WIDTH:
+        raise BadInputError(f"--width: {width!r} must be an integer from 10 to {MAX_TIMELINE_WIDTH:,} (characters)")
     p = sim.num_ranks
     span = sim.iteration_ms if sim.iteration_ms > 0 else 1.0
     cell_ms = span / width

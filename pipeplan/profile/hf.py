@@ -22,7 +22,6 @@ What the source fixes, so that a pipeline computes exactly what one process does
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -58,12 +57,9 @@ def is_hf_model(name: str) -> bool:
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise BadInputError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
-    except json.JSONDecodeError as exc:
-        raise BadInputError(f"--config {path}: not JSON (line {exc.lineno}: {exc.msg})") from None
+    from pipeplan.formats.io import load_json
+
+    data = load_json(path, f"--config {path}")
     if not isinstance(data, dict):
         raise BadInputError(f"--config {path}: a HuggingFace config.json is a JSON object")
     return data

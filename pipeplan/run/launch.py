@@ -30,6 +30,7 @@ Failure handling
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -42,11 +43,14 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from pipeplan.errors import BadInputError, PipeplanError
+from pipeplan.formats.limits import check_option_range
+from pipeplan.run.lifetime import LAUNCHER_PID_ENV, Watchdog
 from pipeplan.run.supervise import (RunStoppedError, StopOnSignals, failure_message, pump_output, terminate_group,
                                     wait_for_job)
 from pipeplan.facts.schedules import check_schedule
 from pipeplan.run.report import build_report
-from pipeplan.formats.io import file_sha256, load_plan, load_profile, write_text_atomic
+from pipeplan.formats.io import (check_output_target, file_sha256, load_plan, load_profile, refuse_overwriting_input,
+                                 write_text_atomic)
 
 __all__ = [
     "RunFailedError",
@@ -267,6 +271,44 @@ def _check_plan(plan: Any) -> int:
     return num_ranks * data
 
 
+def _seconds(option: str, value: Any, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= 1e7:
+        raise BadInputError(f"--{option}: {value!r} must be a finite number of seconds above 0 (at most 1e7)")
+
+
+def _check_run_options(*, timeout_s, job_timeout_s, nnodes, nproc_per_node, device, seq_len, lr, verify_tolerance,
+                       alone_repeats, model_options) -> None:
+    """Every option of ``run``, checked before anything starts (a NaN timeout never fired)."""
+    _seconds("timeout", timeout_s)
+    _seconds("job-timeout", job_timeout_s, optional=True)
+    if not isinstance(nnodes, int) or nnodes < 1:
+        raise BadInputError(f"--nnodes: {nnodes!r} must be >= 1")
+    if nproc_per_node is not None and (not isinstance(nproc_per_node, int) or nproc_per_node < 1):
+        raise BadInputError(f"--nproc-per-node: {nproc_per_node!r} must be a positive integer")
+    if device not in (None, "cpu", "cuda"):
+        raise BadInputError(f"--device: {device!r} is not known; use cpu or cuda")
+    check_option_range("--seq-len", seq_len)
+    for name, value in (model_options or {}).items():
+        if f"--{name}" in ("--layers", "--hidden", "--heads", "--vocab") and value is not None:
+            check_option_range(f"--{name}", value)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise BadInputError(f"--lr: {lr!r} must be a finite number >= 0")
+    if verify_tolerance is not None and (not isinstance(verify_tolerance, (int, float)) or
+                                         not math.isfinite(verify_tolerance) or verify_tolerance <= 0):
+        raise BadInputError(f"--verify-tolerance: {verify_tolerance!r} must be a finite number above 0 "
+                            f"(with NaN, --verify could never fail)")
+    if not isinstance(alone_repeats, int) or alone_repeats < 0:
+        raise BadInputError(f"--alone-repeats: {alone_repeats!r} must be an integer >= 0")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BadInputError("--device cuda: torch sees no CUDA device on this machine (torch "
+                                f"{torch.__version__}); use --device cpu")
+
+
 def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any = None,
              profile_path: Optional[str] = None, steps: int = 20, threads: Optional[int] = 1,
              seq_len: Optional[int] = None, model_options: Optional[dict[str, Any]] = None,
@@ -359,12 +401,9 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
         raise BadInputError(f"--steps: {steps!r} must be an integer >= 2 (the first step is a warm-up)")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise BadInputError(f"--threads: {threads!r} must be a positive integer")
-    if timeout_s <= 0:
-        raise BadInputError(f"--timeout: {timeout_s!r} must be positive (seconds)")
-    if nnodes < 1:
-        raise BadInputError(f"--nnodes: {nnodes!r} must be >= 1")
-    if device not in (None, "cpu", "cuda"):
-        raise BadInputError(f"--device: {device!r} is not known; use cpu or cuda")
+    _check_run_options(timeout_s=timeout_s, job_timeout_s=job_timeout_s, nnodes=nnodes, nproc_per_node=nproc_per_node,
+                       device=device, seq_len=seq_len, lr=lr, verify_tolerance=verify_tolerance,
+                       alone_repeats=alone_repeats, model_options=model_options)
     rank_counts = [_check_plan(plan) for plan in plans]
     if len(set(rank_counts)) != 1:
         raise BadInputError(f"run: the plans have {sorted(set(rank_counts))} ranks (d x p); one job runs plans of "
@@ -391,7 +430,9 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
         if work_dir is None:
             cleanup = tempfile.TemporaryDirectory(prefix="pipeplan-run-")
             out_dir = Path(cleanup.name)
-        else:
+        # Started before anything it guards; it acts only if this process dies (lifetime.py).
+        watchdog = Watchdog(out_dir if cleanup is not None else None)
+        if cleanup is None:
             out_dir = Path(work_dir)
             out_dir.mkdir(parents=True, exist_ok=True)
             for stale in [*out_dir.glob("error-rank*.json"), *out_dir.glob("exit-rank*.json"),
@@ -415,10 +456,12 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
             # A rank that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python stack.
             child_env.setdefault("PYTHONFAULTHANDLER", "1")
             child_env.update(env or {})
+            child_env[LAUNCHER_PID_ENV] = str(os.getpid())
             load_before = _load_average()
             started = time.monotonic()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env,
                                     start_new_session=True)
+            watchdog.watch(proc.pid)
             tail: deque = deque(maxlen=200)
             pump = threading.Thread(target=pump_output, args=(proc.stdout, tail, echo, raw_output), daemon=True)
             pump.start()
@@ -455,6 +498,7 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
         finally:
             if cleanup is not None:
                 cleanup.cleanup()
+            watchdog.done()
 
 
 def _load_average() -> Optional[list[float]]:
@@ -470,6 +514,9 @@ def run_plan_file(plan_path: str | Path, *, report_path: Optional[str | Path] = 
 
     Keywords are those of :func:`run_plan`.
     """
+    if report_path is not None:  # before the run, not after an hour of it
+        check_output_target(report_path, "--report")
+        refuse_overwriting_input(report_path, plan_path, profile_path, option="--report")
     plan = load_plan(plan_path)
     check_parallelism(plan, str(plan_path))
     profile = None

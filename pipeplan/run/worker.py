@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pipeplan.run.gradsync import plan_data_parallel
+from pipeplan.run.lifetime import die_with_parent
 from pipeplan.run.timing import (ComputeTimer, capture_inputs, measure_link, read_status_bytes, reset_peak_rss,
                                   time_alone, time_transfers)
 from pipeplan.formats.plan import Plan
@@ -543,6 +544,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of one rank: returns 2 on a usage error; otherwise the process ends here, by
     :func:`_leave` (exit status 0 on success, 1 after recording a failure)."""
     argv = sys.argv[1:] if argv is None else argv
+    die_with_parent()  # SIGKILL when torchrun dies, however (pipeplan.run.lifetime)
     if len(argv) != 1:
         print("usage: python -m pipeplan.run.worker CONFIG.json (started by pipeplan run)", file=sys.stderr)
         return 2

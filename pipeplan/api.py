@@ -92,9 +92,13 @@ def plan_any(profile, request: Request | PlanSettings, *, profile_sha256: str, r
 
 
 def _check_batch(profile, request) -> None:
-    """A given global batch within the micro-batch count limit, or exit 2 saying which fit."""
+    """A given global batch within the micro-batch count limit per replica (the fixed
+    ``data_parallel``, or with ``num_gpus`` the most replicas a layout may have), or exit 2 saying
+    what would fit."""
     if request.global_batch is not None:
-        check_microbatch_count(request.global_batch, profile.microbatch_sizes, request.microbatch_size)
+        replicas = (request.data_parallel or request.num_gpus) if isinstance(request, ClusterRequest) else 1
+        check_microbatch_count(request.global_batch, profile.microbatch_sizes, request.microbatch_size,
+                               replicas=replicas)
 
 
 def plan_profile(profile_path: str | Path, request: Request | PlanSettings, output: str | Path | None = None,

@@ -296,6 +296,7 @@ def profile_model(
                             bar.advance(task)
                     timers = {}
                     for name in order:
+                        current = name  # a unit that fails here is named, not the whole model
                         timers[name] = UnitTimer(
                             net.get_submodule(name), seen.calls[name], device=torch_device,
                             exclude=exclude, loss=loss_last if name == last else None,
@@ -366,6 +367,9 @@ def profile_model(
         example, _ = make_microbatch(bundle, sizes[0], seq_len, seed=seed, device=torch_device, dtype=torch_dtype)
         builders = check_builders(model, net, order, graph, example)
         del example
+        from pipeplan.run.verify import active_dropout
+
+        dropout = active_dropout(net)
         device_model, device_extra = _device_info(torch_device)
         from pipeplan.profile.hf import hf_unit_kinds, is_hf_model
 
@@ -435,6 +439,11 @@ def profile_model(
                           "units; their calls are code between units, run in the stage that needs them",
             } if repeated else None,
             "stage_builders": builders,
+            "dropout": {
+                "modules": dropout,
+                "method": "dropout modules with p > 0 in training mode: run --verify refuses the model "
+                          "(a pipeline and one process draw different masks)",
+            } if dropout else None,
             "load_average_before": load_before,
             "load_average_after": _load_average(),
             "whole_model_check": checks,

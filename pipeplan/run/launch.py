@@ -44,6 +44,7 @@ from typing import Any, Optional, Sequence
 from pipeplan.errors import BadInputError, PipeplanError
 from pipeplan.run.supervise import (RunStoppedError, StopOnSignals, failure_message, pump_output, terminate_group,
                                     wait_for_job)
+from pipeplan.run.verify import dropout_refusal
 
 __all__ = [
     "RunFailedError",
@@ -385,6 +386,12 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
     for one in specs:
         if one["seq_len"] is None:
             one["seq_len"] = 128
+    if verify:
+        # Refused before any rank starts; the ranks check the model itself where no profile says.
+        for one, prof in zip(specs, profiles):
+            dropout = (getattr(prof, "measurement", None) or {}).get("dropout")
+            if dropout:
+                raise BadInputError(dropout_refusal(one["model"], dropout["modules"]))
     spec = specs[0]
 
     with StopOnSignals():

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from pipeplan.errors import BadInputError
 from pipeplan.run.gradsync import TiedGrads  # re-exported: it lived here before gradsync
+from pipeplan.run.unitstages import as_units_stages
 
 __all__ = [
     "RankStages",
@@ -344,9 +345,11 @@ def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_i
                                unit_patterns=unit_patterns, **options) for i in stage_indices]
         bundle = load_bundle(model, seed=seed, device=device, dtype=dtype,
                              **({"materialise": []} if ":" not in model else {}), **options)
+        static = as_units_stages(modules, stage_indices, len(stage_layers),
+                                 bundle.model if ":" in model else None, example_inputs)
         loss = bundle.loss_fn or default_loss
         names = [{n: n for n, _ in m.named_parameters()} for m in modules]
-        return RankStages(modules=modules, builder="units", loss=loss, param_names=names)
+        return RankStages(modules=modules, builder="units", loss=loss, param_names=names, static_args=static)
 
     bundle = bundle or load_bundle(model, seed=seed, device=device, dtype=dtype, **options)
     net = bundle.model

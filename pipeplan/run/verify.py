@@ -40,9 +40,8 @@ def dropout_refusal(model: str, names: Sequence[str]) -> str:
     """Why ``--verify`` cannot check a model with active dropout, and what to do."""
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return (f"run --verify: {model} has dropout with p > 0 ({shown}): a pipelined step and one process draw "
-            f"different dropout masks, so their gradients cannot be compared (they differ by up to 100% and "
-            f"more, worst on parameters every position feeds, such as T5's relative_attention_bias); "
-            f"build the model with dropout 0 for --verify (hf: models are), or run without --verify")
+            f"different dropout masks, so their gradients cannot be compared; build the model with dropout 0 "
+            f"for --verify (hf: models are), or run without --verify")
 
 
 def refuse_dropout(model: str, bundle: Any) -> None:

@@ -33,7 +33,7 @@ from pipeplan.cluster.optimizers import optimizer_step_ms, training_state
 from pipeplan.cluster.placement import Layout
 from pipeplan.cluster.presets import memory_cap_bytes
 from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, tensor_degrees
-from pipeplan.cluster.space import candidates, parallel_degrees
+from pipeplan.cluster.space import batch_divisor_note, candidates, parallel_degrees
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.plan import Alternative, Parallelism, Plan, PlanSettings
 from pipeplan.plan.bound import Incumbent, PrunedError
@@ -288,7 +288,9 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
         needs = min(((peak, key, zero) for key, (_, peak, zero) in unbounded.items()),
                     default=(math.inf, None, 0))
         raise InfeasibleError(_infeasible_message(trials, settings, cluster, usable, cap, total_state, needs))
-    return _assemble(best, trials, profile, settings, views[(best.tensor, best.family)], cluster, cap, state)
+    plan = _assemble(best, trials, profile, settings, views[(best.tensor, best.family)], cluster, cap, state)
+    note = batch_divisor_note(degrees, G, sizes_all)
+    return plan.model_copy(update={"notes": [*plan.notes, note]}) if note else plan
 
 
 def _fixed_split_stages(settings: PlanSettings) -> PlanSettings:

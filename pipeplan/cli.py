@@ -238,16 +238,12 @@ _ACTION_OVERHEAD = typer.Option(
          "measures it. Default: the profile's (from `pipeplan calibrate`), else 0.")
 
 
-def _default_global_batch(profile_path, global_batch, microbatch_size=None, quiet=False):
+def _default_global_batch(profile_path, global_batch, microbatch_size=None):
     from pipeplan.formats.io import load_profile
     from pipeplan.formats.limits import check_microbatch_count
 
     sizes = load_profile(profile_path).microbatch_sizes
     if global_batch is None:
-        if not quiet:  # a default that sets the whole plan's scale is said, not silent
-            typer.echo(f"note: no --global-batch: planning at {8 * max(sizes)} samples per iteration (8 x the "
-                       f"largest profiled micro-batch, {max(sizes)}); give --global-batch for your training's batch",
-                       err=True)
         return 8 * max(sizes)
     check_microbatch_count(global_batch, sizes, microbatch_size)
     return global_batch
@@ -372,7 +368,7 @@ def plan(
     from pipeplan.show import plan_tables
 
     refuse_overwriting_input(output, profile)
-    settings = _plan_settings(stages, _default_global_batch(profile, global_batch, microbatch_size, quiet), microbatch_size,
+    settings = _plan_settings(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size,
                               memory_cap, optimizer, bandwidth, schedule, virtual_stages, recompute, solver,
                               action_overhead_ms, launcher=launcher, num_gpus=gpus, cluster=cluster, data_parallel=data_parallel,
                               tensor_parallel=tensor_parallel, zero=zero, data_parallel_overlap=data_parallel_overlap)
@@ -381,6 +377,9 @@ def plan(
     result = plan_profile(profile, settings, output, record_time=record_time)
     if not quiet:
         rich_console().print(plan_tables(result))
+        if global_batch is None:  # a default that sets the whole plan's scale is said, not silent
+            typer.echo(f"note: no --global-batch: planned at {settings.global_batch} samples per iteration (8 x the "
+                       f"largest profiled micro-batch); give --global-batch for your training's batch", err=True)
         if output:
             typer.echo(f"wrote {output}")
 

@@ -22,7 +22,9 @@ The built-ins' units take and return one tensor each; for them only the contigui
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from contextlib import contextmanager
+from functools import lru_cache
+from typing import Any, Iterator, Sequence
 
 __all__ = ["as_units_stages"]
 
@@ -61,6 +63,19 @@ def as_units_stages(modules: Sequence[Any], stage_indices: Sequence[int], num_st
     return [_units_static_args(m, values, example_inputs) for m in modules] if user else []
 
 
+@contextmanager
+def _eval_mode(module: Any) -> Iterator[None]:
+    """Shapes without side effects: batch norm's running statistics stay as built."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@lru_cache(maxsize=1)
 def _units_stage_class() -> type:
     """:class:`~pipeplan.profile.units.UnitChain` with flat, contiguous stage boundaries."""
     import torch
@@ -157,7 +172,7 @@ def _unit_boundary_values(model: Any, modules: Sequence[Any], example_inputs: An
             values[("unit", name)] = output
         hooks.append(model.get_submodule(name).register_forward_hook(record))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _eval_mode(model):
             call_model(model, example_inputs)
     finally:
         for hook in hooks:
@@ -177,20 +192,21 @@ def _units_static_args(module: Any, values: dict[Any, Any], example_inputs: Any)
         value = value.detach().clone(memory_format=torch.contiguous_format)
         return value.requires_grad_(True) if value.is_floating_point() else value
 
-    if module.first:
-        args, kwargs = split_inputs(example_inputs)
-        inputs = tuple(example(v) for v in args)
-        out = module(*inputs, **kwargs)
-    else:
-        inputs = tuple(example(leaf) for src in module.inputs for leaf in tree_flatten(values[tuple(src)])[0])
-        try:
-            out = module(*inputs)
-        except RuntimeError as exc:
-            if not _changes_leaf_in_place(exc):
-                raise
-            module.copy_inputs = True
-            inputs = tuple(example(v) for v in inputs)
-            out = module(*inputs)
+    with _eval_mode(module):
+        if module.first:
+            args, kwargs = split_inputs(example_inputs)
+            inputs = tuple(example(v) for v in args)
+            out = module(*inputs, **kwargs)
+        else:
+            inputs = tuple(example(leaf) for src in module.inputs for leaf in tree_flatten(values[tuple(src)])[0])
+            try:
+                out = module(*inputs)
+            except RuntimeError as exc:
+                if not _changes_leaf_in_place(exc):
+                    raise
+                module.copy_inputs = True
+                inputs = tuple(example(v) for v in inputs)
+                out = module(*inputs)
     outputs = tuple(example(v) for v in tree_flatten(out)[0] if isinstance(v, torch.Tensor))
     for p in module.parameters():
         p.grad = None

@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence
 
 from pipeplan.errors import BadInputError
 from pipeplan.formats.profile import Device, Layer, LayerCost, Profile, TiedWeight
+from pipeplan.run.verify import active_dropout
 
 __all__ = ["profile_model", "profile_to_file", "parse_microbatch_sizes", "summary_table",
            "forward_failure"]
@@ -367,8 +368,6 @@ def profile_model(
         example, _ = make_microbatch(bundle, sizes[0], seq_len, seed=seed, device=torch_device, dtype=torch_dtype)
         builders = check_builders(model, net, order, graph, example)
         del example
-        from pipeplan.run.verify import active_dropout
-
         dropout = active_dropout(net)
         device_model, device_extra = _device_info(torch_device)
         from pipeplan.profile.hf import hf_unit_kinds, is_hf_model

@@ -26,7 +26,7 @@ CASES = {
 
 def main(argv=None) -> int:
     from pipeplan.analytic.api import analytic_profile
-    from pipeplan.analytic.gpus import get_gpu
+    from pipeplan.facts.gpus import get_gpu
     from pipeplan.cluster.presets import PRESETS
     from pipeplan.cluster.search import plan_cluster
     from pipeplan.formats.plan import PlanSettings

@@ -51,7 +51,7 @@ RUNS = [
 
 def _profile(model: str, folder: Path, degrees, sizes):
     from pipeplan.analytic.api import analytic_profile
-    from pipeplan.analytic.gpus import get_gpu
+    from pipeplan.facts.gpus import get_gpu
 
     config = folder / f"gpt-{model.lower()}.json"
     config.write_text(json.dumps({**MODELS[model], **COMMON}))

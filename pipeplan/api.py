@@ -8,143 +8,113 @@ from pathlib import Path
 from pipeplan.errors import BadInputError
 from pipeplan.formats.io import file_sha256, load_json, load_plan, load_profile, write_json_atomic
 from pipeplan.formats.plan import Plan, PlanSettings
+from pipeplan.cluster.search import plan_cluster
+from pipeplan.requests import ClusterRequest, PipelineRequest, Request, request_of
+from pipeplan.plan.given import plan_split
+from pipeplan.plan.search import make_plan, with_profile_defaults
+from pipeplan.formats.limits import check_microbatch_count
+from pipeplan.importers import import_pipedream
+from pipeplan.plan.baselines import compare_baselines
+from pipeplan.formats.io import load_report
+from pipeplan.analytic import analytic_profile_to_file
+from pipeplan.profile.api import profile_to_file
+from pipeplan.profile.hf import read_config
 
-__all__ = ["import_profile", "plan_profile", "plan_split", "compare_splits", "validate_file", "ComparisonRow"]
+__all__ = ["PipelineRequest", "ClusterRequest", "import_profile", "make_profile", "plan_any", "plan_profile", "plan_split", "compare_splits", "validate_file", "ComparisonRow"]
 
 
 def import_profile(source: str, path: str | Path, batch_size: int, output: str | Path, model: str | None = None):
     """``pipeplan import``: convert another tool's profile and write it atomically."""
     if source != "pipedream":
         raise BadInputError(f"import: unknown source {source!r}; supported: pipedream")
-    from pipeplan.importers import import_pipedream
 
     profile = import_pipedream(path, batch_size, model=model)
     write_json_atomic(output, profile)
     return profile
 
 
-def plan_profile(profile_path: str | Path, settings: PlanSettings, output: str | Path | None = None,
-                 record_time: bool = False) -> Plan:
-    """``pipeplan plan``: plan a profile file and write the plan atomically.
+def make_profile(model: str, output: str | Path, *, analytic: bool = False, microbatch_sizes="1,2,4",
+                 seq_len: int | None = None, dtype: str | None = None, gpu: str | None = None,
+                 gpu_spec: str | Path | None = None, tensor_parallel="1", sequence_parallel: bool = True,
+                 flash_attention: bool = True, options: dict | None = None, config: str | Path | None = None,
+                 units=None, progress: bool = False, **measure):
+    """``pipeplan profile``: measure a torch model into a profile, or (``analytic``) estimate one
+    from a model config on a GPU spec, and write it atomically.
 
-    ``PlanSettings`` has the CLI's defaults, so this makes the plan ``pipeplan plan`` makes
-    from the same options, byte for byte.
-    """
-    from pipeplan.cluster.search import plan_any  # cluster (--gpus), given split, or pipeline
-
-    profile = load_profile(profile_path)
-    plan = plan_any(profile, settings, profile_sha256=file_sha256(profile_path), record_time=record_time)
-    if output is not None:
-        write_json_atomic(output, plan)
-    return plan
-
-
-def plan_split(profile, settings: PlanSettings, layers_per_stage: list[int], *,
-               profile_sha256: str | None = None) -> Plan:
-    """The plan of a given split: ``layers_per_stage[s]`` units, in profile order, for stage ``s``.
-
-    The split is costed by the cost model and simulated exactly as any plan; the schedule,
-    stages per rank, micro-batch size and recomputation are taken from ``settings``, not
-    searched.
-
-    Parameters
-    ----------
-    profile : Profile or path
-        A profile, or a profile file (its sha256 is recorded).
-    settings : PlanSettings
-        ``schedule`` names a schedule (not ``auto``); ``virtual_stages`` defaults to the
-        schedule's smallest; ``microbatch_size`` is required unless the profile has one size;
-        ``recompute`` is ``none``, ``selective`` or ``all`` (``auto`` is read as ``none``).
-    layers_per_stage : list of int
-        One count per stage, ``stages x virtual_stages`` of them, virtual stages in pipeline
-        order; each at least 1, summing to the profile's unit count.
-    profile_sha256 : str, optional
-        Recorded in the plan; default the file's sha256, or for a Profile object that of its
-        canonical JSON.
-
-    Returns
-    -------
-    Plan
-        ``solver.method`` is ``given``; a note says so when a rank goes over the memory cap.
+    ``measure`` are :func:`pipeplan.profile.api.profile_model`'s timing options (``device``,
+    ``repeats``, ``warmup``, ``threads``, ``seed``, ``split_backward``). The GPU and
+    tensor-parallel options belong to the estimate; ``config`` (a transformers ``config.json``) to
+    ``hf:`` models.
 
     Raises
     ------
     BadInputError
-        Bad counts (naming the problem), an ``auto`` schedule, a micro-batch size that was
-        not profiled or does not divide the global batch, or a schedule that refuses the
-        numbers.
+        An option of the other kind, a bad model or config, sizes that do not parse.
+    """
+    if analytic:
+        return analytic_profile_to_file(
+            model, output, gpu=gpu, gpu_spec=gpu_spec, microbatch_sizes=microbatch_sizes,
+            tensor_parallel=tensor_parallel, seq_len=seq_len, dtype=dtype or "bf16",
+            sequence_parallel=sequence_parallel, flash_attention=flash_attention)
+    if gpu or gpu_spec or str(tensor_parallel) != "1":
+        raise BadInputError("--gpu, --gpu-spec and --tensor-parallel-degrees: only with --analytic")
+    options = dict(options or {})
+    if config is not None:
+        options["config"] = read_config(model, str(config))
+    return profile_to_file(model, str(output), microbatch_sizes=microbatch_sizes,
+                           seq_len=128 if seq_len is None else seq_len, dtype=dtype or "fp32", units=units or None,
+                           options=options, progress=progress, **measure)
+
+
+def plan_any(profile, request: Request | PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
+    """The plan a request asks for: a cluster plan (:class:`ClusterRequest`), a given split
+    (``layers_per_stage``) or the pipeline planner's; what ``plan`` and ``check`` call.
+
+    ``request`` may be a plan file's record of one (:class:`PlanSettings`, as ``check``
+    re-plans): it is read as a request first (:func:`pipeplan.requests.request_of`), so the API
+    refuses what the CLI refuses.
+
+    Raises
+    ------
+    BadInputError
+        A request that breaks its rules (e.g. a ZeRO stage or data-parallel degree without
+        ``num_gpus``), naming the fields.
+    """
+    request = request_of(request)
+    _check_batch(profile, request)
+    settings = request.settings()
+    if isinstance(request, ClusterRequest):
+        return plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
+    if request.layers_per_stage is not None:
+        plan = plan_split(profile, settings, request.layers_per_stage, profile_sha256=profile_sha256)
+        return plan.model_copy(update={"schema_version": 2})  # layers_per_stage is a version-2 field
+    return make_plan(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
+
+
+def _check_batch(profile, request) -> None:
+    """A given global batch within the micro-batch count limit, or exit 2 saying which fit."""
+    if request.global_batch is not None:
+        check_microbatch_count(request.global_batch, profile.microbatch_sizes, request.microbatch_size)
+
+
+def plan_profile(profile_path: str | Path, request: Request | PlanSettings, output: str | Path | None = None,
+                 record_time: bool = False) -> Plan:
+    """``pipeplan plan``: plan a profile file and write the plan atomically.
+
+    The request models have the CLI's defaults (one source: ``tests/test_layers.py`` checks
+    it), so this makes the plan ``pipeplan plan`` makes from the same options, byte for byte.
 
     Examples
     --------
-    >>> from pipeplan.formats.profile import Profile
-    >>> layers = [{"name": f"l{i}", "param_bytes": 4, "costs": [{"microbatch_size": 1, "forward_ms": 1,
-    ...            "backward_ms": 2, "activation_bytes": 8, "output_bytes": 8}]} for i in range(4)]
-    >>> prof = Profile.model_validate({"schema_version": 1, "model": "toy", "source": "analytic",
-    ...                                "device": {"name": "cpu"}, "dtype": "fp32", "layers": layers})
-    >>> plan = plan_split(prof, PlanSettings(stages=2, schedule="1f1b", global_batch=4), [3, 1])
-    >>> [len(s.layers) for s in plan.stages], plan.predicted.iteration_ms
-    ([3, 1], 36.000001)
+    >>> plan = plan_profile("profiles/gpt2-tiny-cpu.json", PipelineRequest(stages=2, schedule="1f1b"))
+    >>> plan.schedule, len(plan.stages)
+    ('1f1b', 2)
     """
-    from pipeplan.plan import build_layer_graph, valid_virtual_stages, with_profile_defaults
-
-    if isinstance(profile, (str, Path)):
-        path = profile
-        profile = load_profile(path)
-        sha = profile_sha256 or file_sha256(path)
-    else:
-        sha = profile_sha256 or _model_sha256(profile)
-    settings = with_profile_defaults(profile, settings)
-    if settings.schedule == "auto":
-        raise BadInputError("schedule: a given split needs a named schedule, not 'auto'; "
-                            "use one of gpipe, 1f1b, interleaved, zb, zbv, dualpipev")
-    v = settings.virtual_stages or valid_virtual_stages(settings.schedule)[0]
-    b = settings.microbatch_size
-    if b is None:
-        if len(profile.microbatch_sizes) != 1:
-            raise BadInputError(f"microbatch_size: a given split needs one; the profile has "
-                                f"{profile.microbatch_sizes}")
-        b = profile.microbatch_sizes[0]
-    if b not in profile.microbatch_sizes:
-        raise BadInputError(f"microbatch_size: {b} was not profiled; the profile has {profile.microbatch_sizes}")
-    if settings.global_batch % b:
-        raise BadInputError(f"microbatch_size: {b} does not divide the global batch {settings.global_batch}")
-    stages = _stages_from_counts(layers_per_stage, len(profile.layers), settings.stages, v)
-    settings = settings.model_copy(update={"virtual_stages": v, "microbatch_size": b,
-                                           "recompute": settings.recompute if settings.recompute in ("all", "selective")
-                                           else "none"})
-    from pipeplan.plan import plan_given_split
-
-    return plan_given_split(profile, settings, build_layer_graph(profile, b), stages, schedule=settings.schedule,
-                            virtual_stages=v, microbatch_size=b, num_microbatches=settings.global_batch // b,
-                            profile_sha256=sha)
-
-
-def _stages_from_counts(counts, num_units: int, ranks: int, v: int) -> list[list[int]]:
-    counts = list(counts)
-    if not all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
-        raise BadInputError(f"layers_per_stage: {counts} must be whole numbers")
-    if len(counts) != ranks * v:
-        raise BadInputError(f"layers_per_stage: {len(counts)} counts for {ranks} ranks x {v} stages per rank; "
-                            f"give {ranks * v}")
-    small = [s for s, c in enumerate(counts) if c < 1]
-    if small:
-        raise BadInputError(f"layers_per_stage: stage {small[0]} has {counts[small[0]]} units; every stage needs at least 1")
-    if sum(counts) != num_units:
-        raise BadInputError(f"layers_per_stage: the counts add up to {sum(counts)} but the profile has "
-                            f"{num_units} units")
-    stages, start = [], 0
-    for c in counts:
-        stages.append(list(range(start, start + c)))
-        start += c
-    return stages
-
-
-def _model_sha256(model) -> str:
-    import hashlib
-
-    from pipeplan.formats.io import dump_model
-
-    return hashlib.sha256(dump_model(model).encode()).hexdigest()
+    profile = load_profile(profile_path)
+    plan = plan_any(profile, request, profile_sha256=file_sha256(profile_path), record_time=record_time)
+    if output is not None:
+        write_json_atomic(output, plan)
+    return plan
 
 
 @dataclass(frozen=True)
@@ -163,18 +133,23 @@ class ComparisonRow:
     """The largest stage's predicted peak."""
     fits: bool
     """Whether every stage is within the memory cap."""
+    global_batch: int
+    """Samples per iteration the row was planned at (the profile's default where none was given)."""
 
 
-def compare_splits(profile_path: str | Path, settings: PlanSettings) -> list[ComparisonRow]:
+def compare_splits(profile_path: str | Path, request: PipelineRequest | PlanSettings) -> list[ComparisonRow]:
     """``pipeplan compare``: the optimal plan beside the splits users make by hand.
 
     Every row is a plan costed and simulated by the planner's own machinery
     (:func:`pipeplan.plan.baselines.compare_baselines`), at the optimal plan's micro-batch
     size and schedule, so the rows differ only in the split.
     """
-    from pipeplan.plan.baselines import compare_baselines
-
     profile = load_profile(profile_path)
+    request = request_of(request)
+    if not isinstance(request, PipelineRequest):
+        raise BadInputError("compare: compares pipeline splits; give --stages, not --gpus")
+    _check_batch(profile, request)
+    settings = with_profile_defaults(profile, request.settings())
     optimal, baselines = compare_baselines(profile, settings, file_sha256(profile_path))
     cap = settings.memory_cap_bytes
 
@@ -189,6 +164,7 @@ def compare_splits(profile_path: str | Path, settings: PlanSettings) -> list[Com
             samples_per_second=costed.predicted.samples_per_second,
             peak_memory_bytes=int(max(peaks)),
             fits=cap is None or max(peaks) <= cap,
+            global_batch=settings.global_batch,
         )
 
     rows = []
@@ -210,8 +186,6 @@ def validate_file(path: str | Path) -> str:
     data = load_json(path)
     if isinstance(data, dict) and (str(data.get("schema", "")).startswith("pipeplan-run-report")
                                    or ("ranks" in data and "measured" in data)):
-        from pipeplan.formats.io import load_report
-
         report = load_report(path)
         return (f"{path}: valid run report: {report.schedule}, {len(report.ranks)} ranks, "
                 f"{report.num_microbatches} x {report.microbatch_size}")

@@ -6,69 +6,36 @@ message and an exit code (2 bad input, 3 infeasible); tracebacks only with ``--d
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
-import traceback
 from pathlib import Path
 from typing import Optional
 
 import typer
-from typer.core import TyperGroup
+from pydantic import ValidationError
 
-from pipeplan.errors import BadInputError, PipeplanError
-
-state = {"debug": False}
-
-
-def _take_debug(args: list[str]) -> list[str]:
-    """Remove ``--debug`` wherever it stands (before a ``--``) and remember it."""
-    if "--" in args:
-        cut = args.index("--")
-        head, tail = args[:cut], args[cut:]
-    else:
-        head, tail = args, []
-    if "--debug" in head:
-        state["debug"] = True
-        head = [a for a in head if a != "--debug"]
-    return head + tail
-
-
-class _Group(TyperGroup):
-    """The root command: ``--debug`` anywhere, and usage errors as one line like every other error."""
-
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        state["debug"] = False
-        args = _take_debug(list(sys.argv[1:] if args is None else args))
-        try:
-            result = super().main(args=args, prog_name=prog_name or "pipeplan", complete_var=complete_var,
-                                  standalone_mode=False, **extra)
-        except typer.Abort:
-            typer.echo("interrupted; no output written", err=True)
-            code = 130
-        except Exception as exc:
-            # typer's own (vendored click) usage errors: duck-typed, their classes are private.
-            if not (hasattr(exc, "format_message") and isinstance(getattr(exc, "exit_code", None), int)):
-                raise
-            ctx = getattr(exc, "ctx", None)
-            if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
-                typer.echo(ctx.get_help())
-                code = 0
-            else:
-                command = ctx.command_path if ctx is not None else "pipeplan"
-                message = " ".join(exc.format_message().split())
-                hint = f" (see {command} --help)" if ctx is not None else ""
-                typer.echo(f"error: {command}: {message}{hint}", err=True)
-                code = exc.exit_code
-        else:
-            code = result if isinstance(result, int) else 0
-        if not standalone_mode:
-            return code
-        sys.exit(code)
-
+from pipeplan import cli_run
+from pipeplan.cli_common import Group, handled, rich_console, state, terminal_progress
+from pipeplan.progress import reporting
+from pipeplan.cluster.presets import resolve_cluster
+from pipeplan.errors import BadInputError
+from pipeplan.quantities import parse_bandwidth, parse_bytes
+from pipeplan.requests import ClusterRequest, PipelineRequest
+from pipeplan.formats.io import load_plan, refuse_overwriting_input, write_text_atomic
+from pipeplan.api import compare_splits, import_profile, make_profile, plan_profile, validate_file
+from pipeplan.profile import summary_table
+from pipeplan.analytic.tables import gpu_table
+from pipeplan.show import comparison_table, plan_tables
+from pipeplan.cluster.tables import cluster_table
+from pipeplan.formats.schema import json_schema_text
+from pipeplan.export import run_export
+from pipeplan.doctor import run_doctor_command
+from pipeplan.check.commands import run_check, run_diff
+from pipeplan.show import simulation_from_plan
+from pipeplan.analytic.tables import analytic_summary_table
+from pipeplan.cluster.presets import PRESETS
+from pipeplan.plan.timeline import render_timeline_text, write_timeline_image
 
 app = typer.Typer(
-    cls=_Group,
+    cls=Group,
     name="pipeplan",
     help="Exact, memory-aware pipeline-parallel planning: profile -> plan -> run / export / check.",
     no_args_is_help=True,
@@ -78,97 +45,34 @@ app = typer.Typer(
 import_app = typer.Typer(help="Import another tool's profile into pipeplan's format.", no_args_is_help=True)
 app.add_typer(import_app, name="import")
 
-def rich_console(stderr: bool = False):
-    from rich.console import Console
-
-    return Console(stderr=stderr, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
-
-
-def _printable(line: str) -> str:
-    """Control and direction-override characters (from user input) escaped for the terminal."""
-    import unicodedata
-
-    return "".join(f"\\u{ord(ch):04x}" if unicodedata.category(ch)[0] == "C" or unicodedata.category(ch) in ("Zl", "Zp")
-                   else ch for ch in line)
-
-
-def one_line(text: str) -> str:
-    """A message on one line: the first line, and how many more there were."""
-    lines = [_printable(line) for line in text.splitlines() if line.strip()] or [""]
-    if len(lines) == 1:
-        return lines[0]
-    return f"{lines[0]} (and {len(lines) - 1} more line{'s' if len(lines) > 2 else ''}; --debug shows all)"
-
-
-def handled(func):
-    """Map PipeplanError to its exit code with a one-line message; anything else is a bug."""
-
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        try:
-            return func(*args, **kwargs)
-        except typer.Exit:
-            raise
-        except PipeplanError as exc:
-            if state["debug"]:
-                traceback.print_exc()
-            kind = "infeasible" if exc.exit_code == 3 else "error"
-            typer.echo(f"{kind}: {one_line(str(exc))}", err=True)
-            raise typer.Exit(exc.exit_code)
-        except RecursionError:
-            if state["debug"]:
-                raise
-            typer.echo("error: input nested too deep to read", err=True)
-            raise typer.Exit(2)
-        except KeyboardInterrupt:
-            typer.echo("interrupted; no output written", err=True)
-            raise typer.Exit(130)
-        except BrokenPipeError:
-            # The reader left (`| head`); files were already written. Point stdout at devnull so
-            # that the interpreter's final flush does not fail again.
-            try:
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            except (OSError, ValueError, AttributeError):
-                pass
-            raise typer.Exit(0)
-        except Exception as exc:
-            if state["debug"]:
-                raise
-            typer.echo(f"internal error: {type(exc).__name__}: {one_line(str(exc))} (rerun with --debug for the "
-                       f"traceback)", err=True)
-            raise typer.Exit(1)
-
-    return wrapper
-
-
 @app.callback()
 def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors (accepted anywhere).")):
     """Exact, memory-aware pipeline-parallel planning."""
     state["debug"] = state["debug"] or debug
 
 
-def _settings(**kwargs):
-    from pydantic import ValidationError
-
-    from pipeplan.formats.plan import PlanSettings
-
+def _request(kind, **fields):
+    """A request model built from options, its errors named by the option (``--memory-cap``)."""
     try:
-        return PlanSettings(**kwargs)
+        return kind(**fields)
     except ValidationError as exc:
         errors = exc.errors()
         first = errors[0]
         option = "--" + "-".join(str(p) for p in first["loc"]).replace("_", "-")
-        option = {"--memory-cap-bytes": "--memory-cap", "--bandwidth-bytes-per-s": "--bandwidth"}.get(option, option)
+        option = {"--memory-cap-bytes": "--memory-cap", "--bandwidth-bytes-per-s": "--bandwidth",
+                  "--num-gpus": "--gpus", "--zero-stage": "--zero"}.get(option, option)
         message = f"{option}: {first['msg'].removeprefix('Value error, ')}"
+        if first["type"] == "missing":
+            message = f"{option}: missing"
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
         raise BadInputError(message) from None
 
 
-def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer, bandwidth, schedule,
-                   virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None, **cluster_options):
-    from pipeplan.quantities import parse_bandwidth, parse_bytes
-
+def _plan_request(stages, global_batch, microbatch_size, memory_cap, optimizer, bandwidth, schedule,
+                  virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None, **cluster_options):
+    """The request ``plan`` (and ``compare``) options make: a :class:`ClusterRequest` with
+    ``--gpus``, else a :class:`PipelineRequest`."""
     if optimizer not in ("adam", "adam-fp32-grads", "sgd", "none"):
         raise BadInputError(f"--optimizer: {optimizer!r} is not one of adam, adam-fp32-grads, sgd, none")
     if solver not in ("auto", "dp", "ilp"):
@@ -177,22 +81,26 @@ def _plan_settings(stages, global_batch, microbatch_size, memory_cap, optimizer,
         raise BadInputError(f"--recompute: {recompute!r} is not one of auto, none, selective, all")
     if stages is None and cluster_options.get("num_gpus") is None:
         raise BadInputError("--stages: give the pipeline stages, or --gpus to search data x tensor x pipeline")
-    bandwidth_value = parse_bandwidth(bandwidth)
-    return _settings(
+    common = dict(
         stages=stages,
         global_batch=global_batch,
         microbatch_size=microbatch_size,
         memory_cap_bytes=parse_bytes(memory_cap) if memory_cap is not None else None,
         optimizer=optimizer,
-        bandwidth_bytes_per_s=None if bandwidth_value == float("inf") else bandwidth_value,
         schedule=schedule,
         virtual_stages=virtual_stages,
         recompute=recompute,
         solver=solver,
         action_overhead_ms=action_overhead_ms,
         launcher=launcher,
-        **_cluster_settings(**cluster_options),
     )
+    cluster = _cluster_options(**cluster_options)
+    if cluster:
+        # The cluster's links replace --bandwidth (a ClusterRequest has none).
+        return _request(ClusterRequest, **common, **cluster)
+    bandwidth_value = parse_bandwidth(bandwidth)
+    return _request(PipelineRequest, **common,
+                    bandwidth_bytes_per_s=None if bandwidth_value == float("inf") else bandwidth_value)
 
 
 def _counts(text: str) -> list[int]:
@@ -203,8 +111,8 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
-def _cluster_settings(num_gpus=None, cluster=None, data_parallel=None, tensor_parallel=None, zero=None,
-                      data_parallel_overlap=None):
+def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_parallel=None, zero=None,
+                     data_parallel_overlap=None):
     """The cluster options of ``pipeplan plan`` (docs/cluster-model.md); empty without --gpus."""
     if num_gpus is None:
         given = [name for name, value in (("--cluster", cluster), ("--data-parallel", data_parallel),
@@ -213,8 +121,6 @@ def _cluster_settings(num_gpus=None, cluster=None, data_parallel=None, tensor_pa
         if given:
             raise BadInputError(f"{given[0]}: needs --gpus (the cluster's GPU count)")
         return {}
-    from pipeplan.cluster import resolve_cluster
-
     if cluster is None:
         raise BadInputError("--gpus: give --cluster NAME or FILE too (pipeplan cluster lists the presets)")
     return {"num_gpus": num_gpus, "cluster": resolve_cluster(cluster), "data_parallel": data_parallel,
@@ -226,27 +132,18 @@ _STAGES = typer.Option(..., "--stages", "-p", help="Pipeline stages (GPUs).", sh
 _GLOBAL_BATCH = typer.Option(None, "--global-batch", "-g", help="Samples per iteration (default: 8 x the largest profiled micro-batch).")
 _MICROBATCH = typer.Option(None, "--microbatch-size", "-b", help="Fix the micro-batch size instead of searching.")
 _MEMORY_CAP = typer.Option(None, "--memory-cap", help="Per-GPU memory cap, e.g. 80GiB or 16e9.")
-_OPTIMIZER = typer.Option("adam", "--optimizer", help="adam (16 B/param), adam-fp32-grads (18, Megatron's), sgd (12) or none.")
-_BANDWIDTH = typer.Option("25GB/s", "--bandwidth", help="Point-to-point bandwidth, e.g. 25GB/s; inf ignores transfers.")
-_SCHEDULE = typer.Option("auto", "--schedule", help="auto, gpipe, 1f1b, interleaved, zb, zbv or dualpipev.")
+# Defaults come from the request models (one source; tests/test_layers.py checks every option).
+_DEFAULT = {name: field.default for name, field in PipelineRequest.model_fields.items()}
+_OPTIMIZER = typer.Option(_DEFAULT["optimizer"], "--optimizer", help="adam (16 B/param), adam-fp32-grads (18, Megatron's), sgd (12) or none.")
+_BANDWIDTH = typer.Option(f"{_DEFAULT['bandwidth_bytes_per_s'] / 1e9:g}GB/s", "--bandwidth", help="Point-to-point bandwidth, e.g. 25GB/s; inf ignores transfers.")
+_SCHEDULE = typer.Option(_DEFAULT["schedule"], "--schedule", help="auto, gpipe, 1f1b, interleaved, zb, zbv or dualpipev.")
 _VIRTUAL = typer.Option(None, "--virtual-stages", "-v", help="Stages per rank (interleaved/zero-bubble); default: search.")
-_RECOMPUTE = typer.Option("auto", "--recompute", help="Activation recomputation: auto, none, selective (the attention core; analytic profiles) or all.")
-_SOLVER = typer.Option("auto", "--solver", help="auto, dp (chain / ideal-lattice DP) or ilp (PuLP + HiGHS).")
+_RECOMPUTE = typer.Option(_DEFAULT["recompute"], "--recompute", help="Activation recomputation: auto, none, selective (the attention core; analytic profiles) or all.")
+_SOLVER = typer.Option(_DEFAULT["solver"], "--solver", help="auto, dp (chain / ideal-lattice DP) or ilp (PuLP + HiGHS).")
 _ACTION_OVERHEAD = typer.Option(
     None, "--action-overhead-ms",
     help="The schedule's own time per action on a rank (posting transfers, bookkeeping); `pipeplan run` "
          "measures it. Default: the profile's (from `pipeplan calibrate`), else 0.")
-
-
-def _default_global_batch(profile_path, global_batch, microbatch_size=None):
-    from pipeplan.formats.io import load_profile
-    from pipeplan.formats.limits import check_microbatch_count
-
-    sizes = load_profile(profile_path).microbatch_sizes
-    if global_batch is None:
-        return 8 * max(sizes)
-    check_microbatch_count(global_batch, sizes, microbatch_size)
-    return global_batch
 
 
 @import_app.command("pipedream")
@@ -258,9 +155,6 @@ def import_pipedream_cmd(
     model: Optional[str] = typer.Option(None, "--model", help="Model name (default: from the file name)."),
 ):
     """Import a PipeDream profile (graph.txt), keeping its layer DAG."""
-    from pipeplan.api import import_profile
-    from pipeplan.formats.io import refuse_overwriting_input
-
     refuse_overwriting_input(output, path)
     profile = import_profile("pipedream", path, batch_size, output, model=model)
     edges = len(profile.edges or ())
@@ -290,39 +184,18 @@ def profile(
     analytic: bool = typer.Option(False, "--analytic", help="Estimate from a model config and a GPU spec instead of measuring (docs/analytic.md)."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="With --analytic: a known GPU (pipeplan gpus), e.g. h100-sxm."),
     gpu_spec: Optional[Path] = typer.Option(None, "--gpu-spec", help="With --analytic: a GPU spec TOML file instead of --gpu."),
-    tensor_parallel: str = typer.Option("1", "--tensor-parallel", help="With --analytic: tensor-parallel degrees, e.g. 1,2,4,8 (1 always included)."),
+    tensor_parallel: str = typer.Option("1", "--tensor-parallel-degrees", "--tensor-parallel", help="With --analytic: the tensor-parallel degrees to estimate, e.g. 1,2,4,8 (1 always included; --tensor-parallel is the old name). Not plan's --tensor-parallel, which fixes one degree."),
     sequence_parallel: bool = typer.Option(True, "--sequence-parallel/--no-sequence-parallel", help="With --analytic: Megatron sequence parallelism above degree 1."),
     flash_attention: bool = typer.Option(True, "--flash-attention/--no-flash-attention", help="With --analytic: flash attention (no s^2 activations)."),
 ):
     """Measure a torch model per unit (time, activation and output bytes) into a profile, or estimate one (--analytic)."""
-    if analytic:
-        from pipeplan.analytic import analytic_profile_to_file
-        from pipeplan.analytic.tables import analytic_summary_table
-
-        estimated = analytic_profile_to_file(
-            model, output, gpu=gpu, gpu_spec=gpu_spec, microbatch_sizes=microbatch_sizes,
-            tensor_parallel=tensor_parallel, seq_len=seq_len, dtype=dtype or "bf16",
-            sequence_parallel=sequence_parallel, flash_attention=flash_attention,
-        )
-        rich_console().print(analytic_summary_table(estimated))
-        typer.echo(f"wrote {output}")
-        return
-    if gpu or gpu_spec or tensor_parallel != "1":
-        raise BadInputError("--gpu, --gpu-spec and --tensor-parallel: only with --analytic")
-    from pipeplan.profile import profile_to_file, summary_table
-
-    options = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}
-    if config is not None:
-        from pipeplan.profile.hf import read_config
-
-        options["config"] = read_config(model, str(config))
-    result = profile_to_file(
-        model, str(output), microbatch_sizes=microbatch_sizes, seq_len=128 if seq_len is None else seq_len,
-        dtype=dtype or "fp32", device=device,
-        repeats=repeats, warmup=warmup, threads=threads, units=units or None, seed=seed,
-        options=options, split_backward=split_backward, progress=True,
-    )
-    rich_console().print(summary_table(result))
+    result = make_profile(
+        model, output, analytic=analytic, microbatch_sizes=microbatch_sizes, seq_len=seq_len, dtype=dtype,
+        gpu=gpu, gpu_spec=gpu_spec, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+        flash_attention=flash_attention, device=device, repeats=repeats, warmup=warmup, threads=threads,
+        options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}, units=units, seed=seed,
+        config=config, split_backward=split_backward, progress=True)
+    rich_console().print(analytic_summary_table(result) if analytic else summary_table(result))
     typer.echo(f"wrote {output}")
 
 
@@ -330,8 +203,6 @@ def profile(
 @handled
 def gpus():
     """The GPU specifications `profile --analytic --gpu NAME` knows (dense peaks, with sources)."""
-    from pipeplan.analytic.tables import gpu_table
-
     rich_console().print(gpu_table())
 
 
@@ -363,23 +234,21 @@ def plan(
     layers_per_stage: Optional[str] = typer.Option(None, "--layers-per-stage", help="Fix the split: units per stage in profile order, e.g. 5,7,7,7 (virtual stages in order); needs a named --schedule."),
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
-    from pipeplan.api import plan_profile
-    from pipeplan.formats.io import refuse_overwriting_input
-    from pipeplan.show import plan_tables
-
     refuse_overwriting_input(output, profile)
-    settings = _plan_settings(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size,
-                              memory_cap, optimizer, bandwidth, schedule, virtual_stages, recompute, solver,
-                              action_overhead_ms, launcher=launcher, num_gpus=gpus, cluster=cluster, data_parallel=data_parallel,
-                              tensor_parallel=tensor_parallel, zero=zero, data_parallel_overlap=data_parallel_overlap)
+    request = _plan_request(stages, global_batch, microbatch_size,
+                            memory_cap, optimizer, bandwidth, schedule, virtual_stages, recompute, solver,
+                            action_overhead_ms, launcher=launcher, num_gpus=gpus, cluster=cluster,
+                            data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero=zero,
+                            data_parallel_overlap=data_parallel_overlap)
     if layers_per_stage is not None:
-        settings = settings.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
-    result = plan_profile(profile, settings, output, record_time=record_time)
+        request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
+    with reporting(terminal_progress(quiet)):
+        result = plan_profile(profile, request, output, record_time=record_time)
     if not quiet:
         rich_console().print(plan_tables(result))
         if global_batch is None:  # a default that sets the whole plan's scale is said, not silent
-            typer.echo(f"note: no --global-batch: planned at {settings.global_batch} samples per iteration (8 x the "
-                       f"largest profiled micro-batch); give --global-batch for your training's batch", err=True)
+            typer.echo(f"note: no --global-batch: planned at {result.settings.global_batch} samples per iteration "
+                       f"(8 x the largest profiled micro-batch); give --global-batch for your training's batch", err=True)
         if output:
             typer.echo(f"wrote {output}")
 
@@ -390,9 +259,6 @@ def cluster(
     spec: Optional[str] = typer.Argument(None, metavar="[NAME|FILE]", help="A preset or a cluster TOML file to check and show."),
 ):
     """The cluster presets (or one spec): GPUs per node, memory, links; docs/cluster-model.md."""
-    from pipeplan.cluster import PRESETS, resolve_cluster
-    from pipeplan.cluster.tables import cluster_table
-
     specs = list(PRESETS.values()) if spec is None else [resolve_cluster(spec)]
     rich_console().print(cluster_table(specs, "cluster presets" if spec is None else str(spec)))
 
@@ -406,16 +272,11 @@ def show(
     width: int = typer.Option(100, "--width", help="Timeline width in characters."),
 ):
     """Show a plan: stages, layers, times, memory, bubble."""
-    from pipeplan.formats.io import load_plan, refuse_overwriting_input
-    from pipeplan.show import plan_tables, simulation_from_plan
-
     refuse_overwriting_input(timeline_out, plan_file)
     loaded = load_plan(plan_file)
     console = rich_console()
     console.print(plan_tables(loaded))
     if timeline or timeline_out:
-        from pipeplan.plan.timeline import render_timeline_text, write_timeline_image
-
         sim = simulation_from_plan(loaded)
         if timeline:
             console.print(render_timeline_text(sim, width))
@@ -439,22 +300,19 @@ def compare(
     action_overhead_ms: Optional[float] = _ACTION_OVERHEAD,
 ):
     """Compare the optimal plan with uniform, parameter-balanced and greedy splits."""
-    from pipeplan.api import compare_splits
-    from pipeplan.show import comparison_table
-
-    settings = _plan_settings(stages, _default_global_batch(profile, global_batch, microbatch_size), microbatch_size, memory_cap,
-                              optimizer, bandwidth, schedule, None, "none", solver, action_overhead_ms)
-    rows = compare_splits(profile, settings)
-    rich_console().print(comparison_table(rows, f"{profile}: {stages} stages, global batch {settings.global_batch}",
-                                      memory_cap_bytes=settings.memory_cap_bytes))
+    request = _plan_request(stages, global_batch, microbatch_size,
+                            memory_cap, optimizer, bandwidth, schedule, None, "none", solver, action_overhead_ms)
+    with reporting(terminal_progress()):
+        rows = compare_splits(profile, request)
+    batch = f", global batch {rows[0].global_batch}" if rows else ""
+    rich_console().print(comparison_table(rows, f"{profile}: {stages} stages{batch}",
+                                      memory_cap_bytes=request.memory_cap_bytes))
 
 
 @app.command()
 @handled
 def validate(path: Path = typer.Argument(..., metavar="FILE", help="Profile, plan or run report JSON.", show_default=False)):
     """Check a profile, plan or run report file and explain any problem."""
-    from pipeplan.api import validate_file
-
     typer.echo(validate_file(path))
 
 
@@ -465,12 +323,8 @@ def schema(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write to a file instead of stdout."),
 ):
     """Print the JSON Schema of the profile, plan or run report format."""
-    from pipeplan.formats.schema import json_schema_text
-
     text = json_schema_text(kind)
     if output:
-        from pipeplan.formats.io import write_text_atomic
-
         write_text_atomic(output, text)
         typer.echo(f"wrote {output}")
     else:
@@ -487,9 +341,6 @@ def export(
     schedule_csv: bool = typer.Option(False, "--schedule-csv", help="torchtitan: also write the simulated per-rank action order as a CSV."),
 ):
     """Restate a plan for a launcher: torchtitan TOML, Megatron-LM flags, DeepSpeed parts, torch split points."""
-    from pipeplan.export import run_export
-    from pipeplan.formats.io import refuse_overwriting_input
-
     refuse_overwriting_input(output, plan_file, profile)
     text, written = run_export(plan_file, format, output=output, profile_path=profile, with_schedule_csv=schedule_csv)
     if not written:
@@ -522,13 +373,13 @@ def doctor(
     junit: Optional[Path] = typer.Option(None, "--junit", help="Also write a JUnit XML report here."),
 ):
     """Read a launcher config, flag what is wrong (lost layers, refused schedules, memory), compare with the best plan; exit 1 on an error finding."""
-    from pipeplan.doctor import run_doctor_command
-
-    text, written, code = run_doctor_command(
-        launcher, config_file, profile, memory_cap=memory_cap, optimizer=optimizer, bandwidth=bandwidth,
-        cluster=cluster, search_layouts=search_layouts, world_size=world_size, tensor_degree=tensor_parallel, variables=var or [], num_stages=num_stages, partition_method=partition_method,
-        parts=parts, checkpoint_interval=checkpoint_interval, fix_output=output if fix else None, fix=fix,
-        output_format=format, junit=junit)
+    with reporting(terminal_progress(format == "json")):
+        text, written, code = run_doctor_command(
+            launcher, config_file, profile, memory_cap=memory_cap, optimizer=optimizer, bandwidth=bandwidth,
+            cluster=cluster, search_layouts=search_layouts, world_size=world_size, tensor_degree=tensor_parallel,
+            variables=var or [], num_stages=num_stages, partition_method=partition_method, parts=parts,
+            checkpoint_interval=checkpoint_interval, fix_output=output if fix else None, fix=fix,
+            output_format=format, junit=junit)
     typer.echo(text, nl=False)
     for path in written:
         typer.echo(f"wrote {path}")
@@ -547,10 +398,9 @@ def check(
     update: bool = typer.Option(False, "--update", help="Rewrite the baselines with the re-made plans."),
 ):
     """Re-plan each profile with its baseline's settings; exit 1 on a throughput drop or a cap overrun."""
-    from pipeplan.check.commands import run_check
-
-    report, text = run_check(profiles, baseline, tolerance=tolerance, memory_cap=memory_cap, format=format,
-                             junit_path=junit, update=update)
+    with reporting(terminal_progress()):
+        report, text = run_check(profiles, baseline, tolerance=tolerance, memory_cap=memory_cap, format=format,
+                                 junit_path=junit, update=update)
     typer.echo(text, nl=False)
     raise typer.Exit(report.exit_code)
 
@@ -569,15 +419,14 @@ def diff(
     microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", "-b", help="Profiles: compare costs at this micro-batch size."),
 ):
     """Two plans or two profiles side by side: moved layers, slower or bigger units, effect on the plan."""
-    from pipeplan.check.commands import run_diff
-
     typer.echo(run_diff(a, b, format=format, settings_from=settings_from, microbatch_size=microbatch_size,
                         stages=stages, global_batch=global_batch, memory_cap=memory_cap, schedule=schedule), nl=False)
 
 
-
-# The commands that run a plan under torch live in their own module; importing it registers them.
-from pipeplan import cli_run as _cli_run  # noqa: E402,F401
+# The commands that run a plan under torch live in their own module (it imports torch only when
+# they run); registered here, on the one app.
+app.command()(cli_run.run)
+app.command()(cli_run.calibrate)
 
 
 def main() -> None:
@@ -586,7 +435,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # Run the imported module's app: cli_run registered run and calibrate on that one.
-    from pipeplan.cli import main as _imported_main
-
-    _imported_main()
+    main()

@@ -10,13 +10,17 @@ from typing import Optional
 
 import typer
 
-from pipeplan.cli import app, handled, rich_console, state
+from pipeplan.cli_common import handled, rich_console, state
 from pipeplan.errors import BadInputError
+from pipeplan.formats.io import refuse_overwriting_input
+from pipeplan.run import report_table, run_plan_file
+from pipeplan.run.verify import check_verdict, verdict_lines
+from pipeplan.run.calibrate import calibrate_files, calibration_table
+from pipeplan.analytic.calibrate import calibrate_analytic_files
 
 __all__ = ["run", "calibrate"]
 
 
-@app.command()
 @handled
 def run(
     plan_file: Path = typer.Argument(..., metavar="PLAN", help="Plan JSON file.", show_default=False),
@@ -46,10 +50,6 @@ def run(
     verify_tolerance: Optional[float] = typer.Option(None, "--verify-tolerance", help="Largest relative difference --verify accepts (default 1e-4 in fp32, 2e-2 in bf16/fp16)."),
 ):
     """Run a plan with torch.distributed.pipelining under torchrun; report measured vs predicted."""
-    from pipeplan.formats.io import refuse_overwriting_input
-    from pipeplan.run import report_table, run_plan_file
-    from pipeplan.run.verify import check_verdict, verdict_lines
-
     refuse_overwriting_input(report, plan_file, profile)
     result = run_plan_file(
         plan_file, report_path=report, profile_path=profile, model=model, steps=steps, threads=threads,
@@ -69,7 +69,6 @@ def run(
     check_verdict(result)
 
 
-@app.command()
 @handled
 def calibrate(
     plan_file: Path = typer.Argument(..., metavar="PLAN", help="The plan that was run (with --measured: an analytic profile).", show_default=False),
@@ -79,11 +78,7 @@ def calibrate(
     measured: Optional[Path] = typer.Option(None, "--measured", help="Fit the analytic profile PLAN's efficiency model to this measured profile of the same model and GPU (no REPORT)."),
 ):
     """Scale a profile's per-layer times by what a run measured, so the next plan uses real numbers."""
-    from pipeplan.formats.io import refuse_overwriting_input
-
     if measured is not None:
-        from pipeplan.analytic.calibrate import calibrate_analytic_files
-
         if report_file is not None or profile is not None:
             raise BadInputError("--measured: give an analytic profile and no REPORT or --profile")
         refuse_overwriting_input(output, plan_file, measured)
@@ -96,7 +91,6 @@ def calibrate(
         return
     if report_file is None:
         raise BadInputError("REPORT: missing (the run report of PLAN), or give --measured to fit an analytic profile")
-    from pipeplan.run.calibrate import calibrate_files, calibration_table
 
     refuse_overwriting_input(output, plan_file, report_file, profile)
     calibrated, factors = calibrate_files(plan_file, report_file, output, profile_path=profile)

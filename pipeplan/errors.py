@@ -6,7 +6,10 @@
 
 from __future__ import annotations
 
-__all__ = ["PipeplanError", "BadInputError", "InfeasibleError"]
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PipeplanError", "BadInputError", "InfeasibleError", "format_validation_error"]
 
 
 class PipeplanError(Exception):
@@ -28,3 +31,30 @@ class InfeasibleError(PipeplanError):
     """
 
     exit_code = 3
+
+
+def _location(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def format_validation_error(path: str | Path, error) -> str:
+    """One line: ``file: field: problem``, the first problem of a pydantic ``ValidationError``, and how
+    many others there are."""
+    items = error.errors()
+    if not items:
+        return f"{path}: {error}"
+    item = items[0]
+    loc = _location(tuple(item["loc"]))
+    message = item["msg"].removeprefix("Value error, ")
+    if item["type"] == "missing":
+        message = "missing field"
+    line = f"{path}: {message}" if not item["loc"] else f"{path}: {loc}: {message}"
+    if len(items) > 1:
+        line += f" (and {len(items) - 1} more problem{'s' if len(items) > 2 else ''})"
+    return line

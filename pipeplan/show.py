@@ -7,6 +7,8 @@ from rich.table import Table
 
 from pipeplan.formats.plan import Plan
 from pipeplan.quantities import format_bytes
+from pipeplan.plan import plan_simulation
+from pipeplan.cluster.tables import cluster_plan_tables
 
 __all__ = ["plan_tables", "comparison_table", "simulation_from_plan", "stage_count_words"]
 
@@ -29,8 +31,6 @@ def stage_count_words(plan: Plan) -> str:
 def plan_tables(plan: Plan) -> Group:
     """Summary and per-stage tables of a plan."""
     if plan.parallelism is not None:
-        from pipeplan.cluster.tables import cluster_plan_tables
-
         return cluster_plan_tables(plan)
     p = plan.predicted
     summary = Table(title=f"{plan.profile.model}: {stage_count_words(plan)}, {plan.schedule}", show_header=False)
@@ -100,6 +100,4 @@ def comparison_table(rows, title: str, memory_cap_bytes: int | None = None) -> T
 
 def simulation_from_plan(plan: Plan):
     """Re-simulate a plan's schedule from its own numbers (for the timeline)."""
-    from pipeplan.plan import plan_simulation
-
     return plan_simulation(plan)

@@ -101,7 +101,7 @@ def test_pruning_against_the_best_keeps_the_winner_with_zero_and_tensor_parallel
     the layouts' own searches pruned against the best so far give the same winner and plan, and
     a pruned layout shows a lower bound that its full plan respects."""
     from pipeplan.analytic.api import analytic_profile
-    from pipeplan.analytic.gpus import get_gpu
+    from pipeplan.facts.gpus import get_gpu
 
     profile = analytic_profile("llama3-8b", get_gpu("h100-sxm"), seq_len=4096, dtype="bf16",
                                microbatch_sizes=[1, 2], tensor_parallel=[1, 2, 4])

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeplan.cli import app
-from pipeplan.analytic.gpus import GPUS
-from pipeplan.cluster.presets import PRESETS, memory_cap_bytes, resolve_cluster
+from pipeplan.facts.gpus import GPUS
+from pipeplan.cluster.presets import PRESETS, resolve_cluster
 from pipeplan.errors import BadInputError
 from pipeplan.formats.cluster import ClusterSpec, load_cluster_file
 
@@ -44,7 +44,7 @@ def test_presets_are_valid_and_name_known_gpus():
     for name, spec in PRESETS.items():
         assert spec.name == name
         assert spec.gpu in GPUS  # the GPU table holds its memory, FLOP/s and HBM bandwidth
-        assert spec.memory_cap_bytes is None and memory_cap_bytes(spec) == GPUS[spec.gpu].memory_bytes
+        assert spec.memory_cap_bytes is None and spec.cap_bytes() == GPUS[spec.gpu].memory_bytes
         assert spec.intra_node.bandwidth_bytes_per_s > spec.inter_node.bandwidth_bytes_per_s
         assert ClusterSpec.model_validate(spec.model_dump()) == spec  # round-trips
 
@@ -65,7 +65,7 @@ def test_toml_file_reads_quantities(tmp_path):
 
 def test_toml_file_based_on_a_preset(tmp_path):
     spec = load_cluster_file(_write(tmp_path, 'base = "dgx-a100"\nname = "half"\ngpus_per_node = 4\n'
-                                               '[inter_node]\nbandwidth = "12.5GB/s"\n'))
+                                               '[inter_node]\nbandwidth = "12.5GB/s"\n'), PRESETS)
     assert spec.gpus_per_node == 4 and spec.gpu == "a100-80gb"
     assert spec.inter_node.bandwidth_bytes_per_s == 12.5e9
     assert spec.inter_node.latency_us == PRESETS["dgx-a100"].inter_node.latency_us
@@ -98,11 +98,11 @@ def test_unknown_names(tmp_path):
     with pytest.raises(BadInputError, match="no such file"):
         resolve_cluster(str(tmp_path / "missing.toml"))
     with pytest.raises(BadInputError, match="base: 'dgx-z9' is not a preset"):
-        load_cluster_file(_write(tmp_path, 'base = "dgx-z9"\n'))
+        load_cluster_file(_write(tmp_path, 'base = "dgx-z9"\n'), PRESETS)
     spec = load_cluster_file(_write(tmp_path, GOOD.replace('gpu = "h100-sxm"', 'gpu = "tpu-v5"')
                                     .replace('memory_cap = "80GB"\n', '')))
     with pytest.raises(BadInputError, match="give memory_cap"):
-        memory_cap_bytes(spec)
+        spec.cap_bytes()
 
 
 def test_cluster_command_lists_presets():

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from pipeplan.cluster.collectives import collective_ms, flat_collective_ms, ring_ms, tree_all_reduce_ms
 from pipeplan.cluster.dataparallel import data_parallel_sync
-from pipeplan.cluster.memory import plannable_bytes, reserve_bytes, state_memory, zero3_gathered_bytes
-from pipeplan.cluster.optimizers import OPTIMIZERS, optimizer_step_ms, training_state
+from pipeplan.cluster.memory import plannable_bytes, reserve_bytes, zero3_gathered_bytes
+from pipeplan.facts.training_state import state_memory
+from pipeplan.facts.training_state import OPTIMIZERS, optimizer_step_ms, training_state
 from pipeplan.cluster.placement import GroupSpan, Layout
 from pipeplan.cluster.presets import PRESETS
 from pipeplan.cluster.space import Degrees, candidates, divisors, parallel_degrees
@@ -205,12 +206,12 @@ def test_zero_paper_figure_1():
 
 def test_adam_matches_the_planner_s_long_standing_convention():
     """Plans of schema 1 assumed 16 bytes per parameter for adam, 12 for sgd, 2 x dtype for none."""
-    from pipeplan.plan.costmodel import BYTES_PER_PARAMETER, static_bytes_per_param_byte
+    from pipeplan.facts.training_state import state_bytes_per_param_byte
 
     for dtype_bytes in (2, 4):
-        for optimizer, total in (*BYTES_PER_PARAMETER.items(), ("none", 2 * dtype_bytes)):
+        for optimizer, total in (("adam", 16), ("sgd", 12), ("none", 2 * dtype_bytes)):
             assert training_state(optimizer, dtype_bytes).total_bytes == total
-            assert static_bytes_per_param_byte(optimizer, dtype_bytes) == total / dtype_bytes
+            assert state_bytes_per_param_byte(optimizer, dtype_bytes) == total / dtype_bytes
 
 
 @settings(max_examples=60, deadline=None)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeplan.analytic.api import analytic_profile
-from pipeplan.analytic.gpus import get_gpu
+from pipeplan.facts.gpus import get_gpu
 from pipeplan.cluster.presets import PRESETS
 from pipeplan.cluster.search import plan_cluster
 from pipeplan.errors import BadInputError, InfeasibleError

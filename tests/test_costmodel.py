@@ -39,7 +39,8 @@ from pipeplan.plan import (
     stage_in_flight,
 )
 from pipeplan.plan.chain import chain_bottleneck_ms, fits_along_order
-from pipeplan.plan.costmodel import prefix_sums, static_bytes_per_param_byte
+from pipeplan.facts.training_state import state_bytes_per_param_byte
+from pipeplan.plan.costmodel import prefix_sums
 from pipeplan.plan.simulate import simulate
 
 BYTES_PER_PARAM = {"adam": 16, "sgd": 12}
@@ -185,7 +186,7 @@ def problem_of(profile, k, recompute, bandwidth, optimizer, b, in_flight, cap=ma
     graph = build_layer_graph(profile, b)
     working = reference_selective_working_bytes(profile, b) if graph.selective_known else 0.0
     cost = CostModel(bandwidth_bytes_per_s=math.inf if bandwidth is None else bandwidth,
-                     static_bytes_per_param_byte=static_bytes_per_param_byte(optimizer, profile.dtype_bytes),
+                     static_bytes_per_param_byte=state_bytes_per_param_byte(optimizer, profile.dtype_bytes),
                      selective_working_bytes=float(working))
     return PartitionProblem(graph=graph, num_stages=k, in_flight=in_flight, recompute=recompute, cost=cost,
                             memory_cap_bytes=cap)
@@ -429,7 +430,7 @@ def test_a_stage_holding_a_tied_weights_later_user_counts_its_copy():
     settings_ = PlanSettings(stages=2, global_batch=2, optimizer="adam", schedule="1f1b", recompute="none")
     problem = build_problem(profile, graph, settings_, (2, 1))
     split = stage_breakdowns(problem, evaluate_split(problem, [[0, 1], [2, 3]]))
-    per_byte = static_bytes_per_param_byte("adam", 4)
+    per_byte = state_bytes_per_param_byte("adam", 4)
     assert split[0].memory.state_bytes == per_byte * 1300  # the embedding itself
     assert split[1].memory.state_bytes == per_byte * (300 + 1000)  # h1 and the head's copy
     assert split[1].memory.tied_copy_param_bytes == 1000

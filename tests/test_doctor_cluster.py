@@ -173,8 +173,8 @@ def test_torchtitan_fsdp_tp_pp_is_costed_at_zero3(tmp_path, profiles):
     assert plan.predicted.iteration_ms == result.plan.predicted.iteration_ms
     assert plan.parallelism.zero_stage == 3
     # ZeRO 3: the weights are a shard plus the units gathered whole, more than a plain shard.
-    from pipeplan.cluster.memory import state_memory
-    from pipeplan.cluster.optimizers import training_state
+    from pipeplan.facts.training_state import state_memory
+    from pipeplan.facts.training_state import training_state
 
     state = training_state("adam", 2)
     for m, rank in zip(result.cluster_cost.memory, sorted(plan.ranks, key=lambda r: r.rank)):

@@ -51,7 +51,7 @@ def hand_plan(profile: Profile, split: list[int], schedule: str, ranks: int, vir
               microbatch_size: int, num_microbatches: int, *, memory_cap_bytes=None,
               peak_bytes: int = 100 * MIB, sha: str | None = None) -> Plan:
     """A plan with the given stage sizes (layer counts, in order) and the schedule's placement."""
-    from pipeplan.plan.schedules import stage_ranks
+    from pipeplan.facts.schedules import stage_ranks
 
     names = [layer.name for layer in profile.layers]
     assert sum(split) == len(names) and len(split) == ranks * virtual_stages

@@ -271,7 +271,7 @@ def test_control_characters_from_options_are_escaped_in_messages(profile_file):
 
 
 def test_control_characters_never_reach_the_terminal_in_an_error():
-    from pipeplan.cli import one_line
+    from pipeplan.cli_common import one_line
 
     assert one_line("bad name 'a\x1b[2Jb\u202e'") == "bad name 'a\\u001b[2Jb\\u202e'"
 

@@ -14,17 +14,10 @@ from torch import nn  # noqa: E402
 
 from pipeplan.errors import BadInputError  # noqa: E402
 from pipeplan.formats.io import dump_model, load_profile, write_json_atomic  # noqa: E402
-from pipeplan.profile import (  # noqa: E402
-    build_model,
-    build_stage,
-    default_units,
-    load_bundle,
-    loss_fn,
-    make_microbatch,
-    profile_model,
-    select_units,
-    trace_units,
-)
+from pipeplan.profile import profile_model  # noqa: E402
+from pipeplan.profile.loading import load_bundle, make_microbatch  # noqa: E402
+from pipeplan.profile.models import build_model, loss_fn  # noqa: E402
+from pipeplan.profile.units import build_stage, default_units, select_units, trace_units  # noqa: E402
 from pipeplan.profile.measure import measure_unit  # noqa: E402
 from pipeplan.profile.memory import parameter_storages, saved_activation_bytes  # noqa: E402
 
@@ -369,7 +362,7 @@ def test_cuda_without_cuda_is_bad_input():
 
 
 def test_stage_from_a_profile_rebuilds_the_profiled_model():
-    from pipeplan.profile import build_stage_from_profile
+    from pipeplan.profile.units import build_stage_from_profile
 
     prof = profile_model("gpt2-tiny", microbatch_sizes=[1], seq_len=8, options=TINY_GPT,
                          whole_model_check=False, **FAST)

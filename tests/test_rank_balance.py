@@ -25,7 +25,7 @@ from pipeplan.plan.memory import stage_in_flight
 from pipeplan.plan.problem import (PartitionProblem, build_problem, evaluate_split, split_fits, stage_cost_at, stage_costs,
                                    stage_fits)
 from pipeplan.plan.ranks import balance_ranks, rank_loads_ms, stage_busy_ms
-from pipeplan.plan.schedules import stage_ranks, valid_virtual_stages
+from pipeplan.facts.schedules import stage_ranks, valid_virtual_stages
 from pipeplan.plan.search import with_profile_defaults
 from pipeplan.plan.simulate import simulate
 from pipeplan.plan.solve import search_partition

@@ -9,7 +9,7 @@ import pytest
 from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import SCHEDULES
 from pipeplan.formats.profile import Profile
-from pipeplan.plan.schedules import stage_ranks
+from pipeplan.facts.schedules import stage_ranks
 from pipeplan.plan.simulate import simulate
 from pipeplan.run import balanced_plan, build_report, report_table, run_plans, simulate_plan, torchrun_command
 from pipeplan.run.calibrate import calibrate_profile

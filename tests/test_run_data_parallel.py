@@ -56,7 +56,8 @@ def _reference():
     One torch thread, as each rank has, so that reductions run in the ranks' order whatever
     earlier tests of this pytest process left behind.
     """
-    from pipeplan.profile import build_model, load_bundle, loss_fn, make_microbatch
+    from pipeplan.profile.models import build_model, loss_fn
+    from pipeplan.profile.loading import load_bundle, make_microbatch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

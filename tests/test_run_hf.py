@@ -177,7 +177,7 @@ def test_plans_of_a_traced_model_follow_its_execution_order():
 
 
 def test_the_traced_builder_refuses_stages_out_of_the_call_order():
-    from pipeplan.profile import load_bundle, make_microbatch
+    from pipeplan.profile.loading import load_bundle, make_microbatch
     from pipeplan.run.stages import build_rank_stages
     from pipeplan.run.verify import microbatches
 
@@ -195,7 +195,7 @@ def test_a_stage_keeps_only_the_tied_copies_its_graph_reads():
     # torch's split leaves GPT-2's first stage an unread copy of lm_head.weight beside
     # transformer.wte.weight; kept, it got the tied gradient and optimizer state (measured on
     # GPT-2 small: rank 0's optimizer held 1.08 GB where its parameters need 0.77 GB).
-    from pipeplan.profile import load_bundle, make_microbatch
+    from pipeplan.profile.loading import load_bundle, make_microbatch
     from pipeplan.run.stages import build_rank_stages
     from pipeplan.run.verify import microbatches
 

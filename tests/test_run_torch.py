@@ -36,7 +36,8 @@ def _reference(layers: int, microbatch_size: int, num_microbatches: int):
     order, and the result does not depend on the thread count that earlier tests of the same
     pytest process left behind (1 and 2 threads differ by up to 1e-4 relative per element).
     """
-    from pipeplan.profile import build_model, load_bundle, loss_fn, make_microbatch
+    from pipeplan.profile.models import build_model, loss_fn
+    from pipeplan.profile.loading import load_bundle, make_microbatch
 
     options = {**TINY, "layers": layers}
     threads = torch.get_num_threads()

@@ -16,10 +16,10 @@ from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.io import dump_model, load_profile
 from pipeplan.formats.plan import PlanSettings
 from pipeplan.formats.profile import Profile
-from pipeplan.plan.costmodel import static_bytes_per_param_byte
+from pipeplan.facts.training_state import state_bytes_per_param_byte
 from pipeplan.plan.memory import rank_peak_bytes, stage_in_flight
 from pipeplan.plan import make_plan, plan_simulation
-from pipeplan.plan.schedules import SCHEDULES, check_schedule, stage_ranks, valid_virtual_stages
+from pipeplan.facts.schedules import SCHEDULES, check_schedule, stage_ranks, valid_virtual_stages
 from pipeplan.plan.simulate import StageCost, simulate
 
 GIB = 2**30
@@ -53,7 +53,7 @@ def resimulate(profile, plan):
     cost = {layer.name: layer.cost_at(plan.microbatch_size) for layer in profile.layers}
     params = {layer.name: layer.param_bytes for layer in profile.layers}
     s = plan.settings
-    per_byte = static_bytes_per_param_byte(s.optimizer, profile.dtype_bytes)
+    per_byte = state_bytes_per_param_byte(s.optimizer, profile.dtype_bytes)
     ms_per_byte = 0.0 if s.bandwidth_bytes_per_s is None else 1000.0 / s.bandwidth_bytes_per_s
     costs = []
     stages = sorted(plan.stages, key=lambda x: x.index)

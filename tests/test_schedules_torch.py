@@ -23,7 +23,7 @@ S = pytest.importorskip("torch.distributed.pipelining.schedules")
 
 from pipeplan.errors import BadInputError  # noqa: E402
 from pipeplan.plan.actions import Action, rank_actions  # noqa: E402
-from pipeplan.plan.schedules import (  # noqa: E402
+from pipeplan.facts.schedules import (  # noqa: E402
     SCHEDULES,
     TORCH_SCHEDULE_CLASS,
     check_schedule,

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pipeplan.errors import BadInputError
 from pipeplan.plan.actions import Action, rank_actions
-from pipeplan.plan.schedules import (
+from pipeplan.facts.schedules import (
     SCHEDULES,
     TORCH_SCHEDULE_CLASS,
     check_schedule,

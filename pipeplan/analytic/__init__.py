@@ -12,9 +12,10 @@ See docs/analytic.md for every formula and its source.
 from __future__ import annotations
 
 from pipeplan.analytic.api import analytic_profile, analytic_profile_to_file, parse_degrees, summary_rows
-from pipeplan.analytic.configs import ModelConfig, load_model_config, shipped_configs
+from pipeplan.analytic.configs import ModelConfig, shipped_configs
+from pipeplan.analytic.families import load_model_config
 from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY, EfficiencyModel
-from pipeplan.analytic.gpus import GPUS, GpuSpec, get_gpu, load_gpu_spec
+from pipeplan.facts.gpus import GPUS, GpuSpec, get_gpu, load_gpu_spec
 
 __all__ = [
     "analytic_profile", "analytic_profile_to_file", "parse_degrees", "summary_rows",

@@ -7,17 +7,21 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from pipeplan.analytic.collectives import unit_collectives
-from pipeplan.analytic.configs import ModelConfig, load_model_config
+from pipeplan.analytic.configs import ModelConfig
+from pipeplan.analytic.families import load_model_config
 from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY, EfficiencyModel, parts_ms
 from pipeplan.analytic.flops import Shape, model_flops_per_token, unit_work
-from pipeplan.analytic.gpus import GpuSpec, resolve_gpu
+from pipeplan.facts.gpus import GpuSpec, resolve_gpu
 from pipeplan.analytic.memory import unit_activation_bytes, unit_output_bytes
-from pipeplan.analytic.shapes import check_tensor_parallel, unit_param_count
+from pipeplan.analytic.shapes import (check_tensor_parallel, tied_table_count, unit_active_param_count,
+                                      unit_expert_param_count, unit_param_count)
 from pipeplan.errors import BadInputError
-from pipeplan.formats.profile import Device, Layer, LayerCost, Profile
+from pipeplan.formats.profile import Device, Experts, Layer, LayerCost, ParameterCounts, Profile, TiedWeight
+from pipeplan.formats.io import write_json_atomic
+from pipeplan.profile.api import parse_microbatch_sizes
 
 __all__ = ["analytic_profile", "analytic_profile_to_file", "parse_degrees", "default_seq_len", "DTYPE_BYTES",
-           "model_units"]
+           "model_units", "model_ties", "model_parameter_counts", "unit_own_param_count"]
 
 #: Bytes per element of each training dtype the analytic model takes.
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
@@ -53,12 +57,54 @@ def default_seq_len(cfg: ModelConfig) -> int:
 
 
 def model_units(cfg: ModelConfig) -> list[tuple[str, str, int]]:
+    """``(name, kind, index)`` of each unit in order: the embedding, the blocks, the final norm,
+    the multi-token prediction depths (named as DeepSeek-V3's checkpoint names them, the blocks
+    after the last: ``model.layers.61``), the head."""
     units = [(cfg.names.embedding, "embedding", 0)]
     units += [(cfg.block_name(i), "block", i) for i in range(cfg.num_layers)]
     if cfg.names.norm is not None:
         units.append((cfg.names.norm, "norm", 0))
+    depths = range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers)
+    units += [(cfg.block_name(i), "mtp", i) for i in depths]
     units.append((cfg.names.head, "head", 0))
     return units
+
+
+def unit_own_param_count(cfg: ModelConfig, kind: str, index: int, t: int = 1) -> int:
+    """A unit's parameters on one rank, a tied weight counted in its first user only: a tied head
+    leaves out the token table it shares with the embedding (a stage holding the head without
+    the embedding keeps a copy: the profile's ``tied_weights``)."""
+    count = unit_param_count(cfg, kind, t, index)
+    if kind == "head" and cfg.tied_embeddings:
+        count -= tied_table_count(cfg, t)
+    return count
+
+
+def model_ties(cfg: ModelConfig, dtype_bytes: int) -> list[TiedWeight]:
+    """The weights several units use, as a measured profile lists them: the token table (a tied
+    head, the multi-token prediction depths' embedding) and an untied head's matrix (the depths'
+    shared output head)."""
+    units = model_units(cfg)
+    depths = [name for name, kind, _ in units if kind == "mtp"]
+    table = [cfg.names.embedding] + ([cfg.names.head] if cfg.tied_embeddings else []) + depths
+    ties = []
+    if len(table) > 1:
+        ties.append(TiedWeight(name=f"{cfg.names.embedding}.weight", layers=table,
+                               param_bytes=tied_table_count(cfg) * dtype_bytes))
+    if depths and not cfg.tied_embeddings:
+        ties.append(TiedWeight(name=f"{cfg.names.head}.weight", layers=[cfg.names.head] + depths,
+                               param_bytes=unit_param_count(cfg, "head") * dtype_bytes))
+    return ties
+
+
+def _unit_key(cfg: ModelConfig, kind: str, index: int) -> tuple:
+    """Units with one key have equal costs (blocks differ by window and by dense or routed MLP)."""
+    if kind == "mtp":  # the last depth sends less on (memory.unit_output_bytes)
+        last = index == cfg.num_layers + cfg.mtp_layers - 1
+        return (kind, index in cfg.sliding_layers, cfg.is_moe_layer(index), last)
+    if kind == "block":
+        return (kind, index in cfg.sliding_layers, cfg.is_moe_layer(index))
+    return (kind,)
 
 
 def _round(value: float) -> float:
@@ -80,15 +126,18 @@ def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, 
         backward_input_ms=_round(b_input),
         backward_weight_ms=_round(b_weight),
         activation_bytes=unit_activation_bytes(cfg, kind, index, shape),
-        output_bytes=unit_output_bytes(cfg, kind, shape),
+        output_bytes=unit_output_bytes(cfg, kind, shape, index),
         selective_activation_bytes=unit_activation_bytes(cfg, kind, index, shape, selective=True),
         selective_recompute_ms=_round(parts_ms(work.attention_core, peak, bw, efficiency)),
     )
     if t > 1:
         traffic = unit_collectives(cfg, kind, shape)
+        experts = unit_expert_param_count(cfg, kind, t, index)
+        if experts:
+            fields["expert_param_bytes"] = experts * shape.dtype_bytes
         fields.update(
             tensor_parallel=t,
-            param_bytes=unit_param_count(cfg, kind, t) * shape.dtype_bytes,
+            param_bytes=unit_own_param_count(cfg, kind, index, t) * shape.dtype_bytes,
             sequence_parallel=shape.sequence_parallel,
             tensor_parallel_collective=traffic.kind,
             tensor_parallel_forward_bytes=traffic.forward_bytes,
@@ -118,7 +167,7 @@ def analytic_profile(
     config : str, Path or ModelConfig
         A HuggingFace ``config.json`` path, a shipped config's name, or a loaded config.
     gpu : GpuSpec
-        From :func:`pipeplan.analytic.gpus.get_gpu` or a ``--gpu-spec`` file.
+        From :func:`pipeplan.facts.gpus.get_gpu` or a ``--gpu-spec`` file.
     seq_len : int, optional
         Tokens per sample; default: the model's pre-training context (:func:`default_seq_len`).
     dtype : {'bf16', 'fp16', 'fp32'}
@@ -170,18 +219,10 @@ def analytic_profile(
     cache: dict = {}
     layers = []
     for name, kind, index in model_units(cfg):
-        sliding = kind == "block" and index in cfg.sliding_layers
-        key = (kind, sliding)
+        key = _unit_key(cfg, kind, index)
         if key not in cache:
             cache[key] = [_entry(cfg, kind, index, shape, gpu, dtype, efficiency) for shape in shapes]
-        modules = {"embedding": cfg.names.embedding_modules, "norm": cfg.names.norm_modules}.get(kind, ())
-        layers.append(Layer(
-            name=name, param_bytes=unit_param_count(cfg, kind) * e, costs=cache[key], kind=kind,
-            description=f"covers {' + '.join(modules)}" if len(modules) > 1 else None,
-        ))
-    unique_params = sum(unit_param_count(cfg, kind) for _, kind, _ in model_units(cfg))
-    if cfg.tied_embeddings:
-        unique_params -= unit_param_count(cfg, "head")
+        layers.append(_layer(cfg, name, kind, index, cache[key], e))
     measurement = {
         "method": "analytic (pipeplan.analytic; docs/analytic.md)",
         "config": cfg.raw,
@@ -193,27 +234,71 @@ def analytic_profile(
         "flash_attention": flash_attention,
         "sequence_parallel": sequence_parallel,
         "tensor_parallel_degrees": degrees,
-        "parameters": unique_params,
+        "parameters": sum(unit_own_param_count(cfg, kind, index) for _, kind, index in model_units(cfg)),
         "model_flops_per_token": float(f"{model_flops_per_token(cfg, seq, flash_attention):.6e}"),
         "activation_model": "Korthikanti et al. 2022, generalised per tensor (pipeplan.analytic.memory)",
-        "tied_embeddings": ("the head counts the tied token table again (a stage holding it keeps a copy)"
+        "tied_embeddings": ("the head shares the token table with the embedding: counted once, in the "
+                            "embedding (tied_weights; a stage holding the head alone keeps a copy)"
                             if cfg.tied_embeddings else None),
+        "multi_token_prediction": ({"depths": cfg.mtp_layers, "method": (
+            "DeepSeek-V3 report section 2.2: each depth is a unit (2 norms, a 2h -> h projection, "
+            "one routed block, an output norm) that shares the token table and the head (tied_weights); "
+            "its FLOPs are not in model_flops_per_token (transformers' model has no such layer)")}
+            if cfg.mtp_layers else None),
     }
     return Profile(
         schema_version=2, model=cfg.name, source="analytic",
         device=Device(name=f"{gpu.description or gpu.name} (analytic)", memory_bytes=gpu.memory_bytes),
         dtype=dtype, sequence_length=seq, layers=layers,
         measurement={k: v for k, v in measurement.items() if v is not None},
+        tied_weights=model_ties(cfg, e) or None,
+        parameters=model_parameter_counts(cfg),
+        experts=_experts(cfg),
     )
+
+
+def _layer(cfg: ModelConfig, name: str, kind: str, index: int, costs: list, dtype_bytes: int) -> Layer:
+    modules = {"embedding": cfg.names.embedding_modules, "norm": cfg.names.norm_modules}.get(kind, ())
+    description = f"covers {' + '.join(modules)}" if len(modules) > 1 else None
+    if kind == "mtp":
+        description = (f"multi-token prediction depth {index - cfg.num_layers + 1} (DeepSeek-V3 MTP module; "
+                       f"shares the token table and the head)")
+    experts = unit_expert_param_count(cfg, kind, 1, index)
+    return Layer(
+        name=name, param_bytes=unit_own_param_count(cfg, kind, index) * dtype_bytes, costs=costs,
+        kind="other" if kind == "mtp" else kind, description=description,
+        expert_param_bytes=experts * dtype_bytes if experts else None,
+    )
+
+
+def model_parameter_counts(cfg: ModelConfig) -> ParameterCounts:
+    """Total and active parameters of the model's units, each tied weight once.
+
+    Examples
+    --------
+    >>> counts = model_parameter_counts(load_model_config("mixtral-8x7b"))
+    >>> round(counts.total / 1e9, 2), round(counts.active / 1e9, 2)
+    (46.7, 12.88)
+    """
+    units = model_units(cfg)
+    total = sum(unit_own_param_count(cfg, kind, index) for _, kind, index in units)
+    tied = cfg.tied_embeddings and tied_table_count(cfg)
+    active = sum(unit_active_param_count(cfg, kind, index) for _, kind, index in units) - tied
+    return ParameterCounts(total=total, active=active)
+
+
+def _experts(cfg: ModelConfig) -> Optional[Experts]:
+    if not cfg.num_experts:
+        return None
+    return Experts(num_experts=cfg.num_experts, experts_per_token=cfg.experts_per_token,
+                   expert_intermediate_size=cfg.expert_width,
+                   shared_expert_intermediate_size=cfg.shared_expert_intermediate_size or None)
 
 
 def analytic_profile_to_file(config: Union[str, Path], output: Union[str, Path], *, gpu: Optional[str] = None,
                              gpu_spec: Optional[Union[str, Path]] = None, microbatch_sizes="1,2,4",
                              tensor_parallel="1", **kwargs) -> Profile:
     """``pipeplan profile CONFIG --analytic``: build and write atomically (options as the CLI's)."""
-    from pipeplan.formats.io import write_json_atomic
-    from pipeplan.profile.api import parse_microbatch_sizes
-
     spec = resolve_gpu(gpu, gpu_spec)
     profile = analytic_profile(config, spec, microbatch_sizes=parse_microbatch_sizes(microbatch_sizes),
                                tensor_parallel=parse_degrees(tensor_parallel), **kwargs)

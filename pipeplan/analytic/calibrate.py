@@ -22,9 +22,12 @@ import numpy as np
 from pipeplan.analytic.configs import ModelConfig
 from pipeplan.analytic.efficiency import EfficiencyModel
 from pipeplan.analytic.flops import Shape, unit_work
-from pipeplan.analytic.gpus import GpuSpec
+from pipeplan.facts.gpus import GpuSpec
 from pipeplan.errors import BadInputError
 from pipeplan.formats.profile import Profile
+from pipeplan.analytic.api import DTYPE_BYTES, analytic_profile, model_units
+from pipeplan.analytic.families import parse_family
+from pipeplan.formats.io import load_profile, write_json_atomic
 
 __all__ = ["fit_efficiency", "calibrate_analytic_files", "rebuild_options"]
 
@@ -106,8 +109,6 @@ def fit_efficiency(cfg: ModelConfig, gpu: GpuSpec, measured: Profile, *, flash_a
         The fitted model (``source`` says what it was fitted to) and ``{"entries", "rms_log_error_before",
         "rms_log_error_after", "median_ratio_before", "median_ratio_after"}``.
     """
-    from pipeplan.analytic.api import DTYPE_BYTES, model_units
-
     if measured.dtype not in DTYPE_BYTES:
         raise BadInputError(f"{where}: dtype {measured.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     peak, bandwidth = gpu.flops_for(measured.dtype), gpu.hbm_bytes_per_s
@@ -134,8 +135,6 @@ def fit_efficiency(cfg: ModelConfig, gpu: GpuSpec, measured: Profile, *, flash_a
 
 def rebuild_options(profile: Profile, where: str) -> tuple[ModelConfig, GpuSpec, dict[str, Any]]:
     """The config, GPU and options an analytic profile was built with (from its ``measurement``)."""
-    from pipeplan.analytic.families import parse_family
-
     record = profile.measurement or {}
     if profile.source != "analytic" or "config" not in record or "gpu" not in record:
         raise BadInputError(f"{where}: not a profile written by `pipeplan profile --analytic` (no measurement.config/gpu)")
@@ -151,9 +150,6 @@ def rebuild_options(profile: Profile, where: str) -> tuple[ModelConfig, GpuSpec,
 def calibrate_analytic_files(analytic_path: Union[str, Path], measured_path: Union[str, Path],
                              output: Union[str, Path]) -> tuple[Profile, dict[str, Any]]:
     """Fit to ``measured_path`` and write the analytic profile rebuilt with the fitted efficiency."""
-    from pipeplan.analytic.api import analytic_profile
-    from pipeplan.formats.io import load_profile, write_json_atomic
-
     analytic = load_profile(analytic_path)
     measured = load_profile(measured_path)
     cfg, gpu, options = rebuild_options(analytic, str(analytic_path))

@@ -16,6 +16,8 @@ output; the head's cross-entropy all-reduces three fp32 values per token (the ma
 exponentials, the target's logit) and its input gradient is all-reduced (reduce-scattered, after
 an all-gather of the input in forward). With sequence parallelism an all-reduce is counted as a
 reduce-scatter plus an all-gather (2 payloads, 2 calls), so one entry has one collective kind.
+A multi-token prediction depth (DeepSeek-V3) does what its parts do: an embedding's lookup, a
+block and the head's loss.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ def unit_collectives(cfg: ModelConfig, kind: str, shape: Shape) -> Collectives:
         return Collectives(name, fwd[0] * hidden, bwd[0] * hidden, fwd[1], bwd[1])
     if kind == "embedding":
         return Collectives(name, hidden, hidden if sp else 0, 1, 1 if sp else 0)
+    if kind == "mtp":
+        parts = [unit_collectives(cfg, part, shape) for part in ("embedding", "block", "head")]
+        return Collectives(name, *(sum(getattr(p, f) for p in parts)
+                                   for f in ("forward_bytes", "backward_bytes", "forward_count", "backward_count")))
     if kind == "head":
         loss = 3 * 4 * shape.tokens
         if sp:

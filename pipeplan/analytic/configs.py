@@ -9,14 +9,15 @@ that the FLOP, memory and time models read. The per-family readers live in
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
 
 from pipeplan.errors import BadInputError
+from pipeplan.formats.io import load_json
 
-__all__ = ["ModelConfig", "UnitNames", "load_model_config", "shipped_configs", "read_config_json",
+__all__ = ["ModelConfig", "UnitNames", "shipped_configs", "read_config_json",
            "shipped_config_dir"]
 
 
@@ -49,7 +50,8 @@ class ModelConfig:
     name: str
     """Model name (the shipped config's name or the file's stem)."""
     family: str
-    """HF ``model_type``: llama, mistral, qwen2, gemma2, gpt2, gpt_neox, opt, mixtral."""
+    """HF ``model_type``: llama, mistral, qwen2, gemma2, gpt2, gpt_neox, opt, mixtral, qwen3_moe,
+    deepseek_v3, gpt_oss."""
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -58,7 +60,8 @@ class ModelConfig:
     head_dim: int
     """Per-head width; ``hidden_size / num_heads`` unless the config says (gemma2: 256)."""
     intermediate_size: int
-    """The MLP's inner width (per expert for mixture-of-experts)."""
+    """The dense MLP's inner width (Mixtral, GPT-OSS: also each expert's; see
+    ``expert_intermediate_size``)."""
     vocab_size: int
     max_positions: int
     """Context length the config was trained at (``max_position_embeddings``)."""
@@ -71,8 +74,9 @@ class ModelConfig:
     out_bias: bool = False
     mlp_bias: bool = False
     tied_embeddings: bool = False
-    """The head reuses the token table. The head unit still counts the weight: on another
-    pipeline stage it needs its own copy (as Megatron keeps one on the last stage)."""
+    """The head reuses the token table. The profile lists it as a tied weight of the embedding and
+    the head, counted in the embedding; a stage holding the head alone keeps a copy (as Megatron
+    keeps one on the last stage)."""
     learned_positions: int = 0
     """Rows of a learned position table (GPT-2: n_positions; OPT: max_positions + 2); 0: rotary."""
     embed_proj_dim: Optional[int] = None
@@ -83,9 +87,39 @@ class ModelConfig:
     """Gemma 2: a norm after attention and after the MLP as well as before each."""
     final_norm: bool = True
     num_experts: int = 0
-    """Mixture-of-experts: experts per layer (0: dense MLP)."""
+    """Mixture-of-experts: routed experts per MoE layer (0: dense MLP)."""
     experts_per_token: int = 0
-    """Mixture-of-experts: top-k experts each token is routed to."""
+    """Mixture-of-experts: top-k routed experts each token is sent to."""
+    expert_intermediate_size: int = 0
+    """One routed expert's inner width (``moe_intermediate_size``); 0: ``intermediate_size``."""
+    shared_expert_intermediate_size: int = 0
+    """Inner width of the shared-expert MLP every token passes through (DeepSeek-V3:
+    ``n_shared_experts x moe_intermediate_size``); 0: none."""
+    shared_experts: int = 0
+    """Shared experts (DeepSeek's ``n_shared_experts``; transformers fuses them into one MLP)."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers of a mixture-of-experts model with a dense MLP instead (DeepSeek-V3's
+    ``first_k_dense_replace``, Qwen3-MoE's ``mlp_only_layers``)."""
+    router_bias: bool = False
+    """The router has a bias (GPT-OSS)."""
+    expert_bias: bool = False
+    """Each expert's GEMMs have biases (GPT-OSS)."""
+    attention_sinks: bool = False
+    """A learned per-head logit in each softmax's denominator (GPT-OSS): one parameter per head."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head (Qwen3): ``2 x head_dim`` parameters."""
+    q_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V3): the query's low-rank width (0: a full q_proj)."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention: the compressed key/value width (0: not latent attention)."""
+    qk_rope_head_dim: int = 0
+    """Multi-head latent attention: the rotary part of each query/key head (shared by the heads
+    for the key). ``head_dim`` is the whole query/key head: ``qk_nope_head_dim + qk_rope_head_dim``."""
+    v_head_dim: int = 0
+    """Multi-head latent attention: each value head's width (0: ``head_dim``)."""
+    mtp_layers: int = 0
+    """Multi-token prediction depths (DeepSeek-V3's ``num_nextn_predict_layers``), units of their
+    own after the final norm."""
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     """Dropout after attention and after the MLP (and on the embedding), as Megatron applies it."""
@@ -113,7 +147,7 @@ class ModelConfig:
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise BadInputError(
                 f"{where}: num_experts_per_tok: {self.experts_per_token} must be between 1 and "
-                f"num_local_experts {self.num_experts}"
+                f"the number of experts {self.num_experts}"
             )
 
     @property
@@ -125,6 +159,26 @@ class ModelConfig:
     def kv_width(self) -> int:
         """Width of the key (or value) projection's output."""
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def latent_attention(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3) rather than (grouped-)query attention."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def value_head_dim(self) -> int:
+        """Width of one value head (and of the attention output per head)."""
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def expert_width(self) -> int:
+        """One routed expert's inner width."""
+        return self.expert_intermediate_size or self.intermediate_size
+
+    def is_moe_layer(self, index: int | None = None) -> bool:
+        """Whether block ``index`` routes its tokens to experts (None: a routed layer of the model,
+        where it has any). Multi-token prediction depths (index >= num_layers) are routed too."""
+        return bool(self.num_experts) and (index is None or index not in self.dense_layers)
 
     def block_name(self, index: int) -> str:
         return f"{self.names.block_prefix}.{index}"
@@ -161,8 +215,6 @@ def read_config_json(config: str | Path) -> tuple[dict[str, Any], str, str]:
     BadInputError
         If it is neither an existing file nor a shipped name, or not a JSON object.
     """
-    from pipeplan.formats.io import load_json
-
     text = str(config)
     path = Path(text)
     if path.is_dir() and (path / "config.json").is_file():
@@ -182,29 +234,3 @@ def read_config_json(config: str | Path) -> tuple[dict[str, Any], str, str]:
     name = str(data.pop("_pipeplan_name", name))
     data.pop("_source", None)
     return data, name, origin
-
-
-def load_model_config(config: str | Path) -> ModelConfig:
-    """Read a HuggingFace ``config.json`` (or a shipped config by name) into a :class:`ModelConfig`.
-
-    Parameters
-    ----------
-    config : str or Path
-        A ``config.json`` path, a folder holding one, or a name from :func:`shipped_configs`.
-
-    Raises
-    ------
-    BadInputError
-        Unknown ``model_type``, a missing or malformed field, heads that do not divide the hidden
-        size: the message names the file and the field.
-
-    Examples
-    --------
-    >>> cfg = load_model_config("llama3-8b")
-    >>> cfg.family, cfg.num_layers, cfg.num_kv_heads, cfg.names.embedding
-    ('llama', 32, 8, 'model.embed_tokens')
-    """
-    from pipeplan.analytic.families import parse_family
-
-    data, name, origin = read_config_json(config)
-    return replace(parse_family(data, name, origin), origin=origin)

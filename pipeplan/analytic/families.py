@@ -7,12 +7,14 @@ tests/test_analytic_params.py).
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable
 
-from pipeplan.analytic.configs import ModelConfig, UnitNames
+from pipeplan.analytic.configs import ModelConfig, UnitNames, read_config_json
 from pipeplan.errors import BadInputError
 
-__all__ = ["FAMILIES", "parse_family"]
+__all__ = ["FAMILIES", "parse_family", "load_model_config"]
 
 _MISSING = object()
 
@@ -33,6 +35,36 @@ class _Reader:
         if default is _MISSING:
             raise BadInputError(f"{self.origin}: {key}: missing field (needed to size the model)")
         return default
+
+    def count(self, key: str, default: int = 0) -> int:
+        """A non-negative integer (a number of layers or experts that may be 0)."""
+        value = self.data.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise BadInputError(f"{self.origin}: {key}: {value!r} must be a non-negative integer")
+        return value
+
+    def experts(self, family: str, count_key: str, topk_key: str, width_key: str | None) -> tuple[int, int, int]:
+        """A mixture of experts' count, top-k and expert width, each required.
+
+        transformers' config classes default them to one published model's shapes (DeepSeek-V3's
+        256 experts, Qwen3-MoE's 128): a config that leaves one out would be sized as another
+        model, so a missing one is refused, naming the rule.
+        """
+        keys = [k for k in (count_key, topk_key, width_key) if k]
+        rule = (f"a {family} (mixture-of-experts) config must give {', '.join(keys[:-1])} and {keys[-1]}, "
+                f"or the experts cannot be sized")
+        for key in keys:
+            if self.data.get(key) is None:
+                raise BadInputError(f"{self.origin}: {key}: missing field; {rule}")
+        count, topk = self.int(count_key), self.int(topk_key)
+        if topk > count:
+            raise BadInputError(
+                f"{self.origin}: {topk_key}: {topk} must be between 1 and {count_key} {count} "
+                f"(each token goes to top-k of the experts)"
+            )
+        return count, topk, self.int(width_key) if width_key else 0
 
     def float(self, key: str, default: float = 0.0) -> float:
         value = self.data.get(key, default)
@@ -124,9 +156,73 @@ def _gemma2(r: _Reader, name: str) -> ModelConfig:
 
 
 def _mixtral(r: _Reader, name: str) -> ModelConfig:
+    # MixtralSparseMoeBlock: a router without bias, num_local_experts SwiGLU experts of
+    # intermediate_size each; attention as Mistral's.
+    experts, topk, _ = r.experts("mixtral", "num_local_experts", "num_experts_per_tok", None)
+    return _llama_like(r, name, "mixtral", num_experts=experts, experts_per_token=topk)
+
+
+def _qwen3_moe(r: _Reader, name: str) -> ModelConfig:
+    # Qwen3MoeDecoderLayer: a routed MLP where (i + 1) % decoder_sparse_step == 0 and i is not in
+    # mlp_only_layers, else a dense MLP of intermediate_size; Qwen3MoeAttention: no biases (unless
+    # attention_bias), RMSNorm over each query and key head (q_norm, k_norm).
+    experts, topk, width = r.experts("qwen3_moe", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    layers = r.int("num_hidden_layers")
+    step = r.int("decoder_sparse_step", 1)
+    only = r.data.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise BadInputError(f"{r.origin}: mlp_only_layers: {only!r} must be a list of layer numbers")
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    use_sliding = r.bool("use_sliding_window", False) and r.data.get("sliding_window")
+    first = r.int("max_window_layers", layers) if use_sliding else layers
     return _llama_like(
-        r, name, "mixtral", num_experts=r.int("num_local_experts", 8),
-        experts_per_token=r.int("num_experts_per_tok", 2),
+        r, name, "qwen3_moe", num_experts=experts, experts_per_token=topk, expert_intermediate_size=width,
+        dense_layers=dense, qk_norm=True,
+        sliding_window=r.int("sliding_window") if use_sliding else None,
+        sliding_layers=tuple(range(first, layers)) if use_sliding else (),
+    )
+
+
+def _deepseek_v3(r: _Reader, name: str) -> ModelConfig:
+    # DeepseekV3Attention (multi-head latent attention, DeepSeek-V3 report section 2.1.1):
+    # q = q_b(norm(q_a(x))) (or q_proj(x) without q_lora_rank), [c_kv, k_rope] = kv_a(x),
+    # [k_nope, v] = kv_b(norm(c_kv)); DeepseekV3DecoderLayer: a dense MLP of intermediate_size
+    # below first_k_dense_replace, else DeepseekV3MoE: a router (gate) without bias, routed
+    # experts of moe_intermediate_size, one shared MLP of n_shared_experts x that width.
+    experts, topk, width = r.experts("deepseek_v3", "n_routed_experts", "num_experts_per_tok",
+                                     "moe_intermediate_size")
+    layers = r.int("num_hidden_layers")
+    heads = r.int("num_attention_heads")
+    nope, rope = r.int("qk_nope_head_dim"), r.int("qk_rope_head_dim")
+    shared = r.count("n_shared_experts", 0)
+    dense = r.count("first_k_dense_replace", 0)
+    return _llama_like(
+        r, name, "deepseek_v3", num_kv_heads=heads, head_dim=nope + rope, v_head_dim=r.int("v_head_dim"),
+        q_lora_rank=r.count("q_lora_rank", 0), kv_lora_rank=r.int("kv_lora_rank"), qk_rope_head_dim=rope,
+        num_experts=experts, experts_per_token=topk, expert_intermediate_size=width,
+        shared_experts=shared, shared_expert_intermediate_size=shared * width,
+        dense_layers=tuple(range(min(dense, layers))), mtp_layers=r.count("num_nextn_predict_layers", 0),
+        sliding_window=None, sliding_layers=(),
+    )
+
+
+def _gpt_oss(r: _Reader, name: str) -> ModelConfig:
+    # GptOssAttention: Q/K/V/O with biases (attention_bias), one learned sink logit per head;
+    # layer_types alternate sliding (window sliding_window) and full attention, sliding first;
+    # GptOssMLP: a router with bias, num_local_experts experts of intermediate_size with biases.
+    experts, topk, _ = r.experts("gpt_oss", "num_local_experts", "num_experts_per_tok", None)
+    layers = r.int("num_hidden_layers")
+    types = r.data.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+    ]
+    if not isinstance(types, list) or len(types) != layers:
+        raise BadInputError(f"{r.origin}: layer_types: needs one entry per layer ({layers})")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    bias = r.bool("attention_bias", True)
+    return _llama_like(
+        r, name, "gpt_oss", num_experts=experts, experts_per_token=topk, router_bias=True, expert_bias=True,
+        attention_sinks=True, qkv_bias=bias, out_bias=bias, head_dim=r.int("head_dim", 64),
+        sliding_window=r.int("sliding_window", 128) if sliding else None, sliding_layers=sliding,
     )
 
 
@@ -209,6 +305,9 @@ FAMILIES: dict[str, Callable[[_Reader, str], ModelConfig]] = {
     "qwen2": _qwen2,
     "gemma2": _gemma2,
     "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe,
+    "deepseek_v3": _deepseek_v3,
+    "gpt_oss": _gpt_oss,
     "gpt2": _gpt2,
     "gpt_neox": _gpt_neox,
     "opt": _opt,
@@ -225,3 +324,27 @@ def parse_family(data: dict[str, Any], name: str, origin: str) -> ModelConfig:
             f"{origin}: model_type: {family!r} is not a supported family; supported: {', '.join(sorted(FAMILIES))}"
         )
     return FAMILIES[family](_Reader(data, origin), name)
+
+
+def load_model_config(config: str | Path) -> ModelConfig:
+    """Read a HuggingFace ``config.json`` (or a shipped config by name) into a :class:`ModelConfig`.
+
+    Parameters
+    ----------
+    config : str or Path
+        A ``config.json`` path, a folder holding one, or a name from :func:`shipped_configs`.
+
+    Raises
+    ------
+    BadInputError
+        Unknown ``model_type``, a missing or malformed field, heads that do not divide the hidden
+        size: the message names the file and the field.
+
+    Examples
+    --------
+    >>> cfg = load_model_config("llama3-8b")
+    >>> cfg.family, cfg.num_layers, cfg.num_kv_heads, cfg.names.embedding
+    ('llama', 32, 8, 'model.embed_tokens')
+    """
+    data, name, origin = read_config_json(config)
+    return replace(parse_family(data, name, origin), origin=origin)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeplan.analytic.configs import ModelConfig
-from pipeplan.analytic.shapes import Gemm, block_gemms, head_gemm, kv_heads_per_rank
+from pipeplan.analytic.shapes import Gemm, block_gemms, head_gemm, kv_heads_per_rank, mtp_projection_gemm
 
 __all__ = ["Part", "Shape", "UnitWork", "unit_work", "mean_keys_per_query", "model_flops_per_token"]
 
@@ -121,28 +121,50 @@ def _add_memory(work: UnitWork, name: str, elements: float, shape: Shape, reads_
     work.backward_input.append(_memory(name, elements, 2 * reads_writes, shape, extra_bytes))
 
 
-def _block(cfg: ModelConfig, index: int, shape: Shape) -> UnitWork:
-    work = UnitWork()
-    t, tokens, h = shape.tensor_parallel, shape.tokens, cfg.hidden_size
-    replicated = tokens * h / shape.sp_share
-    gemms = {g.name: g for g in block_gemms(cfg)}
-    q_rank = cfg.num_heads // t * cfg.head_dim
-    kv_rank = kv_heads_per_rank(cfg, t) * cfg.head_dim
-    dropout_bytes = replicated if cfg.hidden_dropout else 0.0
+def _attention_projections(work: UnitWork, cfg: ModelConfig, gemms: dict, shape: Shape) -> None:
+    t, tokens = shape.tensor_parallel, shape.tokens
+    if not cfg.latent_attention:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            _add_gemm(work, gemms[name], cfg, shape)
+        q_rank = cfg.num_heads // t * cfg.head_dim
+        kv_rank = kv_heads_per_rank(cfg, t) * cfg.head_dim
+        if cfg.qk_norm:
+            _add_memory(work, "qk_norm", tokens * (q_rank + kv_rank), shape)
+        if not cfg.learned_positions:
+            _add_memory(work, "rotary", tokens * (q_rank + kv_rank), shape)
+        return
+    # Multi-head latent attention: each low-rank output is normed (RMSNorm) before its up
+    # projection; rotary applies to each head's rope part of the query and the one shared key part.
+    if cfg.q_lora_rank:
+        _add_gemm(work, gemms["q_a_proj"], cfg, shape)
+        _add_memory(work, "q_a_layernorm", tokens * cfg.q_lora_rank, shape)
+        _add_gemm(work, gemms["q_b_proj"], cfg, shape)
+    else:
+        _add_gemm(work, gemms["q_proj"], cfg, shape)
+    _add_gemm(work, gemms["kv_a_proj_with_mqa"], cfg, shape)
+    _add_memory(work, "kv_a_layernorm", tokens * cfg.kv_lora_rank, shape)
+    _add_gemm(work, gemms["kv_b_proj"], cfg, shape)
+    _add_memory(work, "rotary", tokens * (cfg.num_heads // t + 1) * cfg.qk_rope_head_dim, shape)
 
-    _add_memory(work, "input_norm", replicated, shape)
-    for name in ("q_proj", "k_proj", "v_proj"):
-        _add_gemm(work, gemms[name], cfg, shape)
-    if not cfg.learned_positions:
-        _add_memory(work, "rotary", tokens * (q_rank + kv_rank), shape)
+
+def _attention_core(work: UnitWork, cfg: ModelConfig, index: int, shape: Shape) -> None:
+    t, tokens, e = shape.tensor_parallel, shape.tokens, shape.dtype_bytes
     window = cfg.sliding_window if index in cfg.sliding_layers else None
     keys = mean_keys_per_query(shape.seq_len, window)
-    core_flops = 4.0 * tokens * q_rank * keys
-    e = shape.dtype_bytes
-    core_bytes = e * tokens * (2 * q_rank + 2 * kv_rank)
+    heads = cfg.num_heads // t
+    if cfg.latent_attention:
+        # Scores over the query/key width, values over the value width; reads Q, K, V, writes O.
+        qk, v = heads * cfg.head_dim, heads * cfg.value_head_dim
+        core_flops = 2.0 * tokens * (qk + v) * keys
+        core_bytes = e * tokens * (2 * qk + 2 * v)
+    else:
+        q_rank = heads * cfg.head_dim
+        kv_rank = kv_heads_per_rank(cfg, t) * cfg.head_dim
+        core_flops = 4.0 * tokens * q_rank * keys
+        core_bytes = e * tokens * (2 * q_rank + 2 * kv_rank)
     core = [Part("attention_core", "attention", core_flops, core_bytes)]
     if not shape.flash_attention:
-        scores = cfg.num_heads // t * shape.microbatch_size * shape.seq_len ** 2
+        scores = heads * shape.microbatch_size * shape.seq_len ** 2
         # Write the scores, read and write the softmax, read the probabilities into P @ V;
         # dropout reads and writes them again and writes a one-byte mask.
         passes = 4 + (2 if cfg.attention_dropout else 0)
@@ -151,24 +173,70 @@ def _block(cfg: ModelConfig, index: int, shape: Shape) -> UnitWork:
     work.attention_core = list(core)
     backward_factor = 2.5 if shape.flash_attention else 2.0
     work.backward_input += [Part(p.name, p.kind, p.flops * backward_factor, p.bytes * 2) for p in core]
+
+
+def _mlp(work: UnitWork, cfg: ModelConfig, index: int, gemms: dict, shape: Shape) -> None:
+    t, tokens = shape.tensor_parallel, shape.tokens
+    moe = cfg.is_moe_layer(index)
+    if moe:
+        _add_gemm(work, gemms["router"], cfg, shape)
+    up = ("gate_proj", "up_proj") if cfg.gated_mlp else ("fc1",)
+    for name in up:
+        _add_gemm(work, gemms[name], cfg, shape)
+    routed = tokens * (cfg.experts_per_token if moe else 1)
+    inner = (cfg.expert_width if moe else cfg.intermediate_size) // t
+    _add_memory(work, "activation", routed * inner, shape, 3.0 if cfg.gated_mlp else 2.0)
+    _add_gemm(work, gemms["down_proj" if cfg.gated_mlp else "fc2"], cfg, shape)
+    if moe and cfg.shared_expert_intermediate_size:
+        # The shared experts: a dense SwiGLU MLP every token passes through (DeepSeekMoE).
+        for name in ("shared_gate_proj", "shared_up_proj"):
+            _add_gemm(work, gemms[name], cfg, shape)
+        _add_memory(work, "shared_activation", tokens * cfg.shared_expert_intermediate_size // t, shape, 3.0)
+        _add_gemm(work, gemms["shared_down_proj"], cfg, shape)
+
+
+def _block(cfg: ModelConfig, index: int, shape: Shape) -> UnitWork:
+    work = UnitWork()
+    replicated = shape.tokens * cfg.hidden_size / shape.sp_share
+    gemms = {g.name: g for g in block_gemms(cfg, index)}
+    dropout_bytes = replicated if cfg.hidden_dropout else 0.0
+
+    _add_memory(work, "input_norm", replicated, shape)
+    _attention_projections(work, cfg, gemms, shape)
+    _attention_core(work, cfg, index, shape)
     _add_gemm(work, gemms["o_proj"], cfg, shape)
     if cfg.sandwich_norms:
         _add_memory(work, "post_attention_norm", replicated, shape)
     if not cfg.parallel_residual:
         _add_memory(work, "attention_residual", replicated, shape, 1.5, dropout_bytes)
     _add_memory(work, "mlp_norm", replicated, shape)
-    if cfg.num_experts:
-        _add_gemm(work, gemms["router"], cfg, shape)
-    up = ("gate_proj", "up_proj") if cfg.gated_mlp else ("fc1",)
-    for name in up:
-        _add_gemm(work, gemms[name], cfg, shape)
-    routed = tokens * (cfg.experts_per_token if cfg.num_experts else 1)
-    inner = cfg.intermediate_size // t
-    _add_memory(work, "activation", routed * inner, shape, 3.0 if cfg.gated_mlp else 2.0)
-    _add_gemm(work, gemms["down_proj" if cfg.gated_mlp else "fc2"], cfg, shape)
+    _mlp(work, cfg, index, gemms, shape)
     if cfg.sandwich_norms:
         _add_memory(work, "post_feedforward_norm", replicated, shape)
     _add_memory(work, "mlp_residual", replicated, shape, 2.0 if cfg.parallel_residual else 1.5, dropout_bytes)
+    return work
+
+
+def _mtp(cfg: ModelConfig, index: int, shape: Shape) -> UnitWork:
+    """A multi-token prediction depth (DeepSeek-V3 report section 2.2): embed the next tokens
+    (the shared table), norm both inputs, project ``[h; emb]`` (2h) to h, one routed block, its
+    output norm, and the shared head with its own cross-entropy loss."""
+    tokens, h = shape.tokens, cfg.hidden_size
+    replicated = tokens * h / shape.sp_share
+    work = UnitWork()
+    work.forward.append(_memory("embedding_lookup", tokens * h, 2.0, shape, 8.0 * tokens))
+    _add_memory(work, "mtp_input_norms", 2 * replicated, shape)
+    _add_gemm(work, mtp_projection_gemm(cfg), cfg, shape)
+    block = _block(cfg, index, shape)
+    work.forward += block.forward
+    work.backward_input += block.backward_input
+    work.backward_weight += block.backward_weight
+    work.attention_core = list(block.attention_core)
+    _add_memory(work, "mtp_output_norm", replicated, shape)
+    head = _head(cfg, shape)
+    work.forward += head.forward
+    work.backward_input += head.backward_input
+    work.backward_weight += head.backward_weight
     return work
 
 
@@ -214,9 +282,12 @@ def _head(cfg: ModelConfig, shape: Shape) -> UnitWork:
 
 
 def unit_work(cfg: ModelConfig, kind: str, index: int, shape: Shape) -> UnitWork:
-    """The parts of one unit (``embedding``, ``block`` number ``index``, ``norm``, ``head``)."""
+    """The parts of one unit (``embedding``, ``block`` number ``index``, ``norm``, ``head``,
+    ``mtp`` depth number ``index - num_layers``)."""
     if kind == "block":
         return _block(cfg, index, shape)
+    if kind == "mtp":
+        return _mtp(cfg, index, shape)
     return {"embedding": _embedding, "norm": _norm, "head": _head}[kind](cfg, shape)
 
 
@@ -232,7 +303,7 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, flash_attention: bool 
     total += unit_work(cfg, "head", 0, shape).flops()
     cache: dict = {}
     for i in range(cfg.num_layers):
-        key = i in cfg.sliding_layers
+        key = (i in cfg.sliding_layers, cfg.is_moe_layer(i))
         if key not in cache:
             cache[key] = unit_work(cfg, "block", i, shape).flops()
         total += cache[key]

@@ -12,8 +12,10 @@ the attention core drops the ``5 a s^2 b`` term (``34 s b h / t``).
 paper's GPT-3 block lacks: grouped KV heads, gated MLPs (Megatron's fused SwiGLU keeps the
 up/gate output and the product: ``3 s b f``), RMSNorm, Gemma 2's extra norms, GPT-NeoX's parallel
 residual (both norms read one tensor), no dropout (modern configs: no masks), flash attention
-(no ``s^2`` tensors; the softmax statistics ``4 a s b`` bytes in fp32 instead) and
-mixture-of-experts (each token's k expert copies).
+(no ``s^2`` tensors; the softmax statistics ``4 a s b`` bytes in fp32 instead),
+mixture-of-experts (each token's k expert copies; the shared experts' own SwiGLU tensors),
+multi-head latent attention (the low-rank outputs and their norms' outputs; query, key and value
+at their own head widths) and Qwen3's per-head query/key norms.
 """
 
 from __future__ import annotations
@@ -21,26 +23,74 @@ from __future__ import annotations
 from pipeplan.analytic.configs import ModelConfig
 from pipeplan.analytic.flops import Shape
 from pipeplan.analytic.shapes import kv_heads_per_rank
+from pipeplan.facts.training_state import training_state
 
 __all__ = ["block_activation_terms", "unit_activation_bytes", "unit_output_bytes",
            "MEGATRON_ADAM_BYTES_PER_PARAM", "training_state_bytes", "ATTENTION_CORE_TERMS"]
 
 #: Megatron's mixed-precision Adam: 16-bit weight 2 + fp32 gradient 4 + fp32 master weight 4 +
-#: two fp32 moments 8 (Korthikanti et al. 2022 and the Megatron-LM distributed optimizer docs).
-MEGATRON_ADAM_BYTES_PER_PARAM = 18
+#: two fp32 moments 8 = 18 (Korthikanti et al. 2022 and the Megatron-LM distributed optimizer docs),
+#: from the one table of training state (:mod:`pipeplan.facts.training_state`).
+MEGATRON_ADAM_BYTES_PER_PARAM = int(training_state("adam-fp32-grads", 2).total_bytes)
 
 #: The terms selective recomputation frees (recomputed in backward from Q, K and V).
 ATTENTION_CORE_TERMS = ("softmax_output", "softmax_dropout_mask", "softmax_dropout_output", "softmax_stats")
 
 
-def block_activation_terms(cfg: ModelConfig, shape: Shape) -> dict[str, float]:
+def _attention_input_terms(cfg: ModelConfig, shape: Shape) -> dict[str, float]:
+    t, e, tokens = shape.tensor_parallel, shape.dtype_bytes, shape.tokens
+    heads_rank = cfg.num_heads // t
+    if not cfg.latent_attention:
+        q_rank = heads_rank * cfg.head_dim
+        kv_rank = kv_heads_per_rank(cfg, t) * cfg.head_dim
+        terms = {"query": e * tokens * q_rank, "key": e * tokens * kv_rank, "value": e * tokens * kv_rank}
+        if cfg.qk_norm:
+            terms["qk_norm_input"] = e * tokens * (q_rank + kv_rank)
+        return terms
+    terms = {}
+    if cfg.q_lora_rank:
+        # q_a's output (the norm's input) and the norm's output (q_b's input).
+        terms["q_a_output"] = e * tokens * cfg.q_lora_rank
+        terms["q_b_input"] = e * tokens * cfg.q_lora_rank
+    terms["kv_a_output"] = e * tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    terms["kv_b_input"] = e * tokens * cfg.kv_lora_rank
+    terms["query"] = e * tokens * heads_rank * cfg.head_dim
+    terms["key"] = e * tokens * heads_rank * cfg.head_dim
+    terms["value"] = e * tokens * heads_rank * cfg.value_head_dim
+    return terms
+
+
+def _mlp_terms(cfg: ModelConfig, index: int | None, shape: Shape, replicated: float) -> dict[str, float]:
+    t, e, tokens = shape.tensor_parallel, shape.dtype_bytes, shape.tokens
+    moe = cfg.is_moe_layer(index)
+    routed = cfg.experts_per_token if moe else 1
+    terms = {"mlp_input": e * replicated * routed}
+    if moe:
+        terms["router_probs"] = e * tokens * cfg.num_experts
+    inner = tokens * routed * (cfg.expert_width if moe else cfg.intermediate_size) // t
+    if cfg.gated_mlp:
+        terms["gate_up_output"] = 2 * e * inner
+        terms["down_proj_input"] = e * inner
+    else:
+        terms["activation_input"] = e * inner
+        terms["fc2_input"] = e * inner
+    if moe and cfg.shared_expert_intermediate_size:
+        shared = tokens * cfg.shared_expert_intermediate_size // t
+        terms["shared_gate_up_output"] = 2 * e * shared
+        terms["shared_down_proj_input"] = e * shared
+    return terms
+
+
+def block_activation_terms(cfg: ModelConfig, shape: Shape, index: int | None = None) -> dict[str, float]:
     """Bytes one rank keeps for one block's backward, per tensor, at ``shape``.
+
+    ``index``: the block (a dense or a routed layer of a mixture of experts; None: a routed one).
 
     Examples
     --------
     A GPT-3-style block without flash attention gives Korthikanti's ``34 s b h + 5 a s^2 b``:
 
-    >>> from pipeplan.analytic.configs import load_model_config
+    >>> from pipeplan.analytic.families import load_model_config
     >>> cfg = load_model_config("gpt3-175b")
     >>> s, b, h, a = 2048, 1, 12288, 96
     >>> sum(block_activation_terms(cfg, Shape(s, b, flash_attention=False)).values()) == 34*s*b*h + 5*a*s*s*b
@@ -48,15 +98,11 @@ def block_activation_terms(cfg: ModelConfig, shape: Shape) -> dict[str, float]:
     """
     t, e, tokens, h = shape.tensor_parallel, shape.dtype_bytes, shape.tokens, cfg.hidden_size
     replicated = tokens * h / shape.sp_share
-    q_rank = cfg.num_heads // t * cfg.head_dim
-    kv_rank = kv_heads_per_rank(cfg, t) * cfg.head_dim
     mask = 1.0 if cfg.hidden_dropout else 0.0
     terms = {
         "input_norm_input": e * replicated,
         "qkv_input": e * replicated,
-        "query": e * tokens * q_rank,
-        "key": e * tokens * kv_rank,
-        "value": e * tokens * kv_rank,
+        **_attention_input_terms(cfg, shape),
     }
     heads_rank = cfg.num_heads // t
     if shape.flash_attention:
@@ -67,23 +113,13 @@ def block_activation_terms(cfg: ModelConfig, shape: Shape) -> dict[str, float]:
         if cfg.attention_dropout:
             terms["softmax_dropout_mask"] = 1.0 * scores
             terms["softmax_dropout_output"] = e * scores
-    terms["out_proj_input"] = e * tokens * q_rank
+    terms["out_proj_input"] = e * tokens * heads_rank * cfg.value_head_dim
     terms["attention_dropout_mask"] = mask * replicated
     if cfg.sandwich_norms:
         terms["post_attention_norm_input"] = e * replicated
     if not cfg.parallel_residual:
         terms["mlp_norm_input"] = e * replicated
-    routed = cfg.experts_per_token if cfg.num_experts else 1
-    terms["mlp_input"] = e * replicated * routed
-    if cfg.num_experts:
-        terms["router_probs"] = e * tokens * cfg.num_experts
-    inner = tokens * routed * cfg.intermediate_size // t
-    if cfg.gated_mlp:
-        terms["gate_up_output"] = 2 * e * inner
-        terms["down_proj_input"] = e * inner
-    else:
-        terms["activation_input"] = e * inner
-        terms["fc2_input"] = e * inner
+    terms.update(_mlp_terms(cfg, index, shape, replicated))
     if cfg.sandwich_norms:
         terms["post_feedforward_norm_input"] = e * replicated
     terms["mlp_dropout_mask"] = mask * replicated
@@ -99,12 +135,18 @@ def unit_activation_bytes(cfg: ModelConfig, kind: str, index: int, shape: Shape,
     head its input and the fp32 softmax of the vocabulary-parallel cross-entropy (4 s b V / t).
     """
     tokens, h, e = shape.tokens, cfg.hidden_size, shape.dtype_bytes
-    if kind == "block":
-        terms = block_activation_terms(cfg, shape)
+    replicated = tokens * h / shape.sp_share
+    if kind in ("block", "mtp"):
+        terms = block_activation_terms(cfg, shape, index)
         if selective:
             terms = {k: v for k, v in terms.items() if k not in ATTENTION_CORE_TERMS}
-        return int(round(sum(terms.values())))
-    replicated = tokens * h / shape.sp_share
+        total = sum(terms.values())
+        if kind == "mtp":
+            # Its two norms' inputs, the projection's 2h input, its output norm's input, and the
+            # shared head's input and fp32 softmax (as the head's).
+            vocab_rank = -(-cfg.vocab_size // shape.tensor_parallel)
+            total += e * (2 * replicated + 2 * tokens * h + 2 * replicated) + 4.0 * tokens * vocab_rank
+        return int(round(total))
     if kind == "embedding":
         total = 8.0 * tokens + (replicated if cfg.hidden_dropout else 0.0)
         if cfg.embed_proj_dim:
@@ -122,11 +164,17 @@ def unit_activation_bytes(cfg: ModelConfig, kind: str, index: int, shape: Shape,
     raise ValueError(kind)
 
 
-def unit_output_bytes(cfg: ModelConfig, kind: str, shape: Shape) -> int:
+def unit_output_bytes(cfg: ModelConfig, kind: str, shape: Shape, index: int | None = None) -> int:
     """Bytes one rank sends to the next pipeline stage: the hidden states (its sequence shard
-    with sequence parallelism); the head's output is the loss (4 bytes)."""
+    with sequence parallelism); the head's output is the loss (4 bytes). A multi-token prediction
+    depth (number ``index``) computes its own loss and passes on the main model's hidden states
+    for the head, and, but for the last depth, its own for the next depth."""
     if kind == "head":
         return 4
+    hidden = shape.dtype_bytes * shape.tokens * cfg.hidden_size
+    if kind == "mtp":
+        last = index is None or index >= cfg.num_layers + cfg.mtp_layers - 1
+        return int((1 if last else 2) * hidden // shape.sp_share)
     width = cfg.embed_proj_dim if (kind == "norm" and cfg.embed_proj_dim) else cfg.hidden_size
     return int(shape.dtype_bytes * shape.tokens * width // shape.sp_share)
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from pipeplan.formats.profile import Profile
 from pipeplan.quantities import format_bytes
+from pipeplan.analytic.api import summary_rows
+from pipeplan.facts.gpus import gpu_rows
 
-__all__ = ["analytic_summary_table", "gpu_table"]
+__all__ = ["analytic_summary_table", "gpu_table", "parameters_caption"]
 
 
 def analytic_summary_table(profile: Profile):
     """Per tensor-parallel degree and micro-batch size: one rank's whole-model time and memory."""
     from rich.table import Table
-
-    from pipeplan.analytic.api import summary_rows
 
     table = Table(title=f"{profile.model} on {profile.device.name}, sequence {profile.sequence_length}, "
                         f"{profile.dtype} (one rank, all units)")
@@ -24,14 +24,35 @@ def analytic_summary_table(profile: Profile):
             f"{row['backward_ms']:.1f} ms", format_bytes(row["param_bytes"]), format_bytes(row["activation_bytes"]),
             format_bytes(row["selective_activation_bytes"]), format_bytes(row["tp_bytes"]),
         )
+    table.caption = parameters_caption(profile)
     return table
+
+
+def parameters_caption(profile: Profile) -> str | None:
+    """``parameters: 46.70 B total, 12.88 B active (8 experts, top-2)``, where the profile counts them.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace as NS
+    >>> parameters_caption(NS(parameters=NS(total=46_702_792_704, active=12_879_925_248),
+    ...                       experts=NS(num_experts=8, experts_per_token=2), tied_weights=None))
+    'parameters: 46.70 B total, 12.88 B active (8 experts, top-2)'
+    """
+    counts = profile.parameters
+    if counts is None:
+        return None
+    text = f"parameters: {counts.total / 1e9:.2f} B total"
+    if profile.experts is not None:
+        text += (f", {counts.active / 1e9:.2f} B active ({profile.experts.num_experts} experts, "
+                 f"top-{profile.experts.experts_per_token})")
+    if profile.tied_weights:
+        text += "; tied weights counted once: " + ", ".join(tie.name for tie in profile.tied_weights)
+    return text
 
 
 def gpu_table():
     """The shipped GPU specifications."""
     from rich.table import Table
-
-    from pipeplan.analytic.gpus import gpu_rows
 
     table = Table(title="GPU specifications (dense peaks; link: one direction)")
     for column in ("name", "GPU", "memory", "bf16", "fp8", "HBM", "link", "source"):

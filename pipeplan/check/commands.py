@@ -9,6 +9,10 @@ from pipeplan.check.diff import diff_files, diff_settings
 from pipeplan.check.regress import CheckReport, check_profiles
 from pipeplan.check.report import FORMATS, check_junit, render_check, render_diff
 from pipeplan.errors import BadInputError
+from pipeplan.formats.io import write_text_atomic
+from pipeplan.quantities import parse_bytes
+from pipeplan.check.report import check_renderables, render_rich
+from pipeplan.check.report import diff_renderables
 
 __all__ = ["run_check", "run_diff"]
 
@@ -60,9 +64,6 @@ def run_check(
     BadInputError
         See :func:`pipeplan.check.regress.check_profiles`; also a bad format or size.
     """
-    from pipeplan.formats.io import write_text_atomic
-    from pipeplan.quantities import parse_bytes
-
     _check_format(format)
     cap = parse_bytes(memory_cap) if memory_cap is not None else None
     report = check_profiles(profiles_dir, baseline_dir, tolerance=tolerance, memory_cap_bytes=cap, update=update)
@@ -73,8 +74,6 @@ def run_check(
 
 
 def _render_table(report: CheckReport) -> str:
-    from pipeplan.check.report import check_renderables, render_rich
-
     return render_rich(check_renderables(report), width=_width())
 
 
@@ -105,9 +104,6 @@ def run_diff(
     -------
     str
     """
-    from pipeplan.check.report import diff_renderables, render_rich
-    from pipeplan.quantities import parse_bytes
-
     _check_format(format)
     cap = settings.pop("memory_cap", None)
     if cap is not None:

@@ -16,6 +16,10 @@ from typing import Callable, Optional
 from pipeplan.check.regress import moved_layers, rank_peaks
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.plan import Plan, PlanSettings
+from pipeplan.formats.io import file_sha256, load_json, load_plan, load_profile
+from pipeplan.errors import format_validation_error
+from pipeplan.api import plan_any
+from pipeplan.formats.limits import check_microbatch_count
 
 __all__ = [
     "LayerDelta", "StageRow", "PlanDiff", "ProfileDiff", "diff_plans", "diff_profiles", "diff_files",
@@ -202,8 +206,7 @@ def diff_profiles(a, b, *, microbatch_size: int | None = None, settings: PlanSet
     result = ProfileDiff(model=(a.model, b.model), microbatch_size=size, changed=changed, unchanged=unchanged)
     if settings is not None:
         if planner is None:
-            from pipeplan.cluster.search import plan_any as planner
-        from pipeplan.formats.limits import check_microbatch_count
+            planner = plan_any
 
         plans = []
         for label, profile, sha in (("A", a, sha256[0]), ("B", b, sha256[1])):
@@ -249,8 +252,6 @@ def diff_files(path_a: str | Path, path_b: str | Path, *, settings: PlanSettings
     BadInputError
         A file that is neither a plan nor a profile, one of each, or a bad file.
     """
-    from pipeplan.formats.io import file_sha256, load_json, load_plan, load_profile
-
     kinds = [_kind(load_json(p)) for p in (path_a, path_b)]
     for path, kind in zip((path_a, path_b), kinds):
         if kind == "unknown":
@@ -296,8 +297,6 @@ def diff_settings(settings_from: str | Path | None = None, **overrides) -> PlanS
     4
     """
     from pydantic import ValidationError
-
-    from pipeplan.formats.io import format_validation_error, load_plan
 
     given = {k: v for k, v in overrides.items() if v is not None}
     if settings_from is None and not given:

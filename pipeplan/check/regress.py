@@ -20,6 +20,10 @@ from typing import Callable, Literal, Optional
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.plan import Plan
 from pipeplan.quantities import format_bytes
+from pipeplan.formats.io import file_sha256, load_json, load_plan, write_json_atomic
+from pipeplan.formats.limits import check_microbatch_count
+from pipeplan.formats.io import load_profile
+from pipeplan.api import plan_any
 
 __all__ = [
     "Finding",
@@ -175,8 +179,6 @@ def find_profile(baseline_path: Path, plan: Plan, profiles_dir: str | Path) -> P
     BadInputError
         If no profile, or more than one, matches.
     """
-    from pipeplan.formats.io import file_sha256, load_json
-
     folder = Path(profiles_dir)
     by_name = folder / f"{_baseline_name(baseline_path)}.json"
     if by_name.is_file():
@@ -241,11 +243,8 @@ def check_baseline(
     -----
     One planner call; the comparison is O(L + p).
     """
-    from pipeplan.formats.io import file_sha256, load_plan, load_profile
-    from pipeplan.formats.limits import check_microbatch_count
-
     if planner is None:
-        from pipeplan.cluster.search import plan_any as planner
+        planner = plan_any
     baseline_path, profile_path = Path(baseline_path), Path(profile_path)
     baseline = load_plan(baseline_path)
     profile = load_profile(profile_path)
@@ -359,8 +358,6 @@ def check_profiles(
     -----
     One planner call per baseline.
     """
-    from pipeplan.formats.io import load_plan, write_json_atomic
-
     if not 0 <= tolerance < 1:
         raise BadInputError(f"--tolerance: {tolerance} must be in [0, 1), e.g. 0.02 for 2%")
     if not Path(profiles_dir).is_dir():

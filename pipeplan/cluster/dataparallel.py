@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeplan.cluster.collectives import collective_ms
-from pipeplan.cluster.memory import ZERO_STAGES
-from pipeplan.cluster.optimizers import TrainingState
+from pipeplan.facts.training_state import ZERO_STAGES
+from pipeplan.facts.training_state import TrainingState
 from pipeplan.cluster.placement import GroupSpan
 from pipeplan.formats.cluster import ClusterSpec
 
@@ -84,7 +84,7 @@ def data_parallel_sync(params: float, state: TrainingState, zero_stage: int, spa
 
     Examples
     --------
-    >>> from pipeplan.cluster.optimizers import training_state
+    >>> from pipeplan.facts.training_state import training_state
     >>> from pipeplan.cluster.presets import PRESETS
     >>> adam = training_state("adam", 2)
     >>> one_gpu = GroupSpan(ranks_per_node=1, nodes=1)

@@ -5,7 +5,7 @@ GPU and per direction (a data sheet's "900 GB/s NVLink" is both directions toget
 here). What collectives achieve of them is ``Link.efficiency`` (docs/cluster-model.md). Latencies
 are NCCL's own per-hop figures for its Ring/Simple protocol (``hwLat`` in NCCL's
 ``src/graph/tuning.cc``: NVLink 3.4 us, PCI 5.7 us, network 14.0 us). The GPUs' own figures
-(memory, FLOP/s, HBM bandwidth) are the GPU table's (:mod:`pipeplan.analytic.gpus`), by name.
+(memory, FLOP/s, HBM bandwidth) are the GPU table's (:mod:`pipeplan.facts.gpus`), by name.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from pipeplan.errors import BadInputError
 from pipeplan.formats.cluster import ClusterSpec, Link, load_cluster_file
 
-__all__ = ["PRESETS", "resolve_cluster", "memory_cap_bytes"]
+__all__ = ["PRESETS", "resolve_cluster"]
 
 GB = 10**9
 
@@ -96,30 +96,6 @@ def resolve_cluster(name_or_path: str | Path) -> ClusterSpec:
         return PRESETS[text]
     path = Path(text)
     if path.suffix.lower() == ".toml" or path.exists():
-        return load_cluster_file(path)
+        return load_cluster_file(path, PRESETS)
     raise BadInputError(
         f"--cluster: {text!r} is neither a preset ({', '.join(PRESETS)}) nor a TOML file")
-
-
-def memory_cap_bytes(spec: ClusterSpec) -> int:
-    """The spec's cap, else its GPU model's memory (the GPU table, ``pipeplan gpus``).
-
-    Raises
-    ------
-    BadInputError
-        If neither is known: the file must give ``memory_cap``.
-
-    Examples
-    --------
-    >>> memory_cap_bytes(PRESETS["dgx-h100"]) / 2**30   # H100 SXM: 80 GB of HBM3 (80 GiB)
-    80.0
-    """
-    if spec.memory_cap_bytes is not None:
-        return spec.memory_cap_bytes
-    from pipeplan.analytic.gpus import GPUS
-
-    if spec.gpu in GPUS:
-        return GPUS[spec.gpu].memory_bytes
-    raise BadInputError(
-        f"cluster {spec.name!r}: gpu: {spec.gpu!r} is not in the GPU table (pipeplan gpus); give memory_cap "
-        f"(known GPUs: {', '.join(GPUS)})")

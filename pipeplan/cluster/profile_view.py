@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pipeplan.cluster.collectives import tensor_parallel_ms
 from pipeplan.errors import BadInputError
 from pipeplan.formats.cluster import ClusterSpec
+from pipeplan.formats.profile import Layer, LayerCost
 
 __all__ = ["DegreeView", "degree_view", "tensor_degrees", "head_counts"]
 
@@ -99,8 +100,6 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
         If a unit has no entry at the degree, or ``selective`` is asked of a profile without
         the selective fields.
     """
-    from pipeplan.formats.profile import Layer, LayerCost
-
     t = tensor_parallel
     link = cluster.intra_node
     layers, tp_ms = [], {}

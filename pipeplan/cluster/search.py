@@ -23,23 +23,26 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
+from pipeplan.cluster.assemble import assemble_cluster_plan, hbm_bytes_per_s, infeasible_message
 from pipeplan.cluster.bounds import seed_estimate_ms, unit_sums
-from pipeplan.cluster.iteration import (iteration_parts, model_flops_utilization, pipeline_lower_bound_ms,
-                                        tokens_per_s_per_gpu)
-from pipeplan.cluster.memory import (plannable_bytes, state_bytes_per_param_byte, state_memory,
-                                     zero3_gathered_bytes)
-from pipeplan.cluster.optimizers import optimizer_step_ms, training_state
+from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
+from pipeplan.cluster.iteration import iteration_parts, pipeline_lower_bound_ms
+from pipeplan.cluster.memory import plannable_bytes, zero3_gathered_bytes
 from pipeplan.cluster.placement import Layout
-from pipeplan.cluster.presets import memory_cap_bytes
 from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, tensor_degrees
 from pipeplan.cluster.space import batch_divisor_note, candidates, parallel_degrees
 from pipeplan.errors import BadInputError, InfeasibleError
-from pipeplan.formats.plan import Alternative, Parallelism, Plan, PlanSettings
+from pipeplan.facts.schedules import valid_virtual_stages
+from pipeplan.facts.training_state import optimizer_step_ms, state_bytes_per_param_byte, training_state
+from pipeplan.formats.plan import Plan, PlanSettings
+from pipeplan.plan import make_plan, plan_simulation, with_profile_defaults
 from pipeplan.plan.bound import Incumbent, PrunedError
+from pipeplan.plan.given import plan_split
+from pipeplan.plan.memo import planning_cache
+from pipeplan.progress import task
 from pipeplan.quantities import format_bytes
 
-__all__ = ["plan_any", "plan_cluster", "hbm_bytes_per_s", "peak_flops_per_s"]
+__all__ = ["plan_cluster"]
 
 #: Achieved share of HBM bandwidth by the fused optimizer kernels.
 OPTIMIZER_HBM_EFFICIENCY = 0.8
@@ -50,33 +53,6 @@ PRUNE_AGAINST_BEST = True
 
 #: Trials planned before the branch and bound, by an estimate, to start it with an incumbent.
 SEED_TRIALS = 3
-
-
-def _gpu_figure(profile, cluster, key: str):
-    gpu = (profile.measurement or {}).get("gpu") or {}
-    if gpu.get("name") == cluster.gpu and key in gpu:
-        return gpu[key]
-    try:  # the GPU table of the analytic profiles (issue 12), where installed
-        from pipeplan.analytic.gpus import get_gpu
-    except ImportError:
-        return gpu.get(key)
-    try:
-        return getattr(get_gpu(cluster.gpu), key)
-    except BadInputError:
-        return gpu.get(key)
-
-
-def hbm_bytes_per_s(profile, cluster) -> Optional[float]:
-    """The cluster GPU's memory bandwidth: from the GPU table, else the profile's GPU; None if unknown."""
-    value = _gpu_figure(profile, cluster, "hbm_bytes_per_s")
-    return None if value is None else float(value)
-
-
-def peak_flops_per_s(profile, cluster) -> Optional[float]:
-    """The cluster GPU's dense peak in the profile's dtype; None if unknown."""
-    flops = _gpu_figure(profile, cluster, "peak_flops") or {}
-    value = flops.get(profile.dtype)
-    return None if value is None else float(value)
 
 
 @dataclass
@@ -128,21 +104,6 @@ def _families(settings: PlanSettings, view_has_selective: bool) -> list[tuple[st
     return [("plain", "auto")] + ([("selective", "none")] if view_has_selective else [])
 
 
-def plan_any(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
-    """The plan ``settings`` ask for: a cluster plan (``num_gpus``), a given split
-    (``layers_per_stage``) or the pipeline planner's; what ``plan`` and ``check`` call."""
-    if settings.num_gpus is not None:
-        return plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
-    if settings.layers_per_stage is not None:
-        from pipeplan.api import plan_split
-
-        plan = plan_split(profile, settings, settings.layers_per_stage, profile_sha256=profile_sha256)
-        return plan.model_copy(update={"schema_version": 2})  # layers_per_stage is a version-2 field
-    from pipeplan.plan import make_plan
-
-    return make_plan(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
-
-
 def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
     """The fastest cluster plan of ``profile`` for ``settings.num_gpus`` GPUs of ``settings.cluster``.
 
@@ -158,15 +119,59 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
     The whole search runs inside :func:`pipeplan.plan.memo.planning_cache`, so the layer graphs,
     chain partitions and stage costs that recur across its pipeline plans are computed once.
     """
-    from pipeplan.plan.memo import planning_cache
-
     with planning_cache():
         return _plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
 
 
-def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool) -> Plan:
-    from pipeplan.plan import with_profile_defaults
+@dataclass
+class _Search:
+    """What the steps of one cluster search share."""
 
+    profile: object
+    settings: PlanSettings
+    cluster: object
+    cap: int
+    """The cap per GPU the request means."""
+    usable: int
+    """What may be planned of it: the cap less the reserve and the fragmentation share."""
+    state: object
+    """The optimizer's training state per parameter (:class:`pipeplan.facts.training_state.TrainingState`)."""
+    hbm: Optional[float]
+    overlap: float
+    sizes_all: list
+    profile_sha256: str
+    record_time: bool
+    views: dict = field(default_factory=dict)
+    """(t, recomputation family) -> the profile one GPU sees (:class:`DegreeView`)."""
+    trials: list = field(default_factory=list)
+    batch_note: Optional[str] = None
+    """The data-parallel degrees the global batch leaves out (:func:`batch_divisor_note`), if any."""
+
+    def run(self, trial: _Trial, best_ms: Optional[float] = None) -> None:
+        _run_trial(trial, self.profile, self.settings, self.views[(trial.tensor, trial.family)], self.cluster,
+                   self.usable, self.state, self.hbm, self.overlap, self.profile_sha256, self.record_time, best_ms)
+
+
+def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool) -> Plan:
+    search = _start(profile, settings, profile_sha256, record_time)
+    _bound_trials(search)
+    best, unbounded = _branch_and_bound(search)
+    settings, cluster, trials = search.settings, search.cluster, search.trials
+    if best is None:
+        total_state = training_state(settings.optimizer, profile.dtype_bytes).total_bytes * sum(
+            layer.param_bytes for layer in profile.layers) / profile.dtype_bytes
+        needs = min(((peak, key, zero) for key, (_, peak, zero) in unbounded.items()),
+                    default=(math.inf, None, 0))
+        raise InfeasibleError(infeasible_message(trials, settings, cluster, search.usable, search.cap, total_state,
+                                                  needs))
+    plan = assemble_cluster_plan(best, trials, profile, settings, search.views[(best.tensor, best.family)], cluster,
+                                 search.cap, search.state)
+    return plan.model_copy(update={"notes": [*plan.notes, search.batch_note]}) if search.batch_note else plan
+
+
+def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bool) -> _Search:
+    """The request read (defaults, a re-planned file, a fixed split), and its trials: every
+    (d, t, p) some micro-batch size runs, x ZeRO stage x recomputation family."""
     settings = with_profile_defaults(profile, settings)
     if settings.search_stages:  # re-planning a plan file whose pipeline degree was searched
         settings = settings.model_copy(update={"stages": None, "search_stages": None})
@@ -175,44 +180,52 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
         raise BadInputError("--gpus: give the cluster (--cluster NAME or FILE; pipeplan cluster lists them)")
     if settings.layers_per_stage is not None:
         settings = _fixed_split_stages(settings)
-    n_gpus = settings.num_gpus
     units = len(profile.layers)
-    degrees = parallel_degrees(n_gpus, cluster.gpus_per_node, units, head_counts(profile), tensor_degrees(profile),
-                               data=settings.data_parallel, tensor=settings.tensor_parallel, pipeline=settings.stages)
-    G = settings.global_batch
-    cap = settings.memory_cap_bytes or memory_cap_bytes(cluster)
-    usable = plannable_bytes(cap, cluster.reserve_bytes, cluster.fragmentation)
-    state = training_state(settings.optimizer, profile.dtype_bytes)
-    hbm = hbm_bytes_per_s(profile, cluster)
-    overlap = DEFAULT_OVERLAP if settings.data_parallel_overlap is None else settings.data_parallel_overlap
-    sizes_all = profile.microbatch_sizes if settings.microbatch_size is None else [settings.microbatch_size]
-
-    bandwidth_only = cluster.model_copy(update={
-        "intra_node": cluster.intra_node.model_copy(update={"latency_us": 0.0}),
-        "inter_node": cluster.inter_node.model_copy(update={"latency_us": 0.0})})
-    views: dict[tuple[int, str], DegreeView] = {}
-    trials: list[_Trial] = []
+    degrees = parallel_degrees(settings.num_gpus, cluster.gpus_per_node, units, head_counts(profile),
+                               tensor_degrees(profile), data=settings.data_parallel, tensor=settings.tensor_parallel,
+                               pipeline=settings.stages)
+    cap = settings.cap_bytes()
+    search = _Search(
+        profile=profile, settings=settings, cluster=cluster, cap=cap,
+        usable=plannable_bytes(cap, cluster.reserve_bytes, cluster.fragmentation),
+        state=training_state(settings.optimizer, profile.dtype_bytes), hbm=hbm_bytes_per_s(profile, cluster),
+        overlap=DEFAULT_OVERLAP if settings.data_parallel_overlap is None else settings.data_parallel_overlap,
+        sizes_all=profile.microbatch_sizes if settings.microbatch_size is None else [settings.microbatch_size],
+        profile_sha256=profile_sha256, record_time=record_time,
+        batch_note=batch_divisor_note(degrees, settings.global_batch,
+                                      profile.microbatch_sizes if settings.microbatch_size is None
+                                      else [settings.microbatch_size]))
     # The (d, t, p) that some micro-batch size b runs with d x b dividing the batch (space.candidates
     # raises, naming the sizes, when none does).
-    runnable = sorted({(c.data, c.tensor, c.pipeline) for c in candidates(degrees, G, sizes_all)})
+    runnable = sorted({(c.data, c.tensor, c.pipeline) for c in candidates(degrees, settings.global_batch,
+                                                                           search.sizes_all)})
     selective_ok = all(getattr(c, "selective_activation_bytes", None) is not None
                        for layer in profile.layers for c in layer.costs)
     for d, t, p in runnable:
-        if (t, "plain") not in views:
-            views[(t, "plain")] = degree_view(profile, t, cluster)
+        if (t, "plain") not in search.views:
+            search.views[(t, "plain")] = degree_view(profile, t, cluster)
         for zero in _zero_stages(settings, d, p):
             for family, _ in _families(settings, selective_ok):
-                trials.append(_Trial(d, t, p, zero, family, len(trials)))
+                search.trials.append(_Trial(d, t, p, zero, family, len(search.trials)))
+    return search
 
-    # Lower bounds and the state-only memory check.
+
+def _bound_trials(search: _Search) -> None:
+    """Each trial's lower bounds (per micro-batch size), its seed estimate, and the state-only
+    memory check (a trial whose training state alone is over the plannable bytes is dropped)."""
+    profile, settings, cluster, views = search.profile, search.settings, search.cluster, search.views
+    state, usable, hbm, overlap, G = search.state, search.usable, search.hbm, search.overlap, settings.global_batch
+    bandwidth_only = cluster.model_copy(update={
+        "intra_node": cluster.intra_node.model_copy(update={"latency_us": 0.0}),
+        "inter_node": cluster.inter_node.model_copy(update={"latency_us": 0.0})})
     sums_of: dict = {}
-    for trial in trials:
+    for trial in search.trials:
         vkey = (trial.tensor, trial.family)
         if vkey not in views:
             views[vkey] = degree_view(profile, trial.tensor, cluster, selective=trial.family == "selective")
         view = views[vkey]
         replica_batch = G // trial.data
-        sizes = tuple(b for b in sizes_all if replica_batch % b == 0)
+        sizes = tuple(b for b in search.sizes_all if replica_batch % b == 0)
         if (vkey, sizes) not in sums_of:
             sums_of[(vkey, sizes)] = unit_sums(view, sizes)
         sums = sums_of[(vkey, sizes)]
@@ -246,27 +259,50 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
                                                             static / trial.pipeline, usable)
                                           for b, bound in by_size.items())
 
+
+def _branch_and_bound(search: _Search):
+    """The best trial (or None) and, per layout, its pipeline optimum without a memory cap."""
+    settings = search.settings
     # Branch and bound. A trial's bound is refined once, by its layout's pipeline optimum without
     # a memory cap (memory only ever constrains, so no ZeRO stage or recomputation beats it).
     best: Optional[_Trial] = None
     unbounded: dict = {}
-    # Seed: plan first the trials most likely to be fast (by an estimate with a bubble, which the
-    # bounds leave out), so that the bounds of the layouts with deep pipelines are refined against
-    # an incumbent rather than in full. The order changes only how much is pruned, not the winner.
-    for trial in sorted((t for t in trials if t.status == "new"),
-                        key=lambda t: (t.extras["estimate_ms"], t.order))[:SEED_TRIALS]:
-        _run_trial(trial, profile, settings, views[(trial.tensor, trial.family)], cluster, usable, state, hbm,
-                   overlap, profile_sha256, record_time)
-        if trial.status == "planned":
-            best = trial
-            break
-    heap = [(t.lower_bound_ms, t.order, False, t) for t in trials if t.status == "new"]
+    open_trials = [t for t in search.trials if t.status == "new"]
+    with task(f"cluster search on {settings.num_gpus} GPUs: layouts x ZeRO x recomputation",
+              total=len(open_trials)) as shown:
+        layouts = len({t.key for t in search.trials})
+
+        def done(best):
+            shown.advance(note=f"{layouts} layouts; best " + (
+                "none yet" if best is None else
+                f"{best.parts.iteration_ms:.1f} ms (d={best.data} t={best.tensor} p={best.pipeline})"))
+
+        # Seed: plan first the trials most likely to be fast (by an estimate with a bubble, which
+        # the bounds leave out), so that the bounds of the layouts with deep pipelines are refined
+        # against an incumbent rather than in full. The order changes only how much is pruned.
+        for trial in sorted(open_trials, key=lambda t: (t.extras["estimate_ms"], t.order))[:SEED_TRIALS]:
+            search.run(trial)
+            if trial.status == "planned":
+                best = trial
+            done(best)
+            if best is not None:
+                break
+        best = _search_heap(search, best, unbounded, done)
+    return best, unbounded
+
+
+def _search_heap(search: _Search, best, unbounded: dict, done):
+    """Branch and bound over the trials left, in the order of their lower bounds."""
+    profile, settings, cluster, views = search.profile, search.settings, search.cluster, search.views
+    profile_sha256 = search.profile_sha256
+    heap = [(t.lower_bound_ms, t.order, False, t) for t in search.trials if t.status == "new"]
     heapq.heapify(heap)
     while heap:
         bound, _, refined, trial = heapq.heappop(heap)
         best_ms = None if best is None else best.parts.iteration_ms
         if best is not None and bound > best_ms:
             _prune(trial, bound, best_ms)
+            done(best)
             continue
         if not refined:
             family = "plain" if any(f == "plain" for f, _ in _families(settings, True)) else "selective"
@@ -277,26 +313,16 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
             trial.lower_bound_ms = max(bound, unbounded[key][0] + trial.extras["step_lb"])
             heapq.heappush(heap, (trial.lower_bound_ms, trial.order, True, trial))
             continue
-        _run_trial(trial, profile, settings, views[(trial.tensor, trial.family)], cluster, usable, state, hbm,
-                   overlap, profile_sha256, record_time, best_ms)
+        search.run(trial, best_ms)
         if trial.status == "planned" and (best is None or (trial.parts.iteration_ms, trial.order)
                                           < (best.parts.iteration_ms, best.order)):
             best = trial
-    if best is None:
-        total_state = training_state(settings.optimizer, profile.dtype_bytes).total_bytes * sum(
-            layer.param_bytes for layer in profile.layers) / profile.dtype_bytes
-        needs = min(((peak, key, zero) for key, (_, peak, zero) in unbounded.items()),
-                    default=(math.inf, None, 0))
-        raise InfeasibleError(_infeasible_message(trials, settings, cluster, usable, cap, total_state, needs))
-    plan = _assemble(best, trials, profile, settings, views[(best.tensor, best.family)], cluster, cap, state)
-    note = batch_divisor_note(degrees, G, sizes_all)
-    return plan.model_copy(update={"notes": [*plan.notes, note]}) if note else plan
+        done(best)
+    return best
 
 
 def _fixed_split_stages(settings: PlanSettings) -> PlanSettings:
     """With ``--layers-per-stage`` the pipeline degree is the split's: counts / stages per rank."""
-    from pipeplan.plan import valid_virtual_stages
-
     if settings.schedule == "auto":
         raise BadInputError("--layers-per-stage: a given split needs a named --schedule, not auto")
     v = settings.virtual_stages or valid_virtual_stages(settings.schedule)[0]
@@ -314,14 +340,10 @@ def _pipeline_plan(view: DegreeView, sub: PlanSettings, settings: PlanSettings, 
                    record_time: bool = False, incumbent: Optional[Incumbent] = None) -> Plan:
     """The pipeline planner's best plan of one replica, or the given split's (--layers-per-stage);
     with ``incumbent``, pruned against the best iteration so far (PrunedError)."""
-    from pipeplan.plan import make_plan
-
     if settings.layers_per_stage is None:
         # What would fit is worked out only for the layouts whose reason the plan shows (_reason).
         return make_plan(view.profile, sub, profile_sha256=profile_sha256, record_time=record_time,
                          explain_infeasible=False, incumbent=incumbent if PRUNE_AGAINST_BEST else None)
-    from pipeplan.api import plan_split
-
     plan = plan_split(view.profile, sub, settings.layers_per_stage, profile_sha256=profile_sha256)
     cap = sub.memory_cap_bytes
     peak = max(r.peak_memory_bytes for r in plan.ranks)
@@ -393,8 +415,6 @@ def _rank_tails(trial: _Trial, rank_params, m: int, span, cluster, state, hbm, o
 
 def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView, cluster, usable: int, state,
                hbm, overlap: float, profile_sha256: str, record_time: bool, best_ms: Optional[float] = None) -> None:
-    from pipeplan.plan import plan_simulation
-
     layout, links, link = _pipeline_link(cluster, trial)
     largest_unit_params = max(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes
     gathered = zero3_gathered_bytes(largest_unit_params, state, trial.data) if trial.zero_stage == 3 else 0
@@ -439,134 +459,3 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
                     "gathered": gathered}
 
 
-def _reason(trial: _Trial) -> str:
-    """Why a trial lost; an infeasible one's full message is worked out here, on first use."""
-    explain = trial.extras.pop("explain", None) if trial.status == "infeasible" else None
-    if explain is not None:
-        trial.reason = f"infeasible: {explain().splitlines()[0]}"
-    return trial.reason
-
-
-def _infeasible_message(trials, settings: PlanSettings, cluster, usable: int, cap: int, total_state_bytes: float,
-                        needs=(math.inf, None, 0)) -> str:
-    """What would fit: the least per-GPU memory the state needs, and a GPU count it could fit in."""
-    G = cluster.gpus_per_node
-    gpus = max(1, math.ceil(total_state_bytes / max(usable, 1)))
-    gpus = gpus if gpus <= G else math.ceil(gpus / G) * G
-    least = min((t.extras.get("state_per_gpu", math.inf) for t in trials), default=math.inf)
-    planned = sorted({_reason(t) for t in trials if t.status == "infeasible"})
-    lines = [f"nothing fits {format_bytes(cap)} per GPU ({format_bytes(usable)} plannable after the "
-             f"{format_bytes(cluster.reserve_bytes)} reserve and {cluster.fragmentation:.0%} for fragmentation) "
-             f"on {settings.num_gpus} GPUs of {cluster.name}"]
-    if math.isfinite(least):
-        lines.append(f"the training state alone needs at least {format_bytes(least)} per GPU in the best layout "
-                     f"tried; fully sharded (ZeRO 3) it fits only from about {gpus} GPUs (activations not counted)")
-    peak, key, zero = needs
-    if key is not None and math.isfinite(peak):
-        d, t, p, _ = key
-        planned_cap = math.ceil(peak * (1 + cluster.fragmentation) + cluster.reserve_bytes)
-        lines.append(f"a cap of {format_bytes(planned_cap)} per GPU fits d={d} t={t} p={p} ZeRO {zero} "
-                     f"without recomputation")
-    elif planned:
-        lines.append(f"with the state fitting, {planned[0]}")
-    return "; ".join(lines)
-
-
-def _alternatives(best: _Trial, trials, default_microbatch: int) -> list[Alternative]:
-    """The best trial of each (d, t, p) other than the winner's, and why it lost."""
-    by_key: dict = {}
-    for trial in trials:
-        current = by_key.get(trial.key)
-        # Planned by their time and pruned by their bound, together: a layout shows a planned
-        # time only where none of its pruned trials could be faster, so that it is the layout's
-        # best; then the rest (infeasible, state over the cap).
-        rank = ((0, trial.parts.iteration_ms, 0, trial.order) if trial.status == "planned" else
-                (0, trial.lower_bound_ms, 1, trial.order) if trial.status == "pruned" else (1, 0.0, 0, trial.order))
-        if current is None or rank < current[0]:
-            by_key[trial.key] = (rank, trial)
-    out = []
-    for key in sorted(by_key, key=lambda k: by_key[k][0]):
-        trial = by_key[key][1]
-        if trial is best:
-            continue
-        plan = trial.plan
-        if trial.status == "planned":
-            slower = trial.parts.iteration_ms - best.parts.iteration_ms
-            reason = f"slower by {slower:.1f} ms"
-        else:
-            reason = _reason(trial)
-        out.append(Alternative(
-            schedule=plan.schedule if plan else "-", virtual_stages=plan.virtual_stages if plan else 1,
-            microbatch_size=plan.microbatch_size if plan else default_microbatch,
-            recompute=("selective" if trial.family == "selective" else
-                       ("some" if plan and any(s.recompute for s in plan.stages) else "none")),
-            iteration_ms=round(trial.parts.iteration_ms, 6) if trial.status == "planned" else None,
-            lower_bound_ms=round(trial.lower_bound_ms, 6) if trial.status == "pruned" else None,
-            peak_memory_bytes=max(r.peak_memory_bytes for r in plan.ranks) if plan and plan.ranks else None,
-            reason=f"d={trial.data} t={trial.tensor} p={trial.pipeline} ZeRO {trial.zero_stage}: {reason}",
-        ))
-    return out
-
-
-def _assemble(best: _Trial, trials, profile, settings: PlanSettings, view: DegreeView, cluster, cap: int,
-              state) -> Plan:
-    plan, parts = best.plan, best.parts
-    d, t, p = best.data, best.tensor, best.pipeline
-    stages = []
-    for stage in plan.stages:
-        params = stage.param_bytes / profile.dtype_bytes
-        memory = state_memory(params, state, best.zero_stage, d)
-        static = math.ceil(state_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes, best.zero_stage, d)
-                           * stage.param_bytes)
-        stages.append(stage.model_copy(update={
-            "weight_bytes": memory.weight_bytes + (best.extras["gathered"] if best.zero_stage == 3 else 0),
-            "gradient_bytes": memory.gradient_bytes, "optimizer_bytes": memory.optimizer_bytes,
-            "peak_activation_bytes": max(0, stage.peak_memory_bytes - static),
-        }))
-    iteration_ms = parts.iteration_ms
-    G = settings.global_batch
-    predicted = plan.predicted.model_copy(update={
-        "iteration_ms": round(iteration_ms, 6),
-        "samples_per_second": round(G / (iteration_ms / 1e3), 6),
-        "compute_ms": round(parts.compute_ms, 6),
-        "tensor_parallel_ms": round(parts.tensor_parallel_ms, 6),
-        "transfer_ms": round(parts.pipeline_transfer_ms, 6),
-        "bubble_ms": round(parts.bubble_ms - (plan.predicted.overhead_ms or 0.0), 6),
-        "data_parallel_ms": round(parts.data_parallel_ms, 6),
-        "optimizer_ms": round(parts.optimizer_ms, 6),
-    })
-    if profile.sequence_length:
-        predicted = predicted.model_copy(update={"tokens_per_second_per_gpu": round(
-            tokens_per_s_per_gpu(G, profile.sequence_length, iteration_ms, settings.num_gpus), 6)})
-        flops_per_token = (profile.measurement or {}).get("model_flops_per_token")
-        peak = peak_flops_per_s(profile, cluster)
-        if flops_per_token and peak:
-            predicted = predicted.model_copy(update={"model_flops_utilization": round(model_flops_utilization(
-                flops_per_token * G * profile.sequence_length, iteration_ms, settings.num_gpus, peak), 6)})
-    peak_rank = max(r.peak_memory_bytes for r in plan.ranks) if plan.ranks else max(s.peak_memory_bytes for s in plan.stages)
-    link_text = {"inter": "the network", "intra": "the intra-node link", "local": "no link"}[best.extras["link"]]
-    notes = list(plan.notes) + [
-        f"layout d={d} x t={t} x p={p} on {cluster.name} ({cluster.gpus_per_node} GPUs per node), ranks in "
-        f"Megatron's order (tensor, data, pipeline); pipeline transfers on {link_text}",
-        f"data-parallel sync: {int(round(100 * (settings.data_parallel_overlap or 0)))}% assumed hidden behind "
-        f"compute (--data-parallel-overlap)" if d > 1 else "no data parallelism: no gradient sync",
-    ]
-    if hbm_bytes_per_s(profile, cluster) is None:
-        notes.append(f"optimizer step not timed: no HBM bandwidth known for {cluster.gpu}")
-    out_settings = settings.model_copy(update={
-        "stages": p, "search_stages": True if settings.stages is None else None,
-        "bandwidth_bytes_per_s": plan.settings.bandwidth_bytes_per_s,
-    })
-    return plan.model_copy(update={
-        "schema_version": 2, "settings": out_settings, "stages": stages, "predicted": predicted,
-        "alternatives": _alternatives(best, trials, settings.microbatch_size or min(profile.microbatch_sizes)), "notes": notes,
-        "parallelism": Parallelism(num_gpus=settings.num_gpus, data=d, tensor=t, pipeline=p,
-                                   virtual_stages=plan.virtual_stages, zero_stage=best.zero_stage,
-                                   sequence_parallel=bool(t > 1 and _sequence_parallel(profile)),
-                                   gpus_per_node=cluster.gpus_per_node),
-        "reserve_bytes": cluster.reserve_bytes + math.ceil(cluster.fragmentation * peak_rank),
-    })
-
-
-def _sequence_parallel(profile) -> bool:
-    return any(getattr(c, "sequence_parallel", None) for layer in profile.layers for c in layer.costs)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 from rich.table import Table
 
 from pipeplan.formats.cluster import ClusterSpec
+from pipeplan.quantities import format_bytes
+from pipeplan.cluster.placement import Layout
 
 __all__ = ["cluster_table", "cluster_plan_tables"]
 
@@ -15,16 +19,13 @@ def _bandwidth(value: float) -> str:
 
 def cluster_table(specs: list[ClusterSpec], title: str = "cluster presets") -> Table:
     """One row per spec: GPU, node size, memory cap, links (per GPU, per direction)."""
-    from pipeplan.cluster.presets import memory_cap_bytes
-    from pipeplan.quantities import format_bytes
-
     table = Table(title=title)
     for column in ("name", "gpu", "gpus/node", "memory cap", "intra-node", "latency", "network/GPU",
                    "latency", "efficiency"):
         table.add_column(column, justify="left" if column in ("name", "gpu") else "right")
     for spec in specs:
         table.add_row(
-            spec.name, spec.gpu, str(spec.gpus_per_node), format_bytes(memory_cap_bytes(spec)),
+            spec.name, spec.gpu, str(spec.gpus_per_node), format_bytes(spec.cap_bytes()),
             _bandwidth(spec.intra_node.bandwidth_bytes_per_s), f"{spec.intra_node.latency_us:g} us",
             _bandwidth(spec.inter_node.bandwidth_bytes_per_s), f"{spec.inter_node.latency_us:g} us",
             f"{spec.intra_node.efficiency:g} / {spec.inter_node.efficiency:g}",
@@ -35,9 +36,6 @@ def cluster_table(specs: list[ClusterSpec], title: str = "cluster presets") -> T
 def cluster_plan_tables(plan):
     """``show`` for a cluster plan: the layout, the iteration's parts, memory per GPU by part."""
     from rich.console import Group
-
-    from pipeplan.cluster.placement import Layout
-    from pipeplan.quantities import format_bytes
 
     par, p = plan.parallelism, plan.predicted
     layout = Layout(par.data, par.tensor, par.pipeline, par.gpus_per_node)
@@ -70,12 +68,8 @@ def cluster_plan_tables(plan):
         rows.append(("tokens/s per GPU", f"{p.tokens_per_second_per_gpu:.0f}"))
     if p.model_flops_utilization is not None:
         rows.append(("MFU", f"{p.model_flops_utilization:.1%}"))
-    cap = plan.settings.memory_cap_bytes
-    if cap is None and cluster is not None:
-        from pipeplan.cluster.presets import memory_cap_bytes
-
-        cap = memory_cap_bytes(cluster)
-    rows.append(("memory cap per GPU", format_bytes(cap) if cap else "none"))
+    cap = plan.settings.cap_bytes()
+    rows.append(("memory cap per GPU", "none" if math.isinf(cap) else format_bytes(cap)))
     rows.append(("solver", f"{plan.solver.method}, {'optimal' if plan.solver.optimal else 'not proven optimal'}"))
     for key, value in rows:
         summary.add_row(key, value)

@@ -18,8 +18,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeplan.doctor.config import LAUNCHERS, LauncherConfig, Layout
-from pipeplan.doctor.diagnose import Diagnosis, Finding, diagnose
+from pipeplan.doctor.diagnose import diagnose
+from pipeplan.doctor.findings import Diagnosis, Finding
 from pipeplan.errors import BadInputError
+from pipeplan.doctor.deepspeed import deepspeed_layout_of, parse_deepspeed
+from pipeplan.doctor.report import render, write_junit
+from pipeplan.formats.io import file_sha256, load_profile, write_text_atomic
+from pipeplan.formats.plan import PlanSettings
+from pipeplan.quantities import parse_bandwidth, parse_bytes
+from pipeplan.facts.training_state import OPTIMIZERS
+from pipeplan.cluster.presets import resolve_cluster
+from pipeplan.doctor.fix import fix_config
+from pipeplan.doctor.megatron import megatron_layout_of, parse_megatron
+from pipeplan.doctor.torchtitan import load_toml, parse_torchtitan, torchtitan_layout_of
+from pipeplan.doctor.units import unit_positions
 
 __all__ = ["LAUNCHERS", "DoctorOptions", "read_config", "doctor_file", "run_doctor_command", "Diagnosis", "Finding"]
 
@@ -66,14 +78,9 @@ def read_config(launcher: str, path: str | Path, profile, options: DoctorOptions
     except (OSError, UnicodeDecodeError) as exc:
         raise BadInputError(f"{path}: cannot read it: {exc}") from None
     if launcher == "megatron":
-        from pipeplan.doctor.megatron import megatron_layout_of, parse_megatron
-
         config = parse_megatron(path, text, variables=dict(options.variables), world_size=options.world_size)
         return config, megatron_layout_of(config)
     if launcher == "torchtitan":
-        from pipeplan.doctor.torchtitan import load_toml, parse_torchtitan, torchtitan_layout_of
-        from pipeplan.doctor.units import unit_positions
-
         blocks = sum(layer.kind == "block" for layer in profile.layers)
         config = parse_torchtitan(path, text, world_size=options.world_size)
         if config.num_layers is None:
@@ -82,7 +89,6 @@ def read_config(launcher: str, path: str | Path, profile, options: DoctorOptions
         units, _ = unit_positions("torchtitan", profile, config.num_layers)
         raw = load_toml(path, text).get("parallelism", {}).get("module_fqns_per_model_part")
         return config, torchtitan_layout_of(config, units, raw)
-    from pipeplan.doctor.deepspeed import deepspeed_layout_of, parse_deepspeed
 
     config = parse_deepspeed(path, text, num_stages=options.num_stages, partition_method=options.partition_method,
                              parts=list(options.parts) if options.parts else None,
@@ -125,24 +131,17 @@ def doctor_file(launcher: str, path: str | Path, profile_path: str | Path, setti
     BadInputError
         Bad files or settings (exit 2).
     """
-    from pipeplan.doctor.report import render, write_junit
-    from pipeplan.formats.io import file_sha256, load_profile, write_text_atomic
-
     if output_format not in ("table", "markdown", "json"):
         raise BadInputError(f"--format: {output_format!r} is not one of table, markdown, json")
     profile = load_profile(profile_path)
     cluster = None
     if options.cluster is not None:
-        from pipeplan.cluster import resolve_cluster
-
         cluster = resolve_cluster(options.cluster)
     config, layout = read_config(launcher, path, profile, options)
     result = diagnose(config, layout, profile, settings, profile_sha256=file_sha256(profile_path), cluster=cluster,
                       search_layouts=options.search_layouts)
     written: list[Path] = []
     if fix_output is not None:
-        from pipeplan.doctor.fix import fix_config
-
         if result.best is None:
             raise BadInputError("--fix: no plan fits, so there is nothing to write (see the findings)")
         files = fix_config(config, Path(path).read_text(encoding="utf-8"), result.best, profile, str(fix_output))
@@ -169,12 +168,6 @@ def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: 
     BadInputError
         Bad options or files (exit 2).
     """
-    from pipeplan.formats.io import load_profile
-    from pipeplan.formats.plan import PlanSettings
-    from pipeplan.quantities import parse_bandwidth, parse_bytes
-
-    from pipeplan.cluster.optimizers import OPTIMIZERS
-
     if optimizer == "auto":
         # Megatron-LM keeps fp32 main gradients in 16-bit training (--accumulate-allreduce-grads-in-fp32).
         optimizer = "adam-fp32-grads" if launcher == "megatron" else "adam"

@@ -23,7 +23,10 @@ from dataclasses import dataclass
 
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.limits import MAX_BYTES
-from pipeplan.formats.plan import Plan, PlanSettings
+from pipeplan.formats.plan import Plan, PlanSettings, effective_cap_bytes
+from pipeplan.cluster.memory import reserve_bytes
+from pipeplan.plan.assemble import stage_state_memory
+from pipeplan.cluster.search import plan_cluster
 
 __all__ = ["RankMemory", "ClusterCost", "LAUNCHER_ZERO_STAGES", "cost_on_cluster", "best_on_cluster",
            "rank_memory"]
@@ -71,29 +74,18 @@ class ClusterCost:
         return [r for r in self.memory if r.total_bytes > self.cap_bytes]
 
 
-def _cap(settings: PlanSettings, cluster) -> int:
-    from pipeplan.cluster.presets import memory_cap_bytes
-
-    return settings.memory_cap_bytes or memory_cap_bytes(cluster)
-
-
 def rank_memory(plan: Plan, profile, cluster) -> tuple[RankMemory, ...]:
     """Memory per GPU of each pipeline rank of a cluster plan, by part.
 
     The activations are the rank's simulated peak less its static state; under ZeRO 3 the units
     gathered whole count once per rank (they are prefetched one after the other).
     """
-    from pipeplan.cluster.memory import reserve_bytes, state_memory
-    from pipeplan.cluster.optimizers import training_state
-
-    par = plan.parallelism
-    state = training_state(plan.settings.optimizer, profile.dtype_bytes)
     out = []
     for r in sorted(plan.ranks, key=lambda r: r.rank):
         stages = [s for s in plan.stages if s.rank == r.rank]
         weights = gradients = optimizer = static = gathered = 0
         for s in stages:
-            own = state_memory(s.param_bytes / profile.dtype_bytes, state, par.zero_stage, par.data)
+            own = stage_state_memory(plan, s, profile.dtype_bytes)
             gathered = max(gathered, (s.weight_bytes or own.weight_bytes) - own.weight_bytes)
             weights += own.weight_bytes
             gradients += s.gradient_bytes if s.gradient_bytes is not None else own.gradient_bytes
@@ -137,9 +129,7 @@ def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int]
         The profile has no entries at ``tensor``, ``tensor`` is above the GPUs per node, or the
         schedule refuses the numbers.
     """
-    from pipeplan.cluster.search import plan_cluster
-
-    cap = _cap(settings, cluster)
+    cap = effective_cap_bytes(settings.memory_cap_bytes, cluster)
     pipeline = len(layers_per_stage) // virtual_stages
     given = settings.model_copy(update={
         "num_gpus": data * tensor * pipeline, "cluster": cluster, "data_parallel": data,
@@ -185,9 +175,7 @@ def best_on_cluster(profile, settings: PlanSettings, *, launcher: str, cluster, 
     One cluster search per (ZeRO stage, recomputation); each is exact for its settings, so the
     best of them is the best plan the launcher can express.
     """
-    from pipeplan.cluster.search import plan_cluster
-
-    cap = _cap(settings, cluster)
+    cap = effective_cap_bytes(settings.memory_cap_bytes, cluster)
     d, t, p = degrees if degrees is not None else (None, None, None)
     best, notes = None, []
     for zero in zero_stages:

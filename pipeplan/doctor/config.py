@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["LauncherConfig", "LayoutStage", "Layout", "Problem", "LAUNCHERS"]
 
-from pipeplan.plan.schedules import LAUNCHER_SCHEDULES
+from pipeplan.facts.schedules import LAUNCHER_SCHEDULES
 
 #: Launchers doctor reads, and the pipeplan schedules each can run.
 LAUNCHERS = LAUNCHER_SCHEDULES

@@ -9,70 +9,21 @@ wastes a rank or leaves a large gap to the best plan), ``info`` (numbers worth k
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from pipeplan.doctor.config import LAUNCHERS, LauncherConfig, Layout
+from pipeplan.doctor.diagnose_cluster import diagnose_on_cluster
+from pipeplan.doctor.findings import Diagnosis, Finding, gap_findings, split_setting, time_findings
 from pipeplan.doctor.evaluate import best_plan, cost_split
 from pipeplan.export.megatron import interleaved_refusal
 from pipeplan.doctor.units import stage_positions, unit_positions
 from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.quantities import format_bytes
+from pipeplan.facts.schedules import check_schedule
 
-__all__ = ["Finding", "Diagnosis", "diagnose", "GAP_WARNING", "launcher_refusal", "gap_findings", "time_findings",
-           "split_setting"]
-
-#: The best plan must be predicted at least this much faster for the gap to be a warning.
-GAP_WARNING = 1.10
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One thing doctor has to say."""
-
-    code: str
-    severity: str
-    setting: str
-    message: str
-    fix: str = ""
-
-
-@dataclass
-class Diagnosis:
-    """Everything ``doctor`` found about one config."""
-
-    config: LauncherConfig
-    layout: Layout
-    findings: list[Finding] = field(default_factory=list)
-    plan: Plan | None = None
-    """The config's own layout, costed (None where it cannot be: refused, empty stages...)."""
-    best: Plan | None = None
-    """The best plan the same launcher can run on the same ranks."""
-    stage_layers: list[list[str]] = field(default_factory=list)
-    """Profile layer names of each stage of the config's layout."""
-    notes: list[str] = field(default_factory=list)
-    memory_checked: bool = True
-    """Whether peaks were checked against a cap (without ``--cluster``, not with t > 1 or ZeRO)."""
-    cluster_cost: object = None
-    """With ``--cluster``: the layout's :class:`pipeplan.doctor.cluster.ClusterCost` (memory per rank)."""
-    best_any: Plan | None = None
-    """With ``--cluster``: the best plan over every d x t x p of the same GPUs."""
-
-    @property
-    def exit_code(self) -> int:
-        return 1 if any(f.severity == "error" for f in self.findings) else 0
-
-    @property
-    def speedup(self) -> float | None:
-        if self.plan is None or self.best is None or self.best.predicted.iteration_ms <= 0:
-            return None
-        return self.plan.predicted.iteration_ms / self.best.predicted.iteration_ms
-
+__all__ = ["diagnose", "launcher_refusal"]
 
 def launcher_refusal(launcher: str, schedule: str, p: int, m: int, v: int, group_size: int | None = None) -> str | None:
     """Why ``launcher`` refuses ``schedule`` with ``m`` micro-batches on ``p`` ranks x ``v``, or None."""
-    from pipeplan.plan import check_schedule
-
     if launcher == "megatron":
         if schedule == "interleaved":
             return interleaved_refusal(p, m, group_size)
@@ -255,8 +206,6 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
                                 f"({profile.microbatch_sizes}): the config's own layout is not costed")
             costable = False
     if cluster is not None:
-        from pipeplan.doctor.diagnose_cluster import diagnose_on_cluster
-
         options = ("none", "selective", "all") if selective_known else ("none", "all")
         return diagnose_on_cluster(result, profile, settings, positions, mode=mode, recompute_options=options,
                                    cluster=cluster, search_layouts=search_layouts, costable=costable,
@@ -305,86 +254,3 @@ def _cost_findings(config: LauncherConfig, plan: Plan, settings: PlanSettings) -
     return out + time_findings(config, plan)
 
 
-def time_findings(config: LauncherConfig, plan: Plan) -> list[Finding]:
-    """The imbalance (slowest stage vs the mean) and the iteration by parts."""
-    out = []
-    times = [s.forward_ms + s.backward_ms for s in plan.stages]
-    if times and min(times) >= 0 and sum(times) > 0:
-        ratio = max(times) / (sum(times) / len(times))
-        slow = max(range(len(times)), key=lambda i: times[i])
-        out.append(Finding("imbalance", "info", split_setting(config),
-                           f"slowest stage {slow} (rank {plan.stages[slow].rank}) takes {ratio:.2f}x the mean "
-                           f"stage time ({max(times):.4g} ms vs {sum(times) / len(times):.4g} ms per micro-batch)"))
-    if plan.parallelism is not None:
-        from pipeplan.doctor.diagnose_cluster import parts_text
-
-        text = f"predicted {parts_text(plan)}"
-    else:
-        text = (f"predicted iteration {plan.predicted.iteration_ms:.6g} ms: compute {plan.predicted.compute_ms:.6g} "
-                f"+ bubble {plan.predicted.bubble_ms:.6g} + transfer {plan.predicted.transfer_ms:.6g} ms")
-    out.append(Finding("bubble", "info", "schedule / micro-batches",
-                       f"{text} ({100 * plan.predicted.bubble_fraction:.3g}% idle)"))
-    return out
-
-
-def split_setting(config: LauncherConfig) -> str:
-    return {"megatron": "--pipeline-model-parallel-layout (or the even split)",
-            "torchtitan": "parallelism.module_fqns_per_model_part",
-            "deepspeed": "PipelineModule parts / partition_method"}[config.launcher]
-
-
-def _recipe(result: Diagnosis) -> str:
-    best, plan, config = result.best, result.plan, result.config
-    steps = []
-    if plan is not None:
-        mine = {}
-        for stage in plan.stages:
-            mine.setdefault(stage.rank, 0)
-            mine[stage.rank] += len(stage.layers)
-        theirs = {}
-        for stage in best.stages:
-            theirs.setdefault(stage.rank, 0)
-            theirs[stage.rank] += len(stage.layers)
-        moves = [(r, mine.get(r, 0) - theirs.get(r, 0)) for r in sorted(mine)]
-        for r, delta in moves:
-            if delta > 0:
-                steps.append(f"move {delta} layer{'s' * (delta > 1)} off rank {r}")
-    if best.schedule != config.schedule or best.virtual_stages != config.virtual_stages:
-        steps.append(f"use {best.schedule}" + (f" with v = {best.virtual_stages}" if best.virtual_stages > 1 else ""))
-    zero = best.parallelism.zero_stage if best.parallelism is not None else config.zero_stage
-    if zero != config.zero_stage:
-        from pipeplan.doctor.diagnose_cluster import zero_setting
-
-        steps.append(f"use {zero_setting(config.launcher, zero)} (ZeRO {zero})")
-    if best.microbatch_size != config.microbatch_size:
-        steps.append(f"micro-batch size {best.microbatch_size} ({best.num_microbatches} micro-batches)")
-    modes = {("selective" if s.recompute_granularity == "selective" else "full") if s.recompute else "none"
-             for s in best.stages}
-    best_mode = modes.pop() if len(modes) == 1 else "mixed"
-    if best_mode != config.recompute:
-        steps.append({"none": "drop recomputation", "full": "recompute every stage in full",
-                      "selective": "selective recomputation on every stage"}.get(best_mode, "recompute per stage"))
-    return ", ".join(steps) or "same schedule, different split"
-
-
-def gap_findings(result: Diagnosis) -> list[Finding]:
-    best, config = result.best, result.config
-    if best is None:
-        return [Finding("no-plan", "warning", "memory cap",
-                        "no plan of this launcher fits the memory cap on these ranks", "add ranks or memory")]
-    if result.plan is None:
-        return [Finding("best-plan", "info", "",
-                        f"pipeplan's best plan for {config.pipeline_degree} ranks: {best.schedule}, "
-                        f"{len(best.stages)} stages, {best.num_microbatches} micro-batches of {best.microbatch_size}, predicted "
-                        f"{best.predicted.iteration_ms:.6g} ms per iteration", "--fix writes it")]
-    speedup = result.speedup
-    if speedup <= 1 + 1e-3:
-        return [Finding("gap-to-best", "info", "",
-                        f"the config is as fast as pipeplan's best plan for these ranks "
-                        f"({result.plan.predicted.iteration_ms:.6g} ms per iteration)")]
-    # A gap found without checking memory may not fit: report it, do not flag it.
-    severity = "warning" if speedup >= GAP_WARNING and result.memory_checked else "info"
-    return [Finding("gap-to-best", severity, split_setting(config),
-                    f"pipeplan's plan is predicted {speedup:.2f}x faster "
-                    f"({best.predicted.iteration_ms:.6g} vs {result.plan.predicted.iteration_ms:.6g} ms): "
-                    f"{_recipe(result)}", "--fix writes it" if speedup > 1 + 1e-9 else "")]

@@ -11,27 +11,20 @@ the launcher's ZeRO setting would fix it), and finds the best plan at the config
 from __future__ import annotations
 
 from pipeplan.cluster.profile_view import tensor_degrees
+from pipeplan.doctor.findings import (GAP_WARNING, Finding, gap_findings, split_setting, time_findings,
+                                     zero_setting)
 from pipeplan.doctor.cluster import LAUNCHER_ZERO_STAGES, ClusterCost, best_on_cluster, cost_on_cluster
 from pipeplan.errors import BadInputError
-from pipeplan.formats.plan import Plan, PlanSettings
+from pipeplan.formats.plan import PlanSettings
 from pipeplan.quantities import format_bytes
+from pipeplan.cluster import PRESETS
 
-__all__ = ["diagnose_on_cluster", "zero_setting", "profile_sequence_parallel", "SEARCH_ZERO_STAGES"]
+__all__ = ["diagnose_on_cluster", "profile_sequence_parallel", "SEARCH_ZERO_STAGES"]
 
 #: The ZeRO stages the search over every layout tries, per launcher. Megatron-LM and DeepSpeed:
 #: ZeRO 1 only (the distributed optimizer / ZeRO-1 moves the same bytes as plain data parallelism,
 #: a reduce-scatter and an all-gather for the all-reduce, and holds less); torchtitan: DDP or FSDP.
 SEARCH_ZERO_STAGES = {"megatron": (1,), "deepspeed": (1,), "torchtitan": (0, 3)}
-
-
-def zero_setting(launcher: str, zero_stage: int) -> str:
-    """The launcher setting that gives ``zero_stage``, as a user writes it."""
-    if launcher == "megatron":
-        return "--use-distributed-optimizer" if zero_stage else "--use-distributed-optimizer (not set)"
-    if launcher == "deepspeed":
-        return f"zero_optimization.stage = {zero_stage}"
-    return ("parallelism.data_parallel_shard_degree (FSDP)" if zero_stage == 3
-            else "parallelism.data_parallel_replicate_degree (DDP)")
 
 
 def profile_sequence_parallel(profile) -> bool | None:
@@ -42,8 +35,6 @@ def profile_sequence_parallel(profile) -> bool | None:
 
 
 def _finding(*args, **kwargs):
-    from pipeplan.doctor.diagnose import Finding
-
     return Finding(*args, **kwargs)
 
 
@@ -55,23 +46,6 @@ def _memory_text(r) -> str:
     return (f"weights {_gib(r.weight_bytes)} + gradients {_gib(r.gradient_bytes)} + optimizer "
             f"{_gib(r.optimizer_bytes)} + activations {_gib(r.activation_bytes)} + reserve "
             f"{_gib(r.reserve_bytes)} GiB")
-
-
-def parts_text(plan: Plan) -> str:
-    """The iteration as its named parts, e.g. ``17338.5 ms = compute 11796.9 + ...``."""
-    pr = plan.predicted
-    tp, dp, opt = pr.tensor_parallel_ms or 0.0, pr.data_parallel_ms or 0.0, pr.optimizer_ms or 0.0
-    text = (f"{pr.iteration_ms:.6g} ms per iteration = compute {pr.compute_ms:.6g} + bubble {pr.bubble_ms:.6g}"
-            + (f" + overhead {pr.overhead_ms:.6g}" if pr.overhead_ms else "")
-            + f" + pipeline transfers {pr.transfer_ms:.6g}")
-    if plan.parallelism is not None:
-        text += (f" + tensor-parallel {tp:.6g} + data-parallel sync {dp:.6g} + optimizer {opt:.6g}")
-    text += " ms"
-    if pr.tokens_per_second_per_gpu is not None:
-        text += f"; {pr.tokens_per_second_per_gpu:.4g} tokens/s per GPU"
-    if pr.model_flops_utilization is not None:
-        text += f", MFU {100 * pr.model_flops_utilization:.3g}%"
-    return text
 
 
 def _zero_fix(config, profile, settings, counts, cluster, cost: ClusterCost, mode: str, sha: str):
@@ -145,8 +119,6 @@ def diagnose_on_cluster(result, profile, settings: PlanSettings, positions, *, m
         The profile has no entries at the config's tensor-parallel degree, or the degrees do not
         fit the cluster (t above the GPUs per node).
     """
-    from pipeplan.doctor.diagnose import gap_findings, split_setting, time_findings
-
     config = result.config
     d = config.data_degree
     if d is None:
@@ -210,8 +182,6 @@ def diagnose_on_cluster(result, profile, settings: PlanSettings, positions, *, m
 
 def _layout_gap_findings(result, global_batch: int) -> list:
     """The best plan over every d x t x p of the same GPUs, where it beats the config's degrees."""
-    from pipeplan.doctor.diagnose import GAP_WARNING
-
     best_any, config = result.best_any, result.config
     if best_any is None:
         return []
@@ -226,7 +196,6 @@ def _layout_gap_findings(result, global_batch: int) -> list:
     speedup = mine.predicted.iteration_ms / best_any.predicted.iteration_ms
     if speedup <= 1 + 1e-3:
         return []
-    from pipeplan.cluster import PRESETS
 
     name = best_any.settings.cluster.name
     settings_text = {

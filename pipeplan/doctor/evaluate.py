@@ -14,6 +14,9 @@ from collections.abc import Callable
 
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.plan import Plan, PlanSettings
+from pipeplan.plan.given import plan_split
+from pipeplan.facts.schedules import valid_virtual_stages
+from pipeplan.plan import candidate_microbatch_sizes, make_plan
 
 __all__ = ["cost_split", "best_plan"]
 
@@ -43,8 +46,6 @@ def cost_split(profile, settings: PlanSettings, stage_layers: list[list[int]], *
         The micro-batch size was not profiled, the schedule refuses the numbers, or a stage's
         layers are not consecutive in the profile.
     """
-    from pipeplan.api import plan_split
-
     start = 0
     for s, positions in enumerate(stage_layers):
         if list(positions) != list(range(start, start + len(positions))):
@@ -86,8 +87,6 @@ def best_plan(profile, settings: PlanSettings, schedules: tuple[str, ...], *,
     One planner call per (schedule, micro-batch size, recompute): the planner is exact for a
     fixed schedule, so the best of these calls is the best plan the launcher can run.
     """
-    from pipeplan.plan import candidate_microbatch_sizes, make_plan, valid_virtual_stages
-
     best, notes = None, []
     p = settings.stages
     try:

@@ -19,6 +19,10 @@ from pipeplan.doctor.config import LauncherConfig
 from pipeplan.errors import BadInputError
 from pipeplan.export.common import compact_json
 from pipeplan.formats.plan import Plan
+from pipeplan.export.megatron import megatron_layout
+from pipeplan.export.common import TORCH_SCHEDULE_NAME
+from pipeplan.export.torchtitan import torchtitan_module_names
+from pipeplan.export.deepspeed import export_deepspeed
 
 __all__ = ["fix_config", "edit_flag", "edit_toml_key"]
 
@@ -231,8 +235,6 @@ def _recompute_mode(plan: Plan) -> str:
 
 
 def _megatron(config: LauncherConfig, text: str, plan: Plan, profile) -> str:
-    from pipeplan.export.megatron import megatron_layout
-
     layout, _, _ = megatron_layout(plan, profile)
     anchors = ("--pipeline-model-parallel-size", "--tensor-model-parallel-size", "--num-layers")
     for flag in _MEGATRON_REMOVED:
@@ -258,9 +260,6 @@ def _megatron(config: LauncherConfig, text: str, plan: Plan, profile) -> str:
 
 
 def _torchtitan(config: LauncherConfig, text: str, plan: Plan, profile) -> str:
-    from pipeplan.export.common import TORCH_SCHEDULE_NAME
-    from pipeplan.export.torchtitan import torchtitan_module_names
-
     names = torchtitan_module_names(profile)
     stages = sorted(plan.stages, key=lambda s: s.index)
     parts = [[names[n] for n in s.layers if names.get(n)] for s in stages]
@@ -292,8 +291,6 @@ def _json_set(text: str, key: str, value: int, after: str) -> str:
 
 
 def _deepspeed(config: LauncherConfig, text: str, plan: Plan, output: str) -> dict[str, str]:
-    from pipeplan.export.deepspeed import export_deepspeed
-
     data = json.loads(text)
     wanted = dict(data)
     wanted["train_micro_batch_size_per_gpu"] = plan.microbatch_size

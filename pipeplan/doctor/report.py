@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
-from pipeplan.doctor.diagnose import Diagnosis
+from pipeplan.doctor.findings import Diagnosis, parts_text
 from pipeplan.quantities import format_bytes
+from pipeplan.formats.io import write_text_atomic
 
 __all__ = ["render", "write_junit", "as_dict"]
 
@@ -40,8 +41,6 @@ def _summary(result: Diagnosis) -> list[str]:
              f"{c.num_microbatches if c.num_microbatches is not None else '?'} micro-batches of {c.microbatch_size} "
              f"per replica, recompute {c.recompute}"]
     if result.plan is not None and result.plan.parallelism is not None:
-        from pipeplan.doctor.diagnose_cluster import parts_text
-
         par, plan = result.plan.parallelism, result.plan
         lines.append(f"on {plan.settings.cluster.name}: {par.num_gpus} GPUs as d={par.data} x t={par.tensor} x "
                      f"p={par.pipeline}, ZeRO {par.zero_stage}" + (", sequence parallel" if par.sequence_parallel else "")
@@ -171,8 +170,6 @@ def render(result: Diagnosis, output_format: str = "table") -> str:
 
 def write_junit(result: Diagnosis, path: str | Path) -> None:
     """One test case per finding; errors fail, the rest pass (warnings as system-out)."""
-    from pipeplan.formats.io import write_text_atomic
-
     findings = _findings(result)
     name = quoteattr(f"pipeplan doctor {result.config.path}")
     failures = sum(f.severity == "error" for f in findings)

@@ -16,6 +16,7 @@ from pipeplan.export.megatron import export_megatron
 from pipeplan.export.torch_pipelining import export_torch
 from pipeplan.export.torchtitan import export_torchtitan, schedule_csv
 from pipeplan.formats.plan import Plan
+from pipeplan.formats.io import file_sha256, load_plan, load_profile, write_text_atomic
 
 __all__ = ["FORMATS", "NEEDS_PROFILE", "export_plan", "run_export"]
 
@@ -125,8 +126,6 @@ def run_export(
     BadInputError
         Bad files, a missing or mismatched profile, or extra files without ``output``.
     """
-    from pipeplan.formats.io import file_sha256, load_plan, load_profile, write_text_atomic
-
     plan = load_plan(plan_path)
     if format not in FORMATS:
         raise BadInputError(f"--format: {format!r} is not one of {', '.join(FORMATS)}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import Plan, PlanStage
-from pipeplan.plan.schedules import SCHEDULE_INFO, SCHEDULES
+from pipeplan.facts.schedules import SCHEDULE_INFO, SCHEDULES
 
 __all__ = [
     "TORCH_SCHEDULE_NAME",
@@ -210,6 +210,17 @@ _TIED_ADVICE = {
 }
 _UNTIED_MEGATRON = ("the profile's embedding and output head do not share weights: pass "
                     "--untie-embeddings-and-output-weights (Megatron-LM ties them by default)")
+#: Megatron-LM's multi-token prediction shares the main model's embedding and output layer itself.
+_MTP_MEGATRON = ("a multi-token prediction depth shares it with the main model: Megatron-LM with "
+                 "--mtp-num-layers builds the embedding on the MTP's stage too and all-reduces its gradient "
+                 "over the embedding group itself (megatron.core.distributed.finalize_model_grads)")
+
+
+def _embedding_head_tie(layers, kind_of) -> bool:
+    """Whether a tie is the token table shared by the embedding and the head (or of layers whose
+    roles the profile does not say: taken to be that, as before roles were recorded)."""
+    kinds = {kind_of.get(name) for name in layers}
+    return None in kinds or {"embedding", "head"} <= kinds
 
 
 def _ties(profile) -> list[tuple[str, list[str]]]:
@@ -230,7 +241,8 @@ def tied_weight_notes(plan: Plan, profile, launcher: str) -> list[str]:
     A weight all of whose layers sit in one stage needs nothing; one whose stages share a rank
     needs its copies' gradients summed there; otherwise across the ranks named. Megatron-LM also
     gets told to untie a model whose profile has an embedding and a head but no tie (it ties by
-    default). No profile, no notes (the plan does not record ties).
+    default), a tie that is not the embedding's with the head (a multi-token prediction depth's)
+    is left to Megatron-LM's MTP. No profile, no notes (the plan does not record ties).
 
     >>> from types import SimpleNamespace as NS
     >>> plan = NS(stages=[NS(index=0, rank=0, layers=["emb", "h0"]), NS(index=1, rank=1, layers=["h1", "head"])])
@@ -241,18 +253,22 @@ def tied_weight_notes(plan: Plan, profile, launcher: str) -> list[str]:
     if profile is None:
         return []
     ties = _ties(profile)
-    if not ties:
-        kinds = {layer.kind for layer in profile.layers}
-        return [_UNTIED_MEGATRON] if launcher == "megatron" and {"embedding", "head"} <= kinds else []
+    kind_of = {layer.name: layer.kind for layer in profile.layers}
     notes = []
+    if launcher == "megatron" and {"embedding", "head"} <= set(kind_of.values()) \
+            and not any(_embedding_head_tie(layers, kind_of) for _, layers in ties):
+        notes.append(_UNTIED_MEGATRON)
     for name, layers in ties:
         held = [stage for stage in plan.stages if set(stage.layers) & set(layers)]
         if len(held) < 2:
             continue
         ranks = sorted({stage.rank for stage in held})
         stages = ", ".join(str(s.index) for s in held)
+        advice = _TIED_ADVICE[launcher]
+        if launcher == "megatron" and not _embedding_head_tie(layers, kind_of):
+            advice = _MTP_MEGATRON
         if len(ranks) > 1:
-            what = f"stages {stages} on ranks {', '.join(map(str, ranks))}; {_TIED_ADVICE[launcher]}"
+            what = f"stages {stages} on ranks {', '.join(map(str, ranks))}; {advice}"
         else:
             what = (f"stages {stages}, all on rank {ranks[0]}: sum the copies' gradients there after each "
                     f"backward, before the optimizer (as pipeplan run does)")

@@ -14,6 +14,8 @@ step ends): :func:`unsharded_extra_bytes` says how much more such a launcher hol
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from pipeplan.errors import BadInputError
@@ -117,8 +119,9 @@ class Recompute:
 def recompute_of(plan: Plan) -> Recompute:
     """The plan's recomputation, folded into one launcher-wide setting.
 
-    ``full`` wins over ``selective`` (it holds less). A cluster plan made with ``--recompute
-    selective`` records it in its settings (the cluster search bakes it into the costs).
+    ``full`` wins over ``selective`` (it holds less). Read off the stages: a cluster plan whose
+    search chose selective recomputation marks every stage so (older cluster plan files made with
+    ``--recompute selective`` said it only in their settings).
 
     Examples
     --------
@@ -132,6 +135,7 @@ def recompute_of(plan: Plan) -> Recompute:
     full = [s.index for s in stages if s.recompute and s.recompute_granularity != "selective"]
     selective = [s.index for s in stages if s.recompute and s.recompute_granularity == "selective"]
     if plan.parallelism is not None and plan.settings.recompute == "selective" and not full:
+        # Cluster plan files from before the stages said so (the search baked it into the costs).
         selective = [s.index for s in stages]
     if full:
         return Recompute("full", tuple(sorted(full + selective)), len(full) != len(stages))
@@ -176,16 +180,12 @@ def unsharded_extra_bytes(plan: Plan, *, gradients: bool, weights: bool) -> int:
 
 
 def _cap_bytes(plan: Plan) -> int | None:
-    if plan.settings.memory_cap_bytes is not None:
-        return plan.settings.memory_cap_bytes
-    if plan.settings.cluster is not None:
-        from pipeplan.cluster import memory_cap_bytes
-
-        try:
-            return memory_cap_bytes(plan.settings.cluster)
-        except BadInputError:
-            return None
-    return None
+    """The plan's cap per GPU (its request's rule, :meth:`PlanSettings.cap_bytes`); None if none is known."""
+    try:
+        cap = plan.settings.cap_bytes()
+    except BadInputError:  # a cluster GPU the table does not know, with no cap given
+        return None
+    return None if math.isinf(cap) else cap
 
 
 def check_fits(plan: Plan, extra_bytes: int, launcher: str, why: str, fix: str) -> str | None:

@@ -28,7 +28,7 @@ from pipeplan.errors import BadInputError
 from pipeplan.export.common import check_profile_matches, header_lines, pipeline_shape, tied_weight_notes
 from pipeplan.export.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
 from pipeplan.formats.plan import Plan
-from pipeplan.plan.schedules import megatron_interleaved_refusal as interleaved_refusal
+from pipeplan.facts.schedules import megatron_interleaved_refusal as interleaved_refusal
 
 __all__ = ["export_megatron", "megatron_layout", "expand_layout", "interleaved_refusal"]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pipeplan.export.common import compact_json, TORCH_SCHEDULE_NAME, header_lines, pipeline_shape, tied_weight_notes
 from pipeplan.export.degrees import degree_line, degrees_of
 from pipeplan.formats.plan import Plan
+from pipeplan.facts.schedules import TORCH_SCHEDULE_CLASS
 
 __all__ = ["export_torch"]
 
@@ -39,8 +40,6 @@ def export_torch(plan: Plan, profile=None) -> str:
     Layer names are used as module FQNs: true for profiles made by ``pipeplan profile`` from a
     torch model. O(L).
     """
-    from pipeplan.plan.schedules import TORCH_SCHEDULE_CLASS
-
     shape = pipeline_shape(plan)
     degrees = degrees_of(plan)
     notes = header_lines(plan, "torch") + [degree_line(degrees)]

@@ -24,6 +24,8 @@ from pipeplan.errors import BadInputError
 from pipeplan.export.common import TORCH_SCHEDULE_NAME, header_lines, pipeline_shape, tied_weight_notes
 from pipeplan.export.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
 from pipeplan.formats.plan import Plan
+from pipeplan.plan.actions import rank_actions
+from pipeplan.facts.schedules import SCHEDULES
 
 __all__ = ["export_torchtitan", "schedule_csv", "torchtitan_module_names", "TORCHTITAN_NAME"]
 
@@ -103,9 +105,6 @@ def schedule_csv(plan: Plan) -> str:
     The order is :func:`pipeplan.plan.actions.rank_actions`, the one the simulator predicted;
     ``_PipelineScheduleRuntime._load_csv(path, format="compute_only")`` reads it. O(p m v).
     """
-    from pipeplan.plan.actions import rank_actions
-    from pipeplan.plan.schedules import SCHEDULES
-
     if plan.schedule not in SCHEDULES:
         raise BadInputError(
             f"plan: schedule {plan.schedule!r} has no action list in pipeplan; "

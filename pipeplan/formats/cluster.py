@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pipeplan.errors import BadInputError
+from pipeplan.errors import BadInputError, format_validation_error
+from pipeplan.facts.gpus import GPUS
+from pipeplan.quantities import parse_bandwidth, parse_bytes
 
 __all__ = ["Link", "ClusterSpec", "load_cluster_file", "cluster_from_dict"]
 
@@ -49,7 +51,6 @@ def _parse_quantities(data: Any, fields: dict[str, tuple[str, str]]) -> Any:
     """
     if not isinstance(data, dict):
         return data
-    from pipeplan.quantities import parse_bandwidth, parse_bytes
 
     out = dict(data)
     for short, (long, kind) in fields.items():
@@ -125,13 +126,33 @@ class ClusterSpec(_Strict):
         return _parse_quantities(data, {"memory_cap": ("memory_cap_bytes", "bytes"),
                                         "reserve": ("reserve_bytes", "bytes")})
 
+    def cap_bytes(self) -> int:
+        """The memory cap per GPU: the spec's, else its GPU model's (the GPU table, ``pipeplan gpus``).
+
+        Raises
+        ------
+        BadInputError
+            If neither is known: the file must give ``memory_cap``.
+        """
+        if self.memory_cap_bytes is not None:
+            return self.memory_cap_bytes
+        if self.gpu in GPUS:
+            return GPUS[self.gpu].memory_bytes
+        raise BadInputError(
+            f"cluster {self.name!r}: gpu: {self.gpu!r} is not in the GPU table (pipeplan gpus); give memory_cap "
+            f"(known GPUs: {', '.join(GPUS)})")
+
     def node_of(self, gpu: int) -> int:
         """The node that global rank ``gpu`` lies on (ranks fill nodes in order)."""
         return gpu // self.gpus_per_node
 
 
-def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
+def cluster_from_dict(data: dict, where: str = "cluster", bases: Optional[Mapping[str, ClusterSpec]] = None) -> ClusterSpec:
     """Build a spec from a parsed TOML table, resolving ``base = "<preset>"`` first.
+
+    ``bases`` are the specs a ``base`` may name (the cluster presets,
+    :data:`pipeplan.cluster.presets.PRESETS`, which this layer does not import); without them
+    a ``base`` is refused.
 
     Raises
     ------
@@ -146,16 +167,13 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
     >>> spec.intra_node.bandwidth_bytes_per_s, spec.memory_cap_bytes
     (32000000000.0, 24000000000)
     """
-    from pipeplan.formats.io import format_validation_error
-
     data = dict(data)
     base_name = data.pop("base", None)
     if base_name is not None:
-        from pipeplan.cluster.presets import PRESETS
-
-        if base_name not in PRESETS:
-            raise BadInputError(f"{where}: base: {base_name!r} is not a preset; one of {', '.join(PRESETS)}")
-        merged = PRESETS[base_name].model_dump(exclude_none=True)
+        bases = bases or {}
+        if base_name not in bases:
+            raise BadInputError(f"{where}: base: {base_name!r} is not a preset; one of {', '.join(bases)}")
+        merged = bases[base_name].model_dump(exclude_none=True)
         for key, value in data.items():
             if key in ("intra_node", "inter_node") and isinstance(value, dict):
                 link = {k: v for k, v in merged[key].items() if not (k == "bandwidth_bytes_per_s" and "bandwidth" in value)}
@@ -173,8 +191,8 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
         raise BadInputError(format_validation_error(where, exc)) from None
 
 
-def load_cluster_file(path: str | Path) -> ClusterSpec:
-    """Read and check a cluster TOML file.
+def load_cluster_file(path: str | Path, bases: Optional[Mapping[str, ClusterSpec]] = None) -> ClusterSpec:
+    """Read and check a cluster TOML file (``bases``: as :func:`cluster_from_dict`'s).
 
     Raises
     ------
@@ -192,4 +210,4 @@ def load_cluster_file(path: str | Path) -> ClusterSpec:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise BadInputError(f"{path}: not valid TOML: {exc}") from None
-    return cluster_from_dict(data, str(path))
+    return cluster_from_dict(data, str(path), bases)

@@ -11,13 +11,15 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from pipeplan.errors import BadInputError
+from pipeplan.errors import BadInputError, format_validation_error
 from pipeplan.formats.limits import MAX_NESTING
+from pipeplan.formats.profile import Profile, SCHEMA_VERSIONS
+from pipeplan.formats.plan import PLAN_SCHEMA_VERSIONS, Plan
+from pipeplan.formats.report import RunReport
 
 __all__ = [
     "dump_model",
     "file_sha256",
-    "format_validation_error",
     "load_json",
     "load_plan",
     "load_profile",
@@ -29,32 +31,6 @@ __all__ = [
 ]
 
 M = TypeVar("M", bound=BaseModel)
-
-
-def _location(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out or "(top level)"
-
-
-def format_validation_error(path: str | Path, error: ValidationError) -> str:
-    """One line: ``file: field: problem``, the first problem, and how many others there are."""
-    items = error.errors()
-    if not items:
-        return f"{path}: {error}"
-    item = items[0]
-    loc = _location(tuple(item["loc"]))
-    message = item["msg"].removeprefix("Value error, ")
-    if item["type"] == "missing":
-        message = "missing field"
-    line = f"{path}: {message}" if not item["loc"] else f"{path}: {loc}: {message}"
-    if len(items) > 1:
-        line += f" (and {len(items) - 1} more problem{'s' if len(items) > 2 else ''})"
-    return line
 
 
 def _nesting(data: Any) -> int:
@@ -137,22 +113,16 @@ def load_profile(path: str | Path):
     BadInputError
         If the file is missing, not JSON, or breaks a rule of the format.
     """
-    from pipeplan.formats.profile import SCHEMA_VERSIONS, Profile
-
     return _load(path, Profile, "a profile", SCHEMA_VERSIONS)
 
 
 def load_plan(path: str | Path):
     """Read and check a plan file."""
-    from pipeplan.formats.plan import PLAN_SCHEMA_VERSIONS, Plan
-
     return _load(path, Plan, "a plan", PLAN_SCHEMA_VERSIONS)
 
 
 def load_report(path: str | Path):
     """Read and check a run report (``pipeplan run --report``)."""
-    from pipeplan.formats.report import RunReport
-
     return _load(path, RunReport, "a run report")
 
 

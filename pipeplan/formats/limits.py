@@ -41,6 +41,7 @@ import unicodedata
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, Field
+from pipeplan.errors import BadInputError
 
 __all__ = [
     "MAX_MS",
@@ -178,8 +179,6 @@ def check_microbatch_count(global_batch: int, sizes: list[int], microbatch_size:
     ...
     pipeplan.errors.BadInputError: --global-batch: 1000000000000 makes 1000000000000 micro-batches of 1 sample; pipeplan plans at most 4096 micro-batches per iteration: give a smaller --global-batch or a larger --microbatch-size
     """
-    from pipeplan.errors import BadInputError
-
     if not isinstance(global_batch, int) or global_batch <= 0:
         return
     fitting = [microbatch_size] if microbatch_size else [b for b in sizes if global_batch % b == 0]

@@ -13,6 +13,7 @@ version 1 and its bytes; version 1 files read unchanged.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
@@ -21,8 +22,8 @@ from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.formats.limits import (MAX_MICROBATCHES, Bandwidth, Count, FiniteFloat, Ms, Name, PlanBytes,
                                      PlanMs, PositiveBytes, PositiveCount, Rate, Text)
 # Schedule names, one per torch.distributed.pipelining class; the records (torch class,
-# stages per rank, placement) are pipeplan.plan.schedules.SCHEDULE_INFO.
-from pipeplan.plan.schedules import SCHEDULES
+# stages per rank, placement) are pipeplan.facts.schedules.SCHEDULE_INFO.
+from pipeplan.facts.schedules import SCHEDULES
 
 __all__ = [
     "SCHEDULES",
@@ -75,6 +76,19 @@ DEFAULT_GLOBAL_BATCH_PER_MICROBATCH = 8
 
 #: Plan versions this pipeplan reads.
 PLAN_SCHEMA_VERSIONS = (1, 2)
+
+
+def effective_cap_bytes(memory_cap_bytes: Optional[int], cluster: Optional[ClusterSpec]) -> float:
+    """A request's per-GPU cap: the given one, else the cluster's, else ``inf`` (no cap).
+
+    Examples
+    --------
+    >>> effective_cap_bytes(None, None), effective_cap_bytes(4 * 2**30, None) / 2**30
+    (inf, 4.0)
+    """
+    if memory_cap_bytes is not None:
+        return memory_cap_bytes
+    return math.inf if cluster is None else cluster.cap_bytes()
 
 
 class _Strict(BaseModel):
@@ -167,6 +181,17 @@ class PlanSettings(_Strict):
         description="Share of the data-parallel sync hidden behind compute; null: 0 (all exposed).")
     search_stages: Optional[bool] = Field(
         default=None, description="True in a cluster plan whose pipeline degree was searched (stages is the choice).")
+
+    def cap_bytes(self) -> float:
+        """The per-GPU cap the request means: ``memory_cap_bytes``, else the cluster's (its spec or
+        its GPU model's memory), else none (``inf``). The one place this rule is written.
+
+        Raises
+        ------
+        BadInputError
+            A cluster whose GPU the table does not know and that gives no cap.
+        """
+        return effective_cap_bytes(self.memory_cap_bytes, self.cluster)
 
     @model_validator(mode="after")
     def _stages_given(self) -> "PlanSettings":

@@ -19,13 +19,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeplan.formats.limits import Bytes, Ms, Name, OptionalRatio, PositiveCount, Text
 
-__all__ = ["Device", "LayerCost", "Layer", "Profile", "TiedWeight", "NonNegativeMs", "LAYER_KINDS", "DTYPES",
-           "SCHEMA_VERSIONS", "V2_COST_FIELDS", "TP_COLLECTIVES"]
+__all__ = ["Device", "LayerCost", "Layer", "Profile", "TiedWeight", "Experts", "ParameterCounts", "NonNegativeMs",
+           "LAYER_KINDS", "DTYPES", "SCHEMA_VERSIONS", "V2_COST_FIELDS", "TP_COLLECTIVES"]
 
 
 # Finite ranges (pipeplan.formats.limits): 0..1e9 ms, 0..2**53 bytes, no booleans or strings.
 NonNegativeMs = Ms
 NonNegativeBytes = Bytes
+#: A model's parameter count: hundreds of billions, beyond the formats' Count (10^9); the range
+#: of bytes (0..2^53) fits any model whose bytes do.
+ParameterCount = Bytes
 
 #: Training dtypes a profile may name (bytes per element: 8, 4, 2 or 1).
 DTYPES = ("fp64", "float64", "fp32", "float32", "tf32", "bf16", "bfloat16", "fp16", "float16")
@@ -126,9 +129,20 @@ class LayerCost(_Strict):
         description="Extra forward time per micro-batch of recomputing the attention core "
         "under selective recomputation.",
     )
+    expert_param_bytes: Optional[NonNegativeBytes] = Field(
+        default=None,
+        description="Of param_bytes at this degree, one rank's bytes of the routed experts (a "
+        "mixture-of-experts layer). Absent at degree 1 (the layer's expert_param_bytes).",
+    )
 
     @model_validator(mode="after")
     def _backward_split_whole(self) -> "LayerCost":
+        if self.expert_param_bytes is not None and self.param_bytes is not None \
+                and self.expert_param_bytes > self.param_bytes:
+            raise ValueError(
+                f"expert_param_bytes: {self.expert_param_bytes} exceeds param_bytes {self.param_bytes} "
+                f"(the experts' bytes are part of the rank's parameter bytes)"
+            )
         if (self.backward_input_ms is None) != (self.backward_weight_ms is None):
             raise ValueError(
                 "give both backward_input_ms and backward_weight_ms, or neither"
@@ -156,7 +170,8 @@ _NEEDED_ABOVE_DEGREE_1 = ("param_bytes", "tensor_parallel_collective", "tensor_p
 #: Cost fields that need schema_version 2.
 V2_COST_FIELDS = tuple(
     name for name in LayerCost.model_fields
-    if name.startswith(("tensor_parallel", "selective_")) or name in ("param_bytes", "sequence_parallel")
+    if name.startswith(("tensor_parallel", "selective_")) or name in ("param_bytes", "sequence_parallel",
+                                                                       "expert_param_bytes")
 )
 
 
@@ -173,9 +188,21 @@ class Layer(_Strict):
         default=None, description="The layer's role, for launchers that name layers by role."
     )
     description: Optional[Text] = Field(default=None, description="Free text, e.g. the module's repr.")
+    expert_param_bytes: Optional[NonNegativeBytes] = Field(
+        default=None,
+        description="Of param_bytes, the routed experts' bytes (all of the profile's "
+        "experts.num_experts experts of this layer; one expert: this / num_experts). The rest, "
+        "param_bytes - expert_param_bytes, is the layer's dense part (attention, norms, router, "
+        "shared experts). Absent: no routed experts.",
+    )
 
     @model_validator(mode="after")
     def _one_cost_per_size(self) -> "Layer":
+        if self.expert_param_bytes is not None and self.expert_param_bytes > self.param_bytes:
+            raise ValueError(
+                f"expert_param_bytes: {self.expert_param_bytes} exceeds param_bytes {self.param_bytes} "
+                f"(the experts' bytes are part of the layer's parameter bytes)"
+            )
         keys = [(c.microbatch_size, c.degree) for c in self.costs]
         if len(set(keys)) != len(keys):
             if all(c.tensor_parallel is None for c in self.costs):
@@ -185,6 +212,11 @@ class Layer(_Strict):
                 f"costs: (micro-batch size, tensor_parallel) pairs repeat: {repeated}; give one entry per pair"
             )
         for index, cost in enumerate(self.costs):
+            if cost.degree == 1 and cost.expert_param_bytes is not None:
+                raise ValueError(
+                    f"costs[{index}].expert_param_bytes: give it at tensor_parallel 1 as the layer's "
+                    f"expert_param_bytes, not in the entry"
+                )
             if cost.degree == 1 and cost.param_bytes is not None and cost.param_bytes != self.param_bytes:
                 raise ValueError(
                     f"costs[{index}].param_bytes: {cost.param_bytes} at tensor_parallel 1 differs from the "
@@ -232,6 +264,40 @@ class TiedWeight(_Strict):
     )
 
 
+class Experts(_Strict):
+    """The mixture of experts a model's routed layers share (those with expert_param_bytes)."""
+
+    num_experts: PositiveCount = Field(
+        description="Routed experts per MoE layer: what expert parallelism divides (it must divide this).")
+    experts_per_token: PositiveCount = Field(description="Top-k: routed experts each token is sent to.")
+    expert_intermediate_size: PositiveCount = Field(description="Inner (hidden) width of one routed expert.")
+    shared_expert_intermediate_size: Optional[PositiveCount] = Field(
+        default=None,
+        description="Inner width of the shared-expert MLP every token also passes through "
+        "(DeepSeek-V3: n_shared_experts x expert width); absent: none.")
+
+    @model_validator(mode="after")
+    def _top_k(self) -> "Experts":
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token: {self.experts_per_token} exceeds num_experts {self.num_experts}")
+        return self
+
+
+class ParameterCounts(_Strict):
+    """The model's parameters, in elements (not bytes)."""
+
+    total: ParameterCount = Field(description="Every parameter of the layers, each tied weight once.")
+    active: ParameterCount = Field(
+        description="Parameters one token passes through: total less the routed experts it is not "
+        "sent to (equal to total for a dense model).")
+
+    @model_validator(mode="after")
+    def _active_le_total(self) -> "ParameterCounts":
+        if self.active > self.total:
+            raise ValueError(f"active: {self.active} exceeds total {self.total}")
+        return self
+
+
 class Profile(_Strict):
     """A whole model's profile; layers in a topological order."""
 
@@ -257,6 +323,11 @@ class Profile(_Strict):
         default=None,
         description="Parameters shared by several layers; absent means none.",
     )
+    parameters: Optional[ParameterCounts] = Field(
+        default=None, description="Total and active parameter counts (analytic profiles write them).")
+    experts: Optional[Experts] = Field(
+        default=None,
+        description="The mixture of experts of the layers that give expert_param_bytes; absent: a dense model.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Profile":
@@ -315,6 +386,7 @@ class Profile(_Strict):
                     f"edges[{index}]: [{src!r}, {dst!r}] goes backwards in the layer list "
                     f"({kind}); list layers in a topological order"
                 )
+        self._check_experts()
         for index, tie in enumerate(self.tied_weights or ()):
             for layer in tie.layers:
                 if layer not in seen:
@@ -327,6 +399,23 @@ class Profile(_Strict):
                     f"needs some time to plan (a layer with no cost can share a stage with one that has)"
                 )
         return self
+
+    def _check_experts(self) -> None:
+        """Expert bytes need the experts' shape, and split evenly over the experts (as expert
+        parallelism divides them)."""
+        for index, layer in enumerate(self.layers):
+            if not layer.expert_param_bytes:
+                continue
+            if self.experts is None:
+                raise ValueError(
+                    f"layers[{index}].expert_param_bytes: needs the profile's experts (num_experts, "
+                    f"experts_per_token, expert_intermediate_size)"
+                )
+            if layer.expert_param_bytes % self.experts.num_experts:
+                raise ValueError(
+                    f"layers[{index}].expert_param_bytes: {layer.expert_param_bytes} is not a multiple "
+                    f"of experts.num_experts {self.experts.num_experts} (each expert holds the same bytes)"
+                )
 
     @property
     def microbatch_sizes(self) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeplan.formats.limits import Count, Name, OptionalRatio, PlanMs, PositiveCount, Text
-from pipeplan.plan.schedules import SCHEDULES
+from pipeplan.facts.schedules import SCHEDULES
 
 __all__ = ["REPORT_SCHEMA", "RankReport", "MeasuredTimes", "RunReport"]
 

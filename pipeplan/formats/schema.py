@@ -5,16 +5,15 @@ from __future__ import annotations
 import json
 
 from pipeplan.errors import BadInputError
+from pipeplan.formats.plan import Plan
+from pipeplan.formats.profile import Profile
+from pipeplan.formats.report import RunReport
 
 __all__ = ["json_schema_text"]
 
 
 def json_schema_text(kind: str) -> str:
     """The JSON Schema of ``profile``, ``plan`` or ``report`` (a run report) as stable, indented text."""
-    from pipeplan.formats.plan import Plan
-    from pipeplan.formats.profile import Profile
-    from pipeplan.formats.report import RunReport
-
     models = {"profile": Profile, "plan": Plan, "report": RunReport}
     if kind not in models:
         raise BadInputError(f"schema: {kind!r} is not one of profile, plan, report")

@@ -3,81 +3,67 @@
 The data flow, one module per step (docs/architecture.md)::
 
     graph -> costmodel -> problem -> chain / ideals / ilp / orders -> solve
-          -> schedules + actions + memory -> simulate -> search (+ candidates, explain, bound)
+          -> actions + memory -> simulate -> search (+ candidates, explain, bound, ranks)
           -> assemble -> Plan
 
-The names below are the stable surface other packages import (lazily: importing
-``pipeplan.plan`` loads nothing until a name is used). The simulator's function is
-``pipeplan.plan.simulate.simulate`` (``pipeplan.plan.simulate`` is its module).
+The schedules' facts (names, torch classes, the rules on stages per rank) are
+:mod:`pipeplan.facts.schedules`'. The names below are the stable surface other packages
+import. The simulator's function is ``pipeplan.plan.simulate.simulate``
+(``pipeplan.plan.simulate`` is its module).
 """
 
 from __future__ import annotations
 
-import importlib
+from pipeplan.plan.graph import LayerGraph, build_layer_graph
+from pipeplan.plan.costmodel import (CostModel, LayerSums, RECOMPUTE_MODES, StageBreakdown, StageMemory, StageTime, layer_sums)
+from pipeplan.plan.problem import (Partition, PartitionProblem, build_problem, evaluate_split, split_fits, stage_breakdowns, stage_costs)
+from pipeplan.plan.chain import partition_chain
+from pipeplan.plan.ideals import partition_ideals
+from pipeplan.plan.ilp import partition_ilp
+from pipeplan.plan.orders import partition_along_orders
+from pipeplan.plan.solve import solve_partition
+from pipeplan.plan.actions import Action, rank_actions
+from pipeplan.plan.memory import rank_peak_bytes, stage_in_flight
+from pipeplan.plan.simulate import Simulation, StageCost
+from pipeplan.plan.bound import Incumbent, PrunedError
+from pipeplan.plan.search import candidate_microbatch_sizes, make_plan, with_profile_defaults
+from pipeplan.plan.assemble import plan_from_partition, plan_given_split, plan_simulation, plan_stage_costs
 
-#: Public name -> the module that defines it.
-_EXPORTS = {
-    # the search and plan files
-    "make_plan": "search",
-    "with_profile_defaults": "search",
-    "candidate_microbatch_sizes": "search",
-    "plan_from_partition": "assemble",
-    "plan_given_split": "assemble",
-    "plan_simulation": "assemble",
-    "plan_stage_costs": "assemble",
-    "Incumbent": "bound",
-    "PrunedError": "bound",
-    # the cost model
-    "CostModel": "costmodel",
-    "LayerSums": "costmodel",
-    "StageBreakdown": "costmodel",
-    "StageTime": "costmodel",
-    "StageMemory": "costmodel",
-    "RECOMPUTE_MODES": "costmodel",
-    "layer_sums": "costmodel",
-    "static_bytes_per_param_byte": "costmodel",
-    # problems and solvers
-    "PartitionProblem": "problem",
-    "Partition": "problem",
-    "build_problem": "problem",
-    "evaluate_split": "problem",
-    "split_fits": "problem",
-    "stage_breakdowns": "problem",
-    "stage_costs": "problem",
-    "solve_partition": "solve",
-    "partition_chain": "chain",
-    "partition_ideals": "ideals",
-    "partition_ilp": "ilp",
-    "partition_along_orders": "orders",
-    # schedules, memory and the simulator
-    "SCHEDULES": "schedules",
-    "SCHEDULE_INFO": "schedules",
-    "ScheduleInfo": "schedules",
-    "schedule_info": "schedules",
-    "check_schedule": "schedules",
-    "stage_ranks": "schedules",
-    "valid_virtual_stages": "schedules",
-    "Action": "actions",
-    "rank_actions": "actions",
-    "stage_in_flight": "memory",
-    "rank_peak_bytes": "memory",
-    "StageCost": "simulate",
-    "Simulation": "simulate",
-    # the LayerGraph
-    "LayerGraph": "graph",
-    "build_layer_graph": "graph",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'pipeplan.plan' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"pipeplan.plan.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__all__ = [
+    "Action",
+    "CostModel",
+    "Incumbent",
+    "LayerGraph",
+    "LayerSums",
+    "Partition",
+    "PartitionProblem",
+    "PrunedError",
+    "RECOMPUTE_MODES",
+    "Simulation",
+    "StageBreakdown",
+    "StageCost",
+    "StageMemory",
+    "StageTime",
+    "build_layer_graph",
+    "build_problem",
+    "candidate_microbatch_sizes",
+    "evaluate_split",
+    "layer_sums",
+    "make_plan",
+    "partition_along_orders",
+    "partition_chain",
+    "partition_ideals",
+    "partition_ilp",
+    "plan_from_partition",
+    "plan_given_split",
+    "plan_simulation",
+    "plan_stage_costs",
+    "rank_actions",
+    "rank_peak_bytes",
+    "solve_partition",
+    "split_fits",
+    "stage_breakdowns",
+    "stage_costs",
+    "stage_in_flight",
+    "with_profile_defaults",
+]

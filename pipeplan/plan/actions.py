@@ -1,7 +1,7 @@
 """Per-rank action orders: the compute actions each torch schedule class runs, in order.
 
 :func:`rank_actions` gives, per rank, the ordered compute actions that the class of
-:data:`pipeplan.plan.schedules.SCHEDULE_INFO` *executes* in torch 2.13, computed here in pure
+:data:`pipeplan.facts.schedules.SCHEDULE_INFO` *executes* in torch 2.13, computed here in pure
 Python so that planning needs no torch. ``tests/test_schedules_torch.py`` checks the orders
 against the classes' own action lists for many ``(ranks, micro-batches, virtual stages)``.
 
@@ -20,7 +20,7 @@ from functools import lru_cache
 from typing import Literal, NamedTuple
 
 from pipeplan.errors import BadInputError
-from pipeplan.plan.schedules import check_schedule, num_rounds
+from pipeplan.facts.schedules import check_schedule, num_rounds
 
 __all__ = ["ACTION_KINDS", "Action", "rank_actions", "cached_rank_actions"]
 
@@ -84,7 +84,7 @@ def rank_actions(
     Parameters
     ----------
     schedule : str
-        One of :data:`pipeplan.plan.schedules.SCHEDULES`.
+        One of :data:`pipeplan.facts.schedules.SCHEDULES`.
     num_ranks, num_microbatches, virtual_stages : int
         ``p``, ``m`` and ``v``; checked with :func:`check_schedule`.
 

@@ -12,17 +12,20 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from pipeplan.errors import BadInputError
-from pipeplan.formats.plan import Plan, PlanProfileRef, PlanStage, Predicted, RankSummary, SolverInfo
+from pipeplan.facts.training_state import StateMemory, state_memory, training_state
+from pipeplan.formats.plan import Plan, PlanProfileRef, PlanSettings, PlanStage, Predicted, RankSummary, SolverInfo
 from pipeplan.plan.costmodel import CostModel
 from pipeplan.plan.memory import stage_in_flight
 from pipeplan.plan.problem import Partition, PartitionProblem, build_problem, evaluate_split, stage_breakdowns
-from pipeplan.plan.schedules import check_schedule
+from pipeplan.facts.schedules import check_schedule
 from pipeplan.plan.simulate import Simulation, StageCost, simulate
 from pipeplan.quantities import format_bytes
 
-__all__ = ["plan_from_partition", "plan_given_split", "plan_stage_costs", "plan_simulation"]
+__all__ = ["plan_from_partition", "plan_given_split", "plan_stage_costs", "plan_simulation", "plan_effective_settings",
+           "plan_recompute_modes", "plan_cost_model", "stage_state_memory"]
 
 
 def plan_from_partition(profile, settings, problem: PartitionProblem, partition: Partition, *, schedule: str,
@@ -170,6 +173,42 @@ def plan_given_split(profile, settings, graph, stages, *, schedule: str, virtual
     return plan_from_partition(profile, settings, problem, partition, schedule=schedule, virtual_stages=v,
                                microbatch_size=microbatch_size, num_microbatches=m,
                                profile_sha256=profile_sha256, notes=notes, simulation=sim)
+
+
+def plan_effective_settings(plan: Plan) -> PlanSettings:
+    """The plan's settings with the degrees it chose: a cluster plan records the request (a ZeRO
+    stage or ``d`` left to the search is null there) and its choice in ``parallelism``."""
+    par = plan.parallelism
+    if par is None:
+        return plan.settings
+    return plan.settings.model_copy(update={"zero_stage": par.zero_stage, "data_parallel": par.data})
+
+
+def plan_recompute_modes(plan: Plan) -> tuple[str, ...]:
+    """Each stage's recompute mode (:data:`pipeplan.plan.costmodel.RECOMPUTE_MODES`), in stage order."""
+    return tuple(("selective" if s.recompute_granularity == "selective" else "full") if s.recompute else "none"
+                 for s in sorted(plan.stages, key=lambda s: s.index))
+
+
+def plan_cost_model(plan: Plan, dtype_bytes: int, graph=None, *,
+                    bandwidth_bytes_per_s: Optional[float] = None) -> CostModel:
+    """The cost model of a plan: the one every consumer of a plan costs its stages with (the run
+    report's replay, ``check``, ``doctor``, the exports), from the plan's settings and the degrees
+    it chose (:func:`plan_effective_settings`); ``bandwidth_bytes_per_s`` replaces the plan's (a
+    measured link)."""
+    settings = plan_effective_settings(plan)
+    if bandwidth_bytes_per_s is not None:
+        settings = settings.model_copy(update={"bandwidth_bytes_per_s": bandwidth_bytes_per_s})
+    return CostModel.from_settings(settings, dtype_bytes, graph)
+
+
+def stage_state_memory(plan: Plan, stage: PlanStage, dtype_bytes: int) -> StateMemory:
+    """A stage's training state by part (weights, gradients, optimizer state) under the plan's
+    optimizer, ZeRO stage and data-parallel degree: what the cost model's static term counts,
+    split as ZeRO shards it (:func:`pipeplan.facts.training_state.state_memory`)."""
+    settings = plan_effective_settings(plan)
+    return state_memory(stage.param_bytes / dtype_bytes, training_state(settings.optimizer, dtype_bytes),
+                        settings.zero_stage or 0, settings.data_parallel or 1)
 
 
 def plan_stage_costs(plan: Plan) -> list[StageCost]:

@@ -12,6 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from pipeplan.plan.problem import Partition, PartitionProblem, evaluate_split
+from pipeplan.errors import BadInputError, InfeasibleError
+from pipeplan.plan.assemble import plan_given_split
+from pipeplan.plan.graph import build_layer_graph
+from pipeplan.plan.search import candidate_microbatch_sizes, make_plan, with_profile_defaults
 
 __all__ = ["BASELINES", "split_uniform", "split_by_weight", "split_greedy", "baseline_partition", "compare_baselines"]
 
@@ -119,11 +123,6 @@ def compare_baselines(profile, settings, profile_sha256: str):
     BadInputError
         Another schedule.
     """
-    from pipeplan.errors import BadInputError, InfeasibleError
-    from pipeplan.plan.assemble import plan_given_split
-    from pipeplan.plan.graph import build_layer_graph
-    from pipeplan.plan.search import candidate_microbatch_sizes, make_plan, with_profile_defaults
-
     schedule = "1f1b" if settings.schedule == "auto" else settings.schedule
     if schedule not in ("1f1b", "gpipe"):
         raise BadInputError(f"--schedule: compare takes gpipe or 1f1b (the schedules the baselines use), not {schedule!r}")

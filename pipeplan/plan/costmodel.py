@@ -57,13 +57,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-from pipeplan.cluster.memory import state_bytes_per_param_byte
+from pipeplan.facts.training_state import state_bytes_per_param_byte
 from pipeplan.plan.graph import LAYER_ARRAYS
+from pipeplan.plan.simulate import StageCost
 
 __all__ = [
     "RECOMPUTE_MODES",
-    "BYTES_PER_PARAMETER",
-    "static_bytes_per_param_byte",
     "recompute_mode",
     "LayerSums",
     "LARGEST",
@@ -84,29 +83,6 @@ __all__ = [
 #: the time (``selective_activation_bytes``, ``selective_recompute_ms``).
 #: ``full``: only its input; the forward runs again before the backward.
 RECOMPUTE_MODES = ("none", "selective", "full")
-
-#: Bytes of training state per parameter. Adam with 16-bit weights: 2 (weights) + 2 (grads)
-#: + 4 (fp32 master) + 4 + 4 (moments) = 16; in fp32 it is 4 + 4 + 4 + 4 = 16 too.
-#: SGD with momentum: 12 either way (16-bit: 2 + 2 + 4 master + 4 momentum).
-BYTES_PER_PARAMETER = {"adam": 16, "sgd": 12}
-# (Each --optimizer's parts, and ZeRO's sharding of them, are pipeplan.cluster.optimizers' and
-# pipeplan.cluster.memory's; this module reads them from there.)
-
-
-def static_bytes_per_param_byte(optimizer: str, dtype_bytes: int) -> float:
-    """Training state per byte of parameters.
-
-    Examples
-    --------
-    >>> static_bytes_per_param_byte("adam", 2)
-    8.0
-    >>> static_bytes_per_param_byte("adam", 4)
-    4.0
-    >>> static_bytes_per_param_byte("none", 2)  # weights and gradients only
-    2.0
-    """
-    return state_bytes_per_param_byte(optimizer, dtype_bytes)
-
 
 def recompute_mode(value: Any) -> str:
     """A stage's recompute mode from a mode name or a bool (True is ``"full"``).
@@ -323,8 +299,6 @@ class StageBreakdown:
         ``recompute_bytes`` with its static bytes. Bytes are rounded up, so the simulated
         peak never undercuts the solvers' model.
         """
-        from pipeplan.plan.simulate import StageCost
-
         t, m = self.time, self.memory
         return StageCost(
             forward_ms=t.forward_ms,
@@ -490,8 +464,6 @@ class CostModel:
         the peak less the in-flight ones. Plans without ``backward_input_ms`` get half the
         (recompute-free) backward as B.
         """
-        from pipeplan.plan.simulate import StageCost
-
         mode = ("selective" if stage.recompute_granularity == "selective" else "full") if stage.recompute else "none"
         # A plan keeps a selective stage's kept bytes, not its recompute time (B includes it).
         # Full recomputation keeps each layer's input (checkpoint_bytes); plans from before it was

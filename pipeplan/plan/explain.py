@@ -17,7 +17,7 @@ from pipeplan.plan.chain import fits_along_order
 from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.memory import stage_in_flight
 from pipeplan.plan.problem import build_problem
-from pipeplan.plan.schedules import PLANNER_SCHEDULES, SCHEDULE_INFO
+from pipeplan.facts.schedules import PLANNER_SCHEDULES, SCHEDULE_INFO
 from pipeplan.plan.simulate import Simulation
 from pipeplan.plan.solve import search_partition
 from pipeplan.quantities import format_bytes
@@ -29,14 +29,10 @@ __all__ = ["explain_choice", "runners_up", "infeasible_message", "smallest_cap_w
 MAX_ALTERNATIVES = 24
 
 
-def _cap(settings) -> float:
-    return math.inf if settings.memory_cap_bytes is None else float(settings.memory_cap_bytes)
-
-
 def explain_choice(best: Candidate, sim: Simulation, candidates, settings, space, graph, profile) -> list[str]:
     """The plan's notes: why this configuration won, why it recomputes, what was assumed."""
     notes = []
-    cap = _cap(settings)
+    cap = float(settings.cap_bytes())
     evaluated = [c for c in candidates if c.status in ("fits", "over")]
     fitting = [c for c in evaluated if c.status == "fits"]
     chosen = (f"{best.schedule}, {best.virtual_stages} stage(s) per rank, micro-batch size "
@@ -206,7 +202,7 @@ def _smallest_fitting_stages(profile, settings, sizes) -> int | None:
 
 def infeasible_message(profile, settings, space, sizes, candidates) -> str:
     """What the InfeasibleError says: what came closest and what would fit."""
-    cap = _cap(settings)
+    cap = float(settings.cap_bytes())
     schedules = sorted({s for s, _ in space}, key=PLANNER_SCHEDULES.index)
     head = (
         f"nothing fits --memory-cap {format_bytes(cap)} with {settings.stages} ranks "

@@ -126,76 +126,126 @@ def partition_ilp(
     """
     import pulp
 
-    g = problem.graph
-    n, k = g.num_layers, problem.num_stages
-    cost = problem.cost
     lo, hi = _stage_windows(problem, upper_bound.bottleneck_ms if upper_bound else None)
     if (lo > hi).any():
         # The bound is tighter than any split allows: it is optimal as it stands.
         return upper_bound
+    model = _Model(problem, lo, hi, upper_bound)
+    crossing = model.boundary_bytes()
+    for s in range(problem.num_stages):
+        model.stage_rows(s, crossing)
+    model.prob += model.bottleneck
 
-    prob = pulp.LpProblem("pipeline_partition", pulp.LpMinimize)
-    ub = upper_bound.bottleneck_ms * (1 + 1e-9) if upper_bound else None
-    bottleneck = prob.add_variable("bottleneck_ms", lowBound=0, upBound=ub)
-    y: dict[tuple[int, int], pulp.LpVariable] = {}
+    failures = []
+    for name, make in _backends(solver, time_limit_seconds):
+        backend = make()
+        if not backend.available():
+            failures.append(f"{name}: not installed")
+            continue
+        try:
+            with _quiet_stdout():
+                model.prob.solve(backend)
+        except (pulp.PulpSolverError, KeyError) as exc:
+            # The backend failed to run, or ended with a status pulp cannot map (KeyError).
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+            break
+        status = pulp.LpStatus[model.prob.status]
+        if status == "Infeasible":
+            raise InfeasibleError("no split into the requested stages fits the memory cap")
+        if status != "Optimal" or model.bottleneck.varValue is None:
+            failures.append(f"{name}: stopped with status {status!r} and no split "
+                            f"(time limit {time_limit_seconds:g} s)")
+            break
+        return model.solution(name, upper_bound)
+    reason = "; ".join(failures) or f"no ILP backend for solver {solver!r}"
+    if upper_bound is None:
+        raise SolverError(f"the ILP solve failed ({reason}); install highspy, or use --solver dp")
+    note = (f"the ILP solve failed ({reason}); kept the best split along the layer orders "
+            f"({upper_bound.method}), not proven optimal")
+    return upper_bound.replace(optimal=False, notes=upper_bound.notes + (note,))
 
-    def Y(v: int, s: int):
+
+class _Model:
+    """The ILP of one partition problem: ``Y(v, s)`` is 1 when layer ``v`` is in stage ``s`` or
+    earlier (a constant outside the layer's stage window), the order and edge rows, the boundary
+    bytes, and per stage the cost model's time and memory rows over the layer shares."""
+
+    def __init__(self, problem: PartitionProblem, lo, hi, upper_bound: Partition | None):
+        import pulp
+
+        self.problem, self.lo, self.hi = problem, lo, hi
+        self.prob = pulp.LpProblem("pipeline_partition", pulp.LpMinimize)
+        ub = upper_bound.bottleneck_ms * (1 + 1e-9) if upper_bound else None
+        self.bottleneck = self.prob.add_variable("bottleneck_ms", lowBound=0, upBound=ub)
+        self.y: dict = {}
+        g = problem.graph
+        for v in range(g.num_layers):
+            for s in range(lo[v], hi[v] - 1):
+                self.add(self.Y(v, s) <= self.Y(v, s + 1))
+        for u, v in g.graph.edges():
+            for s in range(min(lo[v], lo[u]), max(hi[u], hi[v])):
+                a, b = self.Y(v, s), self.Y(u, s)
+                if isinstance(a, int) and isinstance(b, int):
+                    continue
+                self.add(a <= b)
+
+    def Y(self, v: int, s: int):
         """1 when layer v is in stage s or earlier."""
-        if s < 0 or s < lo[v]:
+        if s < 0 or s < self.lo[v]:
             return 0
-        if s >= hi[v]:
+        if s >= self.hi[v]:
             return 1
         key = (v, s)
-        if key not in y:
-            y[key] = prob.add_variable(f"y_{v}_{s}", cat="Binary")
-        return y[key]
+        if key not in self.y:
+            self.y[key] = self.prob.add_variable(f"y_{v}_{s}", cat="Binary")
+        return self.y[key]
 
-    def add(constraint):
+    def add(self, constraint) -> None:
         if not isinstance(constraint, bool):
-            prob.addConstraint(constraint)
+            self.prob.addConstraint(constraint)
 
-    for v in range(n):
-        for s in range(lo[v], hi[v] - 1):
-            add(Y(v, s) <= Y(v, s + 1))
-    for u, v in g.graph.edges():
-        for s in range(min(lo[v], lo[u]), max(hi[u], hi[v])):
-            a, b = Y(v, s), Y(u, s)
-            if isinstance(a, int) and isinstance(b, int):
-                continue
-            add(a <= b)
+    def boundary_bytes(self) -> list:
+        """Per boundary, the bytes crossing it: z[u, s] >= y[u, s] - y[v, s] for each consumer v of u."""
+        import pulp
 
-    # Boundary bytes: z[u, s] >= y[u, s] - y[v, s] for each consumer v of u.
-    crossing = []
-    for s in range(k - 1):
-        terms = []
-        if cost.needs_boundary_bytes(problem.recompute):
-            for u in range(n):
-                succ = list(g.graph.successors(u))
-                if not succ or g.output_bytes[u] == 0:
-                    continue
-                exprs = [Y(u, s) - Y(v, s) for v in succ]
-                if all(isinstance(e, int) and e <= 0 for e in exprs):
-                    continue
-                z = prob.add_variable(f"z_{u}_{s}", lowBound=0, upBound=1)
-                for e in exprs:
-                    if not (isinstance(e, int) and e <= 0):
-                        add(z >= e)
-                terms.append(float(g.output_bytes[u]) * z)
-        crossing.append(pulp.lpSum(terms))
+        problem, g = self.problem, self.problem.graph
+        crossing = []
+        for s in range(problem.num_stages - 1):
+            terms = []
+            if problem.cost.needs_boundary_bytes(problem.recompute):
+                for u in range(g.num_layers):
+                    succ = list(g.graph.successors(u))
+                    if not succ or g.output_bytes[u] == 0:
+                        continue
+                    exprs = [self.Y(u, s) - self.Y(v, s) for v in succ]
+                    if all(isinstance(e, int) and e <= 0 for e in exprs):
+                        continue
+                    z = self.prob.add_variable(f"z_{u}_{s}", lowBound=0, upBound=1)
+                    for e in exprs:
+                        if not (isinstance(e, int) and e <= 0):
+                            self.add(z >= e)
+                    terms.append(float(g.output_bytes[u]) * z)
+            crossing.append(pulp.lpSum(terms))
+        return crossing
 
-    cap = problem.memory_cap_bytes
-    transfers = cost.ms_per_byte > 0
-    for s in range(k):
-        members = [v for v in range(n) if lo[v] <= s <= hi[v]]
-        share = {v: Y(v, s) - Y(v, s - 1) for v in members}
-        def stage_sum(name, s=s, members=members, share=share):
+    def stage_rows(self, s: int, crossing: list) -> None:
+        """Stage ``s``'s time row (under the bottleneck), its at-least-one-layer row and its
+        memory row, the cost model's own terms over the stage's layer shares."""
+        import pulp
+
+        problem, g, prob = self.problem, self.problem.graph, self.prob
+        cost, k = problem.cost, problem.num_stages
+        members = [v for v in range(g.num_layers) if self.lo[v] <= s <= self.hi[v]]
+        share = {v: self.Y(v, s) - self.Y(v, s - 1) for v in members}
+
+        def stage_sum(name):
             if name == LARGEST:
                 # The stage's largest layer: a variable at least each member's, which the memory
                 # row (its only use, with a positive coefficient) keeps at the maximum.
                 largest = prob.add_variable(f"largest_{s}", lowBound=0)
                 for v in members:
                     if g.activation_bytes[v] > 0:
-                        add(largest >= float(g.activation_bytes[v]) * share[v])
+                        self.add(largest >= float(g.activation_bytes[v]) * share[v])
                 return largest
             if name == TIED:
                 # Per tied weight, a share at least each later user's minus the first's (0 or 1 at
@@ -207,7 +257,7 @@ def partition_ilp(
                         continue
                     copy = prob.add_variable(f"tied_{index}_{s}", lowBound=0, upBound=1)
                     for v in users:
-                        add(copy >= share[v] - share.get(first, 0))
+                        self.add(copy >= share[v] - share.get(first, 0))
                     copies.append(float(size) * copy)
                 return pulp.lpSum(copies)
             return pulp.lpSum(float(getattr(g, name)[v]) * share[v] for v in members)
@@ -216,42 +266,27 @@ def partition_ilp(
         in_bytes = crossing[s - 1] if s > 0 else 0
         out_bytes = crossing[s] if s < k - 1 else 0
         mode = problem.recompute[s]
-        if transfers:
+        if cost.ms_per_byte > 0:
             time = cost.stage_time_ms(sums, in_bytes, out_bytes, mode)
         else:  # no zero-coefficient boundary terms in the rows
             time = cost.load_ms(sums, mode)
-        add(time <= bottleneck)
-        add(pulp.lpSum(share.values()) >= 1)
-        if math.isfinite(cap):
-            add(cost.stage_memory_bytes(sums, in_bytes, problem.in_flight[s], mode) <= cap)
-    prob += bottleneck
+        self.add(time <= self.bottleneck)
+        self.add(pulp.lpSum(share.values()) >= 1)
+        if math.isfinite(problem.memory_cap_bytes):
+            self.add(cost.stage_memory_bytes(sums, in_bytes, problem.in_flight[s], mode) <= problem.memory_cap_bytes)
 
-    failures = []
-    for name, make in _backends(solver, time_limit_seconds):
-        backend = make()
-        if not backend.available():
-            failures.append(f"{name}: not installed")
-            continue
-        try:
-            with _quiet_stdout():
-                prob.solve(backend)
-        except (pulp.PulpSolverError, KeyError) as exc:
-            # The backend failed to run, or ended with a status pulp cannot map (KeyError).
-            failures.append(f"{name}: {type(exc).__name__}: {exc}")
-            break
-        status = pulp.LpStatus[prob.status]
-        if status == "Infeasible":
-            raise InfeasibleError("no split into the requested stages fits the memory cap")
-        if status != "Optimal" or bottleneck.varValue is None:
-            failures.append(f"{name}: stopped with status {status!r} and no split "
-                            f"(time limit {time_limit_seconds:g} s)")
-            break
+    def solution(self, name: str, upper_bound: Partition | None) -> Partition:
+        """The solved split, evaluated by the cost model (the upper bound where it is no worse)."""
+        import pulp
+
+        problem, prob = self.problem, self.prob
+        n, k = problem.graph.num_layers, problem.num_stages
         optimal = prob.sol_status == pulp.LpSolutionOptimal
         bound = _dual_bound(prob)
         stage_of = np.zeros(n, dtype=int)
         for v in range(n):
             for s in range(k):
-                value = Y(v, s)
+                value = self.Y(v, s)
                 value = value if isinstance(value, int) else round(value.varValue or 0.0)
                 if value >= 1:
                     stage_of[v] = s
@@ -263,12 +298,6 @@ def partition_ilp(
             return upper_bound.replace(method=name, optimal=optimal,
                                        lower_bound_ms=upper_bound.bottleneck_ms if optimal else lower)
         return found
-    reason = "; ".join(failures) or f"no ILP backend for solver {solver!r}"
-    if upper_bound is None:
-        raise SolverError(f"the ILP solve failed ({reason}); install highspy, or use --solver dp")
-    note = (f"the ILP solve failed ({reason}); kept the best split along the layer orders "
-            f"({upper_bound.method}), not proven optimal")
-    return upper_bound.replace(optimal=False, notes=upper_bound.notes + (note,))
 
 
 def _backends(solver: str, time_limit_seconds: float):

@@ -9,6 +9,8 @@ docs/cost-model.md.
 from __future__ import annotations
 
 from functools import lru_cache
+from pipeplan.plan.actions import cached_rank_actions
+from pipeplan.facts.schedules import check_schedule, stage_ranks
 
 __all__ = [
     "in_flight_microbatches",
@@ -47,7 +49,7 @@ def stage_in_flight(schedule: str, num_ranks: int, num_microbatches: int, virtua
     Parameters
     ----------
     schedule : str
-        One of :data:`pipeplan.plan.schedules.SCHEDULES`.
+        One of :data:`pipeplan.facts.schedules.SCHEDULES`.
     num_ranks, num_microbatches, virtual_stages : int
         ``p``, ``m`` and ``v``; there are ``p * v`` stages.
 
@@ -72,9 +74,6 @@ def stage_in_flight(schedule: str, num_ranks: int, num_microbatches: int, virtua
     -----
     O(p m v), cached per ``(schedule, p, m, v)``.
     """
-    from pipeplan.plan.actions import cached_rank_actions
-    from pipeplan.plan.schedules import check_schedule
-
     check_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
 
     held = [0] * (num_ranks * virtual_stages)
@@ -98,9 +97,6 @@ def _live_count_rows(schedule: str, p: int, m: int, v: int):
     gives the largest sum (activation bytes are >= 0), so only the maximal ones are kept.
     """
     import numpy as np
-
-    from pipeplan.plan.actions import cached_rank_actions
-    from pipeplan.plan.schedules import stage_ranks
 
     placement = stage_ranks(schedule, p, v)
     out = []

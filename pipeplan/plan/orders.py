@@ -87,97 +87,116 @@ def refine_split(problem: PartitionProblem, partition: Partition, max_moves: int
     bytes and two stages' loads (the cost model's split-independent time, linear in the
     layers) incrementally.
     """
-    g = problem.graph
-    k = problem.num_stages
-    if k < 2:
+    if problem.num_stages < 2:
         return partition
-    n = g.num_layers
-    cost = problem.cost
-    cap = problem.cap_with_tolerance
-    stage_of = np.empty(n, dtype=int)
-    for j, layers in enumerate(partition.stages):
-        stage_of[list(layers)] = j
-    succ = [list(g.graph.successors(v)) for v in range(n)]
-    pred = [list(g.graph.predecessors(v)) for v in range(n)]
-    members = [set(layers) for layers in partition.stages]
-    bnd = list(partition.boundary_bytes)
-
-    def crosses(u, j, where):
-        """Whether u's output crosses boundary j (after stage j) under the assignment ``where``."""
-        return where(u) <= j and any(where(w) > j for w in succ[u])
-
-    def load(j, layers):
-        return cost.load_ms(layer_sums(g, layers), problem.recompute[j])
-
-    def memory(j, layers, in_bytes):
-        return cost.stage_memory_bytes(layer_sums(g, list(layers)), in_bytes, problem.in_flight[j],
-                                       problem.recompute[j])
-
-    loads = [load(j, members[j]) for j in range(k)]
-
-    def time(load_j, b_in, b_out):
-        return load_j + cost.transfer_ms(b_in, b_out)
-
-    def times():
-        return [time(loads[j], bnd[j - 1] if j else 0, bnd[j] if j < k - 1 else 0) for j in range(k)]
-
+    descent = _Descent(problem, partition)
     for _ in range(max_moves):
-        current = times()
-        b = max(range(k), key=lambda j: (current[j], -j))
-        best_move = None
-        for v in sorted(members[b]):
-            if len(members[b]) == 1:
-                break
-            for target in (b - 1, b + 1):
-                if not 0 <= target < k:
-                    continue
-                if target < b and any(stage_of[u] >= b for u in pred[v]):
-                    continue
-                if target > b and any(stage_of[w] <= b for w in succ[v]):
-                    continue
-                edge = min(b, target)  # the boundary between the two stages
-                where = lambda x: target if x == v else stage_of[x]
-                delta = 0.0
-                for u in [v, *pred[v]]:
-                    before = stage_of[u] <= edge and any(stage_of[w] > edge for w in succ[u])
-                    after = crosses(u, edge, where)
-                    delta += (int(after) - int(before)) * g.output_bytes[u]
-                new_bnd = bnd[edge] + delta
-                c_v = load(b, [v])
-                c_t = load(target, [v])
-                lo, hi = (b, target) if b < target else (target, b)
-                new_loads = {b: loads[b] - c_v, target: loads[target] + c_t}
-                t_lo = time(new_loads[lo], bnd[lo - 1] if lo else 0, new_bnd)
-                t_hi = time(new_loads[hi], new_bnd, bnd[hi] if hi < k - 1 else 0)
-                worst = max(t_lo, t_hi)
-                if worst >= current[b] - 1e-12:
-                    continue
-                if cap < float("inf"):
-                    m_b = members[b] - {v}
-                    m_t = members[target] | {v}
-                    sets = {b: m_b, target: m_t}
-                    ok = True
-                    for j in (lo, hi):
-                        in_b = new_bnd if j == hi else (bnd[j - 1] if j else 0)
-                        if memory(j, sets[j], in_b) > cap:
-                            ok = False
-                    if not ok:
-                        continue
-                key = (worst, v, target)
-                if best_move is None or key < best_move[0]:
-                    best_move = (key, v, target, edge, new_bnd, new_loads)
-        if best_move is None:
+        if not descent.step():
             break
-        _, v, target, edge, new_bnd, new_loads = best_move
-        members[stage_of[v]].discard(v)
-        members[target].add(v)
-        for j, value in new_loads.items():
-            loads[j] = value
-        stage_of[v] = target
-        bnd[edge] = new_bnd
-    stages = [tuple(sorted(m)) for m in members]
+    stages = [tuple(sorted(m)) for m in descent.members]
     refined = evaluate_split(problem, stages, method=partition.method, optimal=partition.optimal,
                              lower_bound_ms=partition.lower_bound_ms)
     if refined.bottleneck_ms <= partition.bottleneck_ms and split_fits(problem, refined):
         return refined
     return partition
+
+
+class _Descent:
+    """The state of :func:`refine_split`'s descent: each layer's stage, the stages' members and
+    split-independent loads, the boundaries' bytes; :meth:`step` takes the best single move."""
+
+    def __init__(self, problem: PartitionProblem, partition: Partition):
+        g = self.g = problem.graph
+        self.problem, self.k, self.cost = problem, problem.num_stages, problem.cost
+        self.cap = problem.cap_with_tolerance
+        n = g.num_layers
+        self.stage_of = np.empty(n, dtype=int)
+        for j, layers in enumerate(partition.stages):
+            self.stage_of[list(layers)] = j
+        self.succ = [list(g.graph.successors(v)) for v in range(n)]
+        self.pred = [list(g.graph.predecessors(v)) for v in range(n)]
+        self.members = [set(layers) for layers in partition.stages]
+        self.bnd = list(partition.boundary_bytes)
+        self.loads = [self.load(j, self.members[j]) for j in range(self.k)]
+
+    def crosses(self, u, j, where):
+        """Whether u's output crosses boundary j (after stage j) under the assignment ``where``."""
+        return where(u) <= j and any(where(w) > j for w in self.succ[u])
+
+    def load(self, j, layers):
+        return self.cost.load_ms(layer_sums(self.g, layers), self.problem.recompute[j])
+
+    def memory(self, j, layers, in_bytes):
+        return self.cost.stage_memory_bytes(layer_sums(self.g, list(layers)), in_bytes, self.problem.in_flight[j],
+                                            self.problem.recompute[j])
+
+    def time(self, load_j, b_in, b_out):
+        return load_j + self.cost.transfer_ms(b_in, b_out)
+
+    def times(self):
+        k, bnd = self.k, self.bnd
+        return [self.time(self.loads[j], bnd[j - 1] if j else 0, bnd[j] if j < k - 1 else 0) for j in range(k)]
+
+    def step(self) -> bool:
+        """Take the best move off the slowest stage; False when no move lowers the bottleneck."""
+        current = self.times()
+        b = max(range(self.k), key=lambda j: (current[j], -j))
+        best_move = None
+        for v in sorted(self.members[b]):
+            if len(self.members[b]) == 1:
+                break
+            for target in (b - 1, b + 1):
+                move = self.move(v, b, target, current)
+                if move is not None and (best_move is None or move[0] < best_move[0]):
+                    best_move = move
+        if best_move is None:
+            return False
+        _, v, target, edge, new_bnd, new_loads = best_move
+        self.members[self.stage_of[v]].discard(v)
+        self.members[target].add(v)
+        for j, value in new_loads.items():
+            self.loads[j] = value
+        self.stage_of[v] = target
+        self.bnd[edge] = new_bnd
+        return True
+
+    def move(self, v, b, target, current):
+        """Layer v from stage b to target: (key, v, target, boundary, its bytes, the two loads),
+        or None if the move breaks the order, does not lower the larger time, or goes over the cap."""
+        if not 0 <= target < self.k:
+            return None
+        if target < b and any(self.stage_of[u] >= b for u in self.pred[v]):
+            return None
+        if target > b and any(self.stage_of[w] <= b for w in self.succ[v]):
+            return None
+        edge = min(b, target)  # the boundary between the two stages
+        where = lambda x: target if x == v else self.stage_of[x]
+        delta = 0.0
+        for u in [v, *self.pred[v]]:
+            before = self.stage_of[u] <= edge and any(self.stage_of[w] > edge for w in self.succ[u])
+            after = self.crosses(u, edge, where)
+            delta += (int(after) - int(before)) * self.g.output_bytes[u]
+        new_bnd = self.bnd[edge] + delta
+        c_v = self.load(b, [v])
+        c_t = self.load(target, [v])
+        lo, hi = (b, target) if b < target else (target, b)
+        new_loads = {b: self.loads[b] - c_v, target: self.loads[target] + c_t}
+        t_lo = self.time(new_loads[lo], self.bnd[lo - 1] if lo else 0, new_bnd)
+        t_hi = self.time(new_loads[hi], new_bnd, self.bnd[hi] if hi < self.k - 1 else 0)
+        worst = max(t_lo, t_hi)
+        if worst >= current[b] - 1e-12:
+            return None
+        if self.cap < float("inf"):
+            m_b = self.members[b] - {v}
+            m_t = self.members[target] | {v}
+            sets = {b: m_b, target: m_t}
+            ok = True
+            for j in (lo, hi):
+                in_b = new_bnd if j == hi else (self.bnd[j - 1] if j else 0)
+                if self.memory(j, sets[j], in_b) > self.cap:
+                    ok = False
+            if not ok:
+                return None
+        return (worst, v, target), v, target, edge, new_bnd, new_loads
+
+

@@ -19,6 +19,7 @@ import numpy as np
 from pipeplan.errors import BadInputError
 from pipeplan.plan.costmodel import CostModel, StageBreakdown, layer_sums, recompute_mode
 from pipeplan.plan.graph import LayerGraph
+from pipeplan.plan.memo import memoised
 
 __all__ = [
     "CAP_TOLERANCE",
@@ -118,7 +119,7 @@ def build_problem(profile, graph: LayerGraph, settings, in_flight, recompute=(),
     """The problem of splitting ``graph`` under ``settings`` (a PlanSettings) for one schedule's
     in-flight counts; ``memory_cap_bytes`` overrides the settings' cap."""
     if memory_cap_bytes is None:
-        memory_cap_bytes = math.inf if settings.memory_cap_bytes is None else float(settings.memory_cap_bytes)
+        memory_cap_bytes = settings.cap_bytes()
     return PartitionProblem(
         graph=graph,
         num_stages=len(in_flight),
@@ -219,8 +220,6 @@ def stage_breakdowns(problem: PartitionProblem, partition: Partition) -> list[St
 def stage_costs(problem: PartitionProblem, partition: Partition) -> list:
     """The simulator's :class:`~pipeplan.plan.simulate.StageCost` of each stage of a split
     (remembered inside :func:`pipeplan.plan.memo.planning_cache`)."""
-    from pipeplan.plan.memo import memoised
-
     key = (id(problem.graph), problem.in_flight, problem.recompute, problem.cost, partition.stages,
            partition.boundary_bytes)
     costs = memoised("stage_costs", key, (problem.graph,), lambda: tuple(
@@ -238,8 +237,6 @@ def stage_cost_at(problem: PartitionProblem, j: int, layers, in_bytes: float, ou
     simulator's :class:`~pipeplan.plan.simulate.StageCost` (the same stage, in-flight count and
     mode recur in many splits of one search, so it is remembered inside
     :func:`pipeplan.plan.memo.planning_cache`)."""
-    from pipeplan.plan.memo import memoised
-
     k = problem.num_stages
     layers = tuple(layers)
     key = (id(problem.graph), problem.cost, layers, in_bytes, out_bytes, problem.in_flight[j],

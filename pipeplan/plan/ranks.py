@@ -29,7 +29,7 @@ from pipeplan.plan.costmodel import prefix_sums
 from pipeplan.plan.memo import memoised
 from pipeplan.plan.memory import rank_peak_bytes
 from pipeplan.plan.problem import Partition, PartitionProblem, evaluate_split, stage_cost_at, stage_costs, stage_fits
-from pipeplan.plan.schedules import stage_ranks
+from pipeplan.facts.schedules import stage_ranks
 from pipeplan.plan.simulate import StageCost, simulate
 
 __all__ = [
@@ -150,7 +150,7 @@ def balance_ranks(problem: PartitionProblem, partition: Partition, placement) ->
         A split whose stages are runs of the layer order (the search's splits are); any other
         (a DAG split from the exact solvers) gives None.
     placement : sequence of int
-        The rank of each stage (:func:`pipeplan.plan.schedules.stage_ranks`).
+        The rank of each stage (:func:`pipeplan.facts.schedules.stage_ranks`).
 
     Returns
     -------

@@ -26,6 +26,7 @@ No torch needed.
 from __future__ import annotations
 
 from typing import Any, Optional
+from pipeplan.errors import BadInputError
 
 __all__ = ["ACTION_OVERHEAD_MS", "default_action_overhead_ms", "default_overhead_note", "runnable_problem",
            "refuse_unrunnable", "execution_order_note"]
@@ -133,8 +134,6 @@ def refuse_unrunnable(profile: Any) -> None:
     BadInputError
         With :func:`runnable_problem`'s reason.
     """
-    from pipeplan.errors import BadInputError
-
     problem = runnable_problem(profile)
     if problem is not None:
         raise BadInputError(f"profile {profile.model}: {problem}")

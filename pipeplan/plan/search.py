@@ -11,7 +11,7 @@ memory cap is never returned.
 Search
 ------
 - ``--schedule auto`` tries every schedule of :data:`pipeplan.formats.plan.SCHEDULES` with
-  every ``v`` it accepts (:func:`pipeplan.plan.schedules.valid_virtual_stages`) where the
+  every ``v`` it accepts (:func:`pipeplan.facts.schedules.valid_virtual_stages`) where the
   schedule's class accepts ``(p, m, v)``; a named schedule fixes it, ``--virtual-stages``
   fixes ``v``.
 - Micro-batch sizes: every profiled size that divides the global batch (or the fixed one).
@@ -57,11 +57,15 @@ from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.memo import memoised, planning_cache
 from pipeplan.plan.memory import stage_in_flight
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, build_problem, stage_costs
-from pipeplan.plan.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
+from pipeplan.facts.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
                                      stage_ranks, valid_virtual_stages)
 from pipeplan.plan.simulate import simulate
 from pipeplan.plan.solve import search_partition, solve_partition
 from pipeplan.quantities import format_bytes
+from pipeplan.formats.plan import DEFAULT_GLOBAL_BATCH_PER_MICROBATCH
+from pipeplan.plan.runnable import default_overhead_note, execution_order_note, refuse_unrunnable
+from pipeplan.plan.runnable import default_action_overhead_ms
+from pipeplan.progress import task
 
 __all__ = [
     "make_plan",
@@ -73,10 +77,6 @@ __all__ = [
     "rank_end_lower_bounds_ms",
     "rank_peaks",
 ]
-
-
-def _cap(settings: PlanSettings) -> float:
-    return math.inf if settings.memory_cap_bytes is None else float(settings.memory_cap_bytes)
 
 
 def candidate_microbatch_sizes(profile, settings: PlanSettings) -> list[int]:
@@ -172,7 +172,7 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
     in_flight = stage_in_flight(schedule, p, m, v)
     num_stages = len(in_flight)
     none = ("none",) * num_stages
-    cap = _cap(settings)
+    cap = float(settings.cap_bytes())
 
     def solve(recompute):
         problem = build_problem(profile, graph, settings, in_flight, recompute)
@@ -220,7 +220,7 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
 
 def _recompute_ladder(profile, graph, settings, schedule, m, v, in_flight, order, mode, base, solve):
     """The prefixes of ``order`` recomputing with ``mode`` worth simulating (empty if none fits)."""
-    p, num_stages, cap = settings.stages, len(in_flight), _cap(settings)
+    p, num_stages, cap = settings.stages, len(in_flight), float(settings.cap_bytes())
     found: dict[int, Partition | None] = {0: base}
 
     def at(k):
@@ -277,11 +277,11 @@ def evaluate_candidate(profile, graph, settings, cand: Candidate, in_flight, bes
     can beat both it and ``best_ms`` (the best simulated so far), keeping the faster."""
     _evaluate_split(profile, graph, settings, cand, in_flight)
     if cand.virtual_stages > 1 and cand.partition is not None:
-        try_balanced(cand, _cap(settings), settings.stages, best_ms)
+        try_balanced(cand, float(settings.cap_bytes()), settings.stages, best_ms)
 
 
 def _evaluate_split(profile, graph, settings, cand: Candidate, in_flight) -> None:
-    cap = _cap(settings)
+    cap = float(settings.cap_bytes())
     p, v, m = settings.stages, cand.virtual_stages, cand.num_microbatches
     share = 1.0
     for attempt in range(5):
@@ -319,8 +319,6 @@ def with_profile_defaults(profile, settings: PlanSettings) -> PlanSettings:
 
     A plan records the settings after this, so re-planning from a plan file is reproducible.
     """
-    from pipeplan.formats.plan import DEFAULT_GLOBAL_BATCH_PER_MICROBATCH
-
     update = {}
     if settings.global_batch is None:
         update["global_batch"] = DEFAULT_GLOBAL_BATCH_PER_MICROBATCH * max(profile.microbatch_sizes)
@@ -329,8 +327,6 @@ def with_profile_defaults(profile, settings: PlanSettings) -> PlanSettings:
         update["action_overhead_ms"] = max(0.0, float(measured_ms))
     elif settings.action_overhead_ms is None:
         # The measured default for where the profile was measured (pipeplan.plan.runnable).
-        from pipeplan.plan.runnable import default_action_overhead_ms
-
         default = default_action_overhead_ms(profile)
         if default is not None:
             update["action_overhead_ms"] = default[0]
@@ -434,7 +430,6 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
             f"--stages: {settings.stages} stages but the profile has only {n} "
             f"layers; use at most {n}"
         )
-    from pipeplan.plan.runnable import default_overhead_note, execution_order_note, refuse_unrunnable
 
     refuse_unrunnable(profile)
     overhead_note = default_overhead_note(profile, settings)
@@ -443,13 +438,52 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
     settings = with_profile_defaults(profile, settings)
     space = schedule_space(settings, n)
     sizes = candidate_microbatch_sizes(profile, settings)
-    p, cap = settings.stages, _cap(settings)
+    p, cap = settings.stages, float(settings.cap_bytes())
     graphs = {b: memoised("layer_graph", (id(profile), b), (profile,), lambda b=b: build_layer_graph(profile, b))
               for b in sizes}
 
     # A fixed one-stage-per-rank schedule without recomputation is a small search: solve each
     # micro-batch size's split exactly, so its choice is among exact optima.
     exact = len(space) == 1 and space[0][1] == 1 and settings.recompute == "none" and order_note is None
+    candidates, refusals, cut_ms = _candidates(profile, graphs, settings, space, sizes, exact, incumbent)
+    # Refused only if nothing was pruned: a size the incumbent cut might have run.
+    if refusals and not cut_ms and all(c.status == "refused" for c in candidates):
+        raise BadInputError(refusals[0] if len(set(refusals)) == 1 else "; ".join(sorted(set(refusals))))
+
+    best = _simulate_by_bound(profile, graphs, settings, candidates, space, incumbent, cut_ms)
+    if cut_ms:
+        _raise_pruned(best, graphs, p, incumbent, cut_ms)
+    if best is None:
+        def explain() -> str:
+            return infeasible_message(profile, settings, space, sizes, candidates)
+
+        if explain_infeasible:
+            raise InfeasibleError(explain())
+        error = InfeasibleError(f"nothing fits --memory-cap {format_bytes(cap)} with {p} ranks")
+        error.explain = explain
+        raise error
+
+    graph = graphs[best.microbatch_size]
+    partition, simulation, notes = _exact_winner(best, graph, settings, exact, order_note, cap)
+    notes.extend(explain_choice(best, simulation, candidates, settings, space, graph, profile))
+    if partition.method == "rank-balanced":
+        notes.append(balanced_note(best, best.problem, partition, p))
+    if overhead_note is not None:
+        notes.append(overhead_note)
+    alternatives = runners_up(best, simulation, candidates)
+    seconds = time.perf_counter() - started if record_time else 0.0
+    return plan_from_partition(
+        profile, settings, best.problem, partition, schedule=best.schedule, virtual_stages=best.virtual_stages,
+        microbatch_size=best.microbatch_size, num_microbatches=best.num_microbatches,
+        profile_sha256=profile_sha256, seconds=seconds, alternatives=alternatives, notes=notes,
+        simulation=simulation,
+    )
+
+
+def _candidates(profile, graphs, settings: PlanSettings, space, sizes, exact: bool, incumbent):
+    """Every (schedule, v, micro-batch size, recompute set) with its split and busy-rank lower
+    bound; the schedules' refusals; the caller-time bounds of the sizes the incumbent cut."""
+    p = settings.stages
     candidates: list[Candidate] = []
     refusals: list[str] = []
     cut_ms: list[float] = []  # the caller-time bounds of what the incumbent pruned
@@ -485,53 +519,58 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
                 candidates.append(cand)
     for index, cand in enumerate(candidates):
         cand.order = index
-    # Refused only if nothing was pruned: a size the incumbent cut might have run.
-    if refusals and not cut_ms and all(c.status == "refused" for c in candidates):
-        raise BadInputError(refusals[0] if len(set(refusals)) == 1 else "; ".join(sorted(set(refusals))))
+    return candidates, refusals, cut_ms
 
-    # Branch and bound on the busy-rank lower bound: simulate in its order.
+
+def _simulate_by_bound(profile, graphs, settings: PlanSettings, candidates, space, incumbent, cut_ms):
+    """Branch and bound on the busy-rank lower bound: simulate in its order; the fastest that fits."""
+    p = settings.stages
     best: Candidate | None = None
     pending = sorted((c for c in candidates if c.status == "new"),
                      key=lambda c: (c.lower_bound_ms, tie_key(c, space)))
-    for cand in pending:
-        if best is not None and cand.lower_bound_ms > best.iteration_ms:
-            cand.status = "pruned"
-            continue
-        if incumbent is not None:
-            bound = _caller_bound_ms(cand, incumbent, graphs[cand.microbatch_size], p)
-            if above(bound, incumbent):
+    with task(f"pipeline search on {p} ranks: schedule x v x micro-batch x recomputation",
+              total=len(pending)) as shown:
+        for cand in pending:
+            shown.advance(note="" if best is None else f"best {best.iteration_ms:.1f} ms ({best.schedule})")
+            if best is not None and cand.lower_bound_ms > best.iteration_ms:
                 cand.status = "pruned"
-                cut_ms.append(bound)
                 continue
-        evaluate_candidate(profile, graphs[cand.microbatch_size], settings, cand, cand.problem.in_flight,
-                           math.inf if best is None else best.iteration_ms)
-        if cand.status == "fits" and (best is None or (cand.iteration_ms, tie_key(cand, space))
-                                      < (best.iteration_ms, tie_key(best, space))):
-            best = cand
-    if cut_ms:
-        if best is not None:
-            placement = stage_ranks(best.schedule, p, best.virtual_stages)
-            ends = [0.0] * p
-            for event in best.simulation.events:
-                ends[event.rank] = max(ends[event.rank], event.end_ms)
-            own_ms = incumbent.time_ms(ends, _rank_param_bytes(graphs[best.microbatch_size], best.partition,
-                                                               placement, p), best.num_microbatches)
-            if not above(own_ms, incumbent):
-                raise _Undecided()
-            cut_ms.append(own_ms)
-        raise PrunedError(min(cut_ms), incumbent.iteration_ms)
-    if best is None:
-        def explain() -> str:
-            return infeasible_message(profile, settings, space, sizes, candidates)
+            if incumbent is not None:
+                bound = _caller_bound_ms(cand, incumbent, graphs[cand.microbatch_size], p)
+                if above(bound, incumbent):
+                    cand.status = "pruned"
+                    cut_ms.append(bound)
+                    continue
+            evaluate_candidate(profile, graphs[cand.microbatch_size], settings, cand, cand.problem.in_flight,
+                               math.inf if best is None else best.iteration_ms)
+            if cand.status == "fits" and (best is None or (cand.iteration_ms, tie_key(cand, space))
+                                          < (best.iteration_ms, tie_key(best, space))):
+                best = cand
+    return best
 
-        if explain_infeasible:
-            raise InfeasibleError(explain())
-        error = InfeasibleError(f"nothing fits --memory-cap {format_bytes(cap)} with {p} ranks")
-        error.explain = explain
-        raise error
 
-    graph = graphs[best.microbatch_size]
+def _raise_pruned(best, graphs, p: int, incumbent, cut_ms) -> None:
+    """The incumbent cut part of the space: the search is pruned (PrunedError, with the least
+    bound of what was cut and of the best found) unless the best found beats the incumbent,
+    which the cut parts may still have beaten (_Undecided)."""
+    if best is not None:
+        placement = stage_ranks(best.schedule, p, best.virtual_stages)
+        ends = [0.0] * p
+        for event in best.simulation.events:
+            ends[event.rank] = max(ends[event.rank], event.end_ms)
+        own_ms = incumbent.time_ms(ends, _rank_param_bytes(graphs[best.microbatch_size], best.partition,
+                                                           placement, p), best.num_microbatches)
+        if not above(own_ms, incumbent):
+            raise _Undecided()
+        cut_ms.append(own_ms)
+    raise PrunedError(min(cut_ms), incumbent.iteration_ms)
+
+
+def _exact_winner(best, graph, settings: PlanSettings, exact: bool, order_note, cap: float):
+    """The winner's split and simulation, its DAG split solved exactly where the search only
+    split it along a few orders (kept if it fits and simulates no slower); and the notes."""
     partition, simulation, problem = best.partition, best.simulation, best.problem
+    p = settings.stages
     notes = []
     if order_note is not None and not graph.chain:
         notes.append(order_note)
@@ -555,18 +594,4 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
             else:
                 notes.append("the exact split goes over the cap on some rank when simulated; "
                              "kept the best split along the layer orders")
-    notes.extend(explain_choice(best, simulation, candidates, settings, space, graph, profile))
-    if partition.method == "rank-balanced":
-        notes.append(balanced_note(best, problem, partition, p))
-    if overhead_note is not None:
-        notes.append(overhead_note)
-    alternatives = runners_up(best, simulation, candidates)
-    seconds = time.perf_counter() - started if record_time else 0.0
-    return plan_from_partition(
-        profile, settings, problem, partition, schedule=best.schedule, virtual_stages=best.virtual_stages,
-        microbatch_size=best.microbatch_size, num_microbatches=best.num_microbatches,
-        profile_sha256=profile_sha256, seconds=seconds, alternatives=alternatives, notes=notes,
-        simulation=simulation,
-    )
-
-
+    return partition, simulation, notes

@@ -45,7 +45,7 @@ from typing import NamedTuple, Optional, Sequence
 
 from pipeplan.errors import BadInputError
 from pipeplan.plan.actions import cached_rank_actions
-from pipeplan.plan.schedules import check_schedule, stage_ranks
+from pipeplan.facts.schedules import check_schedule, stage_ranks
 
 __all__ = ["StageCost", "Event", "Simulation", "simulate"]
 
@@ -207,7 +207,7 @@ def simulate(
     stage_costs : sequence of StageCost
         One per stage, ``num_ranks * virtual_stages`` of them, in pipeline order.
     schedule : str
-        One of :data:`pipeplan.plan.schedules.SCHEDULES`.
+        One of :data:`pipeplan.facts.schedules.SCHEDULES`.
     num_ranks : int
         Pipeline ranks ``p``.
     num_microbatches : int
@@ -223,7 +223,7 @@ def simulate(
     ------
     BadInputError
         If the schedule refuses ``(p, m, v)`` (see
-        :func:`pipeplan.plan.schedules.check_schedule`) or the number of stage
+        :func:`pipeplan.facts.schedules.check_schedule`) or the number of stage
         costs is not ``p * v``.
 
     Notes

@@ -14,6 +14,8 @@ from pipeplan.plan.chain import partition_chain
 from pipeplan.plan.ideals import IDEALS_DP_MAX_IDEALS, count_ideals, partition_ideals
 from pipeplan.plan.orders import partition_along_orders
 from pipeplan.plan.problem import Partition, PartitionProblem
+from pipeplan.plan.ilp import ILP_AUTO_MAX_BINARIES, count_binaries, partition_ilp
+from pipeplan.plan.memo import memoised
 
 __all__ = ["solve_partition", "search_partition"]
 
@@ -45,8 +47,6 @@ def solve_partition(problem: PartitionProblem, solver: str = "auto") -> Partitio
 
 
 def _solve(problem: PartitionProblem, solver: str) -> Partition:
-    from pipeplan.plan.ilp import ILP_AUTO_MAX_BINARIES, count_binaries, partition_ilp
-
     if problem.graph.chain and solver in ("auto", "dp"):
         return partition_chain(problem)
     if solver == "dp" or (
@@ -71,8 +71,6 @@ def search_partition(problem: PartitionProblem) -> Partition | None:
     exactly), and the search's winner is solved again exactly (:func:`solve_partition`).
     None when nothing fits. Remembered inside :func:`pipeplan.plan.memo.planning_cache`.
     """
-    from pipeplan.plan.memo import memoised
-
     def solve():
         try:
             return partition_chain(problem)

@@ -17,6 +17,7 @@ from rich.text import Text
 
 from pipeplan.errors import BadInputError
 from pipeplan.plan.simulate import Simulation
+from pipeplan.formats.io import write_bytes_atomic
 
 __all__ = ["KIND_COLORS", "render_timeline_text", "write_timeline_image"]
 
@@ -207,7 +208,6 @@ def write_timeline_image(sim: Simulation, path: str | Path) -> None:
             fig.savefig(buffer, format=fmt, metadata=metadata, dpi=120)
         finally:
             plt.close(fig)
-    from pipeplan.formats.io import write_bytes_atomic
 
     write_bytes_atomic(path, buffer.getvalue())
 

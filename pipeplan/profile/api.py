@@ -10,6 +10,9 @@ from typing import Any, Optional, Sequence
 
 from pipeplan.errors import BadInputError
 from pipeplan.formats.profile import Device, Layer, LayerCost, Profile, TiedWeight
+from pipeplan.profile.allocator import keep_freed_memory
+from pipeplan import __version__
+from pipeplan.formats.io import write_json_atomic
 from pipeplan.run.verify import active_dropout
 
 __all__ = ["profile_model", "profile_to_file", "parse_microbatch_sizes", "summary_table",
@@ -193,7 +196,6 @@ def profile_model(
     from pipeplan.profile.capture import capture
     from pipeplan.profile.measure import UnitTimer, WholeModelTimer, timing_rounds
     from pipeplan.profile.memory import is_out_of_memory, parameter_storages
-    from pipeplan.profile.allocator import keep_freed_memory
     from pipeplan.profile.models import torch_dtype_of
     from pipeplan.profile.units import default_units, select_units, trace_units
 
@@ -363,7 +365,7 @@ def profile_model(
                         checks[-1]["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(torch_device))
                 del inputs, target, seen, timers, whole
         assert order is not None and graph is not None
-        from pipeplan.run.stages import check_builders
+        from pipeplan.profile.tracing import check_builders
 
         example, _ = make_microbatch(bundle, sizes[0], seq_len, seed=seed, device=torch_device, dtype=torch_dtype)
         builders = check_builders(model, net, order, graph, example)
@@ -498,8 +500,6 @@ def _factory_uses_seq_len(bundle: Any) -> bool:
 
 
 def _version() -> str:
-    from pipeplan import __version__
-
     return __version__
 
 
@@ -525,8 +525,6 @@ def profile_to_file(model: str, output: str, **kwargs: Any) -> Profile:
     The file appears only once the whole profile is measured: an interrupt (Ctrl-C) or an error
     leaves no partial file, and an existing file stays as it was.
     """
-    from pipeplan.formats.io import write_json_atomic
-
     profile = profile_model(model, **kwargs)
     write_json_atomic(output, profile)
     return profile

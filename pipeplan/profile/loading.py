@@ -15,6 +15,8 @@ from pipeplan.profile.registry import (
     is_user_model,
     load_user_callable,
 )
+from pipeplan.profile.models import builtin_bundle, torch_dtype_of
+from pipeplan.profile.hf import hf_bundle, is_hf_model
 
 __all__ = ["load_bundle", "make_microbatch", "Batch", "call_model", "split_inputs", "output_loss",
            "default_loss", "first_tensor", "accepts_seq_len"]
@@ -97,10 +99,7 @@ def load_bundle(model: str, *, seed: int = 0, device: Any = "cpu", dtype: Any = 
     BadInputError
         Unknown built-in, import failure, a callable that raises or returns the wrong thing.
     """
-    from pipeplan.profile.models import torch_dtype_of, builtin_bundle
-
     torch_dtype = torch_dtype_of(dtype)
-    from pipeplan.profile.hf import hf_bundle, is_hf_model
 
     if is_hf_model(model):
         return hf_bundle(model, seed=seed, device=device, dtype=torch_dtype, **options)
@@ -176,8 +175,6 @@ def make_microbatch(bundle: ModelBundle, microbatch_size: int, seq_len: Optional
     BadInputError
         If the factory raises or returns something that is not tensors.
     """
-    from pipeplan.profile.models import torch_dtype_of
-
     torch_dtype = torch_dtype_of(dtype)
     if bundle.make_batch is not None:
         func = bundle.make_batch

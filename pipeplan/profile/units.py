@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pipeplan.errors import BadInputError
+from pipeplan.profile.loading import load_bundle
 
 __all__ = [
     "UnitGraph",
@@ -436,8 +437,6 @@ def build_stage(model: str, units: Sequence[str], *, seed: int = 0, device: Any 
     >>> stage(torch.zeros(1, 8, 128)).shape
     torch.Size([1, 8, 128])
     """
-    from pipeplan.profile.loading import load_bundle
-
     bundle = load_bundle(model, seed=seed, device=device, dtype=dtype, materialise=list(units), **options)
     names = bundle_units(bundle, unit_patterns)
     try:

@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pipeplan.errors import BadInputError
+from pipeplan.errors import format_validation_error
+from pipeplan.formats.report import RunReport
+from pipeplan.formats.io import file_sha256, load_plan, load_profile, load_report, refuse_overwriting_input, write_json_atomic
 
 __all__ = ["calibrate_profile", "calibrate_files", "calibration_table"]
 
@@ -157,9 +160,6 @@ def calibrate_profile(plan: Any, report: dict[str, Any], profile: Any,
 def _as_report(report: Any) -> Any:
     from pydantic import ValidationError
 
-    from pipeplan.formats.io import format_validation_error
-    from pipeplan.formats.report import RunReport
-
     if isinstance(report, RunReport):
         return report
     if not isinstance(report, dict):
@@ -176,9 +176,6 @@ def calibrate_files(plan_path: str | Path, report_path: str | Path, output: str 
 
     ``profile_path`` defaults to the profile the report names (``pipeplan run --profile``).
     """
-    from pipeplan.formats.io import (file_sha256, load_plan, load_profile, load_report, refuse_overwriting_input,
-                                     write_json_atomic)
-
     plan = load_plan(plan_path)
     report = load_report(report_path)
     if profile_path is None:

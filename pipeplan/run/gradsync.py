@@ -29,6 +29,7 @@ Summation order differs, so fp32 results agree to rounding (about 1e-7 relative)
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
+from pipeplan.cluster.placement import Layout
 
 __all__ = ["ReplicaGroups", "replica_share", "DataParallelGrads", "TiedGrads", "plan_data_parallel"]
 
@@ -68,8 +69,6 @@ class ReplicaGroups:
 
     def __init__(self, data: int, pipeline: int, rank: int, *, timeout: Optional[Any] = None,
                  make_groups: bool = True) -> None:
-        from pipeplan.cluster.placement import Layout
-
         self.data = int(data)
         self.pipeline = int(pipeline)
         self.world_size = self.data * self.pipeline

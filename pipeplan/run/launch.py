@@ -44,6 +44,9 @@ from typing import Any, Optional, Sequence
 from pipeplan.errors import BadInputError, PipeplanError
 from pipeplan.run.supervise import (RunStoppedError, StopOnSignals, failure_message, pump_output, terminate_group,
                                     wait_for_job)
+from pipeplan.facts.schedules import check_schedule
+from pipeplan.run.report import build_report
+from pipeplan.formats.io import file_sha256, load_plan, load_profile, write_text_atomic
 from pipeplan.run.verify import dropout_refusal
 
 __all__ = [
@@ -247,8 +250,6 @@ def check_parallelism(plan: Any, where: str = "plan") -> int:
 
 def _check_plan(plan: Any) -> int:
     """The plan's process count (``d x p``), after checking it can run as written."""
-    from pipeplan.plan.schedules import check_schedule
-
     data = check_parallelism(plan)
     num_ranks = 1 + max(s.rank for s in plan.stages)
     ranks_used = {s.rank for s in plan.stages}
@@ -352,8 +353,6 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
         The launcher got SIGTERM or SIGHUP; torchrun's process group was ended and the temporary
         folder removed first.
     """
-    from pipeplan.run.report import build_report
-
     plans = list(plans)
     if not plans:
         raise BadInputError("run: no plan given")
@@ -478,8 +477,6 @@ def run_plan_file(plan_path: str | Path, *, report_path: Optional[str | Path] = 
 
     Keywords are those of :func:`run_plan`.
     """
-    from pipeplan.formats.io import file_sha256, load_plan, load_profile, write_text_atomic
-
     plan = load_plan(plan_path)
     check_parallelism(plan, str(plan_path))
     profile = None

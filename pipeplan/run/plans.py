@@ -11,12 +11,18 @@ cost model. No torch needed.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import Plan, PlanSettings
+from pipeplan.plan.assemble import plan_cost_model, plan_recompute_modes
+from pipeplan.plan.costmodel import CostModel
+from pipeplan.plan.graph import build_layer_graph
+from pipeplan.plan.problem import PartitionProblem, evaluate_split
+from pipeplan.plan.problem import stage_costs as split_stage_costs
+from pipeplan.plan.simulate import simulate
+from pipeplan.facts.schedules import check_schedule, valid_virtual_stages
 
 __all__ = ["balanced_plan", "simulate_plan", "stage_costs"]
 
@@ -42,7 +48,8 @@ def _positions(profile: Any, graph: Any, stages: Sequence[Sequence[str]]) -> lis
 
 def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: int,
                 optimizer: str = "adam", bandwidth_bytes_per_s: Optional[float] = None,
-                latency_ms: float = 0.0, action_overhead_ms: Optional[float] = None) -> list:
+                latency_ms: float = 0.0, action_overhead_ms: Optional[float] = None, *,
+                recompute: Sequence[str] = (), cost: Any = None) -> list:
     """One :class:`pipeplan.plan.simulate.StageCost` per stage, from the profile's layers, by
     the cost model (:class:`pipeplan.plan.costmodel.CostModel`), as the planner costs them.
 
@@ -53,7 +60,7 @@ def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: 
         Layer names per stage, in pipeline order.
     microbatch_size : int
         A profiled size.
-    optimizer : {'adam', 'sgd', 'none'}
+    optimizer : {'adam', 'adam-fp32-grads', 'sgd', 'none'}
         Sets the static bytes per parameter byte.
     bandwidth_bytes_per_s : float, optional
         Point-to-point bandwidth; None means transfers are free.
@@ -61,22 +68,25 @@ def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: 
         Fixed time per transfer, added to ``bytes / bandwidth``.
     action_overhead_ms : float, optional
         The schedule's own time per action (see :class:`pipeplan.plan.simulate.StageCost`).
+    recompute : sequence of str, optional
+        Each stage's recompute mode; empty: none.
+    cost : CostModel, optional
+        The cost model to use instead of the one the three settings above make (a plan's own:
+        :func:`pipeplan.plan.assemble.plan_cost_model`).
 
     Raises
     ------
     BadInputError
         A layer name the profile does not have.
     """
-    from pipeplan.plan import PartitionProblem, build_layer_graph, evaluate_split
-    from pipeplan.plan.costmodel import CostModel, static_bytes_per_param_byte
-    from pipeplan.plan.problem import stage_costs as split_stage_costs
-
     graph = build_layer_graph(profile, microbatch_size)
     positions = _positions(profile, graph, stages)
-    cost = CostModel(bandwidth_bytes_per_s=math.inf if bandwidth_bytes_per_s is None else float(bandwidth_bytes_per_s),
-                     static_bytes_per_param_byte=static_bytes_per_param_byte(optimizer, profile.dtype_bytes),
-                     action_overhead_ms=float(action_overhead_ms or 0.0))
-    problem = PartitionProblem(graph=graph, num_stages=len(stages), in_flight=(1,) * len(stages), cost=cost)
+    if cost is None:
+        settings = PlanSettings(stages=len(stages), optimizer=optimizer, bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+                                action_overhead_ms=action_overhead_ms)
+        cost = CostModel.from_settings(settings, profile.dtype_bytes, graph)
+    problem = PartitionProblem(graph=graph, num_stages=len(stages), in_flight=(1,) * len(stages),
+                               recompute=tuple(recompute), cost=cost)
     partition = evaluate_split(problem, positions)
     last = len(stages) - 1
     return [replace(c, send_ms=c.send_ms + latency_ms) if j < last else c
@@ -85,7 +95,9 @@ def stage_costs(profile: Any, stages: Sequence[Sequence[str]], microbatch_size: 
 
 def simulate_plan(plan: Plan, profile: Any, *, bandwidth_bytes_per_s: Optional[float] = None,
                   latency_ms: float = 0.0) -> Any:
-    """Simulate ``plan``'s schedule with its stages' costs taken from ``profile``.
+    """Simulate ``plan``'s schedule with its stages' costs taken from ``profile``, by the plan's
+    own cost model (:func:`pipeplan.plan.assemble.plan_cost_model`: its optimizer, ZeRO stage and
+    data-parallel degree) and each stage's recomputation.
 
     Parameters
     ----------
@@ -98,12 +110,11 @@ def simulate_plan(plan: Plan, profile: Any, *, bandwidth_bytes_per_s: Optional[f
     -------
     pipeplan.plan.simulate.Simulation
     """
-    from pipeplan.plan.simulate import simulate
-
     ordered = sorted(plan.stages, key=lambda s: s.index)
-    bandwidth = bandwidth_bytes_per_s if bandwidth_bytes_per_s is not None else plan.settings.bandwidth_bytes_per_s
-    costs = stage_costs(profile, [s.layers for s in ordered], plan.microbatch_size,
-                        plan.settings.optimizer, bandwidth, latency_ms, plan.settings.action_overhead_ms)
+    graph = build_layer_graph(profile, plan.microbatch_size)
+    cost = plan_cost_model(plan, profile.dtype_bytes, graph, bandwidth_bytes_per_s=bandwidth_bytes_per_s)
+    costs = stage_costs(profile, [s.layers for s in ordered], plan.microbatch_size, latency_ms=latency_ms,
+                        recompute=plan_recompute_modes(plan), cost=cost)
     num_ranks = 1 + max(s.rank for s in ordered)
     return simulate(costs, plan.schedule, num_ranks, plan.num_microbatches, plan.virtual_stages)
 
@@ -118,7 +129,7 @@ def balanced_plan(profile: Any, *, schedule: str, ranks: int, microbatch_size: i
     profile : Profile
         Layers in order (a chain).
     schedule : str
-        Any of :data:`pipeplan.plan.schedules.SCHEDULES`.
+        Any of :data:`pipeplan.facts.schedules.SCHEDULES`.
     ranks : int
         Pipeline ranks ``p``.
     microbatch_size, num_microbatches : int
@@ -153,8 +164,6 @@ def balanced_plan(profile: Any, *, schedule: str, ranks: int, microbatch_size: i
     [(0, ['l0']), (1, ['l1']), (1, ['l2']), (0, ['l3'])]
     """
     from pipeplan.plan import PartitionProblem, build_layer_graph, partition_chain, plan_given_split
-    from pipeplan.plan.schedules import check_schedule, valid_virtual_stages
-
     if virtual_stages is None:
         virtual_stages = valid_virtual_stages(schedule)[0]
     check_schedule(schedule, ranks, num_microbatches, virtual_stages)

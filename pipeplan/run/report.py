@@ -76,6 +76,10 @@ import statistics
 from typing import Any, Optional, Sequence
 
 from pipeplan.quantities import format_bytes
+from pipeplan.plan.actions import rank_actions
+from pipeplan.plan import plan_simulation, plan_stage_costs
+from pipeplan.plan.simulate import simulate
+from pipeplan.run.plans import simulate_plan
 
 __all__ = ["build_report", "report_table", "SCHEMA"]
 
@@ -147,98 +151,16 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
     iteration_ms = _median([iteration_steps[i] for i in timed])
 
     predicted_rank = {summary.rank: summary for summary in plan.ranks}
-    from pipeplan.plan.actions import rank_actions
 
     actions_per_rank = [len(actions) for actions in rank_actions(
         plan.schedule, plan.settings.stages, plan.num_microbatches, plan.virtual_stages)]
     stage_by_index = {s.index: s for s in plan.stages}
     simulation = None
     if profile is not None:
-        from pipeplan.run.plans import simulate_plan
-
         simulation = simulate_plan(plan, profile)
 
-    ranks = []
-    for r in results:
-        pipeline_rank = r.get("pipeline_rank", r["rank"])
-        compute = [r["compute_ms"][i] for i in timed]
-        forward = _median([c["forward"] for c in compute])
-        backward = _median([c["backward"] for c in compute])
-        weight = _median([c["weight"] for c in compute])
-        loss = _median([c.get("loss", 0.0) for c in compute])
-        busy = _median([c["forward"] + c["backward"] + c["weight"] + c.get("loss", 0.0) for c in compute])
-        pipeline = _median([r["pipeline_ms"][i] for i in timed])
-        wait = _median([c.get("wait", 0.0) for c in compute]) if compute and "wait" in compute[0] else None
-        post = _median([c.get("post", 0.0) for c in compute]) if compute and "post" in compute[0] else None
-        overhead = None
-        if wait is not None and post is not None:
-            overhead = _median([r["pipeline_ms"][i] - (c["forward"] + c["backward"] + c["weight"] + c.get("loss", 0.0))
-                                - c["wait"] - c["post"] for i, c in zip(timed, compute)])
-        compute_walls = [c["forward"] + c["backward"] + c["weight"] for c in compute]
-        cpu_share = busy_cpu = None
-        if compute and all("cpu" in c for c in compute) and sum(compute_walls) > 0:
-            cpu_share = sum(c["cpu"] for c in compute) / sum(compute_walls)
-            busy_cpu = _median([c["cpu"] for c in compute])
-        summary = predicted_rank.get(pipeline_rank)
-        stages = [stage_by_index[i] for i in r["stages"]]
-        if summary is not None:
-            predicted_busy = summary.busy_ms
-            # Measured idle time holds the schedule's own work too.
-            predicted_idle = summary.idle_ms + (summary.overhead_ms or 0.0)
-            predicted_peak = summary.peak_memory_bytes
-        else:
-            predicted_busy = plan.num_microbatches * sum(s.forward_ms + s.backward_ms for s in stages)
-            predicted_idle = max(0.0, plan.predicted.iteration_ms - predicted_busy)
-            predicted_peak = sum(s.peak_memory_bytes for s in stages)
-        row = {
-            "rank": r["rank"],
-            "pipeline_rank": pipeline_rank,
-            "data_rank": r.get("data_rank", 0),
-            "stages": r["stages"],
-            "layers": [layer for s in stages for layer in s.layers],
-            "step_ms": _r(_median([r["step_ms"][i] for i in timed])),
-            "pipeline_ms": _r(pipeline),
-            "busy_ms": _r(busy),
-            "forward_ms": _r(forward),
-            "backward_ms": _r(backward),
-            "weight_ms": _r(weight),
-            "loss_ms": _r(loss),
-            # Per step, then the median: like the parts below, so that they compare.
-            "idle_ms": _r(_median([r["pipeline_ms"][i] - (c["forward"] + c["backward"] + c["weight"]
-                                                        + c.get("loss", 0.0)) for i, c in zip(timed, compute)])),
-            "predicted_idle_ms": _r(predicted_idle),
-            "wait_ms": _r(wait),
-            "post_ms": _r(post),
-            "overhead_ms": _r(overhead),
-            "actions": actions_per_rank[pipeline_rank] if pipeline_rank < len(actions_per_rank) else None,
-            "predicted_busy_ms": _r(predicted_busy),
-            "predicted_forward_ms": _r(plan.num_microbatches * sum(s.forward_ms for s in stages)),
-            "predicted_backward_ms": _r(plan.num_microbatches * sum(s.backward_ms for s in stages)),
-            "busy_ratio": _ratio(busy, predicted_busy),
-            "peak_memory_bytes": r.get("peak_memory_bytes"),
-            "predicted_peak_memory_bytes": predicted_peak,
-            "memory_ratio": _ratio(r.get("peak_memory_bytes"), predicted_peak),
-            "memory_method": r.get("memory_method"),
-            "optimizer": r.get("optimizer"),
-            "optimizer_state_bytes": r.get("optimizer_state_bytes"),
-            "cpu_share": _r(cpu_share, 3),
-            "busy_cpu_ms": _r(busy_cpu),
-            "busy_cpu_ratio": _ratio(busy_cpu, predicted_busy),
-            "device": r.get("device"),
-            "backend": r.get("backend"),
-            "host": r.get("host"),
-            "threads": r.get("threads"),
-            "pipeline_ms_steps": [_r(x, 3) for x in r["pipeline_ms"]],
-        }
-        if data > 1:
-            row["data_parallel_sync_ms"] = _r(_median([sync(r, i) for i in timed]))
-        if overhead is not None and row["actions"]:
-            row["overhead_per_action_ms"] = _r((post + overhead) / row["actions"])
-        row.update(_alone(r.get("alone") or [], stages))
-        if simulation is not None:
-            row["simulated_busy_ms"] = _r(simulation.rank_busy_ms[pipeline_rank])
-            row["simulated_busy_ratio"] = _ratio(busy, simulation.rank_busy_ms[pipeline_rank])
-        ranks.append(row)
+    ranks = [_rank_row(r, plan, timed, steps, data, simulation, predicted_rank, stage_by_index, actions_per_rank)
+             for r in results]
 
     losses = next((r["losses"] for r in results if r.get("losses") and
                    (len(plan.stages) - 1) in r["stages"]), [])
@@ -254,8 +176,6 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
         predicted["simulated_iteration_ms"] = _r(simulation.iteration_ms)
         predicted["simulated_bubble_fraction"] = _r(simulation.bubble_fraction)
         if link is not None:
-            from pipeplan.run.plans import simulate_plan
-
             # The median latency: a transfer on the critical path also waits for the peer to be
             # woken, which the fastest round trip hides.
             with_link = simulate_plan(plan, profile, bandwidth_bytes_per_s=link["bandwidth_bytes_per_s"],
@@ -294,8 +214,107 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
     if all(row.get("overhead_per_action_ms") is not None for row in ranks):
         report["measured"]["action_overhead_ms"] = _r(
             sum(row["post_ms"] + row["overhead_ms"] for row in ranks) / sum(row["actions"] for row in ranks))
-    from pipeplan.plan import plan_simulation
 
+    _add_ratios(report, plan, ranks, iteration_ms, simulation)
+    _add_notes(report, ranks, results)
+    if profile_path is not None:
+        report["profile_path"] = profile_path
+    return report
+
+
+def _rank_row(r: dict[str, Any], plan: Any, timed: range, steps: int, data: int, simulation: Any,
+              predicted_rank: dict, stage_by_index: dict, actions_per_rank: list) -> dict[str, Any]:
+    """One rank's row of the report: its measured parts (medians over the timed steps) beside
+    the plan's (and the simulator's) prediction for that rank."""
+
+    def sync(i: int) -> float:
+        return (r.get("data_parallel_sync_ms") or [0.0] * steps)[i]
+
+    pipeline_rank = r.get("pipeline_rank", r["rank"])
+    compute = [r["compute_ms"][i] for i in timed]
+    forward = _median([c["forward"] for c in compute])
+    backward = _median([c["backward"] for c in compute])
+    weight = _median([c["weight"] for c in compute])
+    loss = _median([c.get("loss", 0.0) for c in compute])
+    busy = _median([c["forward"] + c["backward"] + c["weight"] + c.get("loss", 0.0) for c in compute])
+    pipeline = _median([r["pipeline_ms"][i] for i in timed])
+    wait = _median([c.get("wait", 0.0) for c in compute]) if compute and "wait" in compute[0] else None
+    post = _median([c.get("post", 0.0) for c in compute]) if compute and "post" in compute[0] else None
+    overhead = None
+    if wait is not None and post is not None:
+        overhead = _median([r["pipeline_ms"][i] - (c["forward"] + c["backward"] + c["weight"] + c.get("loss", 0.0))
+                            - c["wait"] - c["post"] for i, c in zip(timed, compute)])
+    compute_walls = [c["forward"] + c["backward"] + c["weight"] for c in compute]
+    cpu_share = busy_cpu = None
+    if compute and all("cpu" in c for c in compute) and sum(compute_walls) > 0:
+        cpu_share = sum(c["cpu"] for c in compute) / sum(compute_walls)
+        busy_cpu = _median([c["cpu"] for c in compute])
+    summary = predicted_rank.get(pipeline_rank)
+    stages = [stage_by_index[i] for i in r["stages"]]
+    if summary is not None:
+        predicted_busy = summary.busy_ms
+        # Measured idle time holds the schedule's own work too.
+        predicted_idle = summary.idle_ms + (summary.overhead_ms or 0.0)
+        predicted_peak = summary.peak_memory_bytes
+    else:
+        predicted_busy = plan.num_microbatches * sum(s.forward_ms + s.backward_ms for s in stages)
+        predicted_idle = max(0.0, plan.predicted.iteration_ms - predicted_busy)
+        predicted_peak = sum(s.peak_memory_bytes for s in stages)
+    row = {
+        "rank": r["rank"],
+        "pipeline_rank": pipeline_rank,
+        "data_rank": r.get("data_rank", 0),
+        "stages": r["stages"],
+        "layers": [layer for s in stages for layer in s.layers],
+        "step_ms": _r(_median([r["step_ms"][i] for i in timed])),
+        "pipeline_ms": _r(pipeline),
+        "busy_ms": _r(busy),
+        "forward_ms": _r(forward),
+        "backward_ms": _r(backward),
+        "weight_ms": _r(weight),
+        "loss_ms": _r(loss),
+        # Per step, then the median: like the parts below, so that they compare.
+        "idle_ms": _r(_median([r["pipeline_ms"][i] - (c["forward"] + c["backward"] + c["weight"]
+                                                    + c.get("loss", 0.0)) for i, c in zip(timed, compute)])),
+        "predicted_idle_ms": _r(predicted_idle),
+        "wait_ms": _r(wait),
+        "post_ms": _r(post),
+        "overhead_ms": _r(overhead),
+        "actions": actions_per_rank[pipeline_rank] if pipeline_rank < len(actions_per_rank) else None,
+        "predicted_busy_ms": _r(predicted_busy),
+        "predicted_forward_ms": _r(plan.num_microbatches * sum(s.forward_ms for s in stages)),
+        "predicted_backward_ms": _r(plan.num_microbatches * sum(s.backward_ms for s in stages)),
+        "busy_ratio": _ratio(busy, predicted_busy),
+        "peak_memory_bytes": r.get("peak_memory_bytes"),
+        "predicted_peak_memory_bytes": predicted_peak,
+        "memory_ratio": _ratio(r.get("peak_memory_bytes"), predicted_peak),
+        "memory_method": r.get("memory_method"),
+        "optimizer": r.get("optimizer"),
+        "optimizer_state_bytes": r.get("optimizer_state_bytes"),
+        "cpu_share": _r(cpu_share, 3),
+        "busy_cpu_ms": _r(busy_cpu),
+        "busy_cpu_ratio": _ratio(busy_cpu, predicted_busy),
+        "device": r.get("device"),
+        "backend": r.get("backend"),
+        "host": r.get("host"),
+        "threads": r.get("threads"),
+        "pipeline_ms_steps": [_r(x, 3) for x in r["pipeline_ms"]],
+    }
+    if data > 1:
+        row["data_parallel_sync_ms"] = _r(_median([sync(i) for i in timed]))
+    if overhead is not None and row["actions"]:
+        row["overhead_per_action_ms"] = _r((post + overhead) / row["actions"])
+    row.update(_alone(r.get("alone") or [], stages))
+    if simulation is not None:
+        row["simulated_busy_ms"] = _r(simulation.rank_busy_ms[pipeline_rank])
+        row["simulated_busy_ratio"] = _ratio(busy, simulation.rank_busy_ms[pipeline_rank])
+    return row
+
+
+def _add_ratios(report: dict[str, Any], plan: Any, ranks: list, iteration_ms: float, simulation: Any) -> None:
+    """The measured iteration against each prediction (replayed with the ranks' measured compute,
+    adjusted for the machine's drift, simulated from the profile) and where the gap comes from."""
+    predicted = report["predicted"]
     planned_busy_ms = plan_simulation(plan).rank_busy_ms
     if all(row["busy_ms"] is not None and planned_busy_ms[row["pipeline_rank"]] > 0 for row in ranks):
         replayed_ms = _scaled_iteration_ms(
@@ -324,6 +343,11 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             "compute_ms": _r(last["busy_ms"] - last["predicted_busy_ms"]),
             "idle_ms": _r(last["idle_ms"] - last["predicted_idle_ms"]),
         }
+
+
+def _add_notes(report: dict[str, Any], ranks: list, results: Sequence[dict[str, Any]]) -> None:
+    """What a reader must know before reading the ratios: shared cores, the traced builder's
+    whole-model memory, the machine's drift since profiling."""
     shares = [row["cpu_share"] for row in ranks if row.get("cpu_share") is not None]
     if shares and min(shares) < 0.9:
         report["notes"].append(
@@ -351,9 +375,6 @@ def build_report(plan: Any, results: Sequence[dict[str, Any]], *, profile: Any =
             f"measures that drift as much as the cost model (adjusted ratio {report.get('adjusted_ratio')}); "
             f"re-profile, or pipeplan calibrate from this report"
         )
-    if profile_path is not None:
-        report["profile_path"] = profile_path
-    return report
 
 
 def _alone(timings: Sequence[dict[str, Any]], stages: Sequence[Any]) -> dict[str, Any]:
@@ -397,9 +418,6 @@ def _scaled_iteration_ms(plan: Any, factors: dict[int, float]) -> float:
     """The plan's schedule simulated again with each rank's compute times multiplied by its factor."""
     from dataclasses import replace
 
-    from pipeplan.plan import plan_stage_costs
-    from pipeplan.plan.simulate import simulate
-
     rank_of = {s.index: s.rank for s in plan.stages}
     scaled = []
     for index, cost in enumerate(plan_stage_costs(plan)):
@@ -422,8 +440,6 @@ def _x(value: Optional[float]) -> str:
 def report_table(report: dict[str, Any]) -> Any:
     """A rich table: one row per rank, measured beside predicted, then the iteration."""
     from rich.table import Table
-
-    from pipeplan.quantities import format_bytes
 
     measured, predicted = report["measured"], report["predicted"]
     data = report.get("data_parallel") or 1

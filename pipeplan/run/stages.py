@@ -15,7 +15,7 @@ Two stage builders, chosen per model (:func:`stage_builder`):
     stage that first needs it. Used for ``hf:`` models and for user models the ``units``
     builder cannot run. Every rank builds and traces the whole model, then keeps its stages.
 
-Each traced stage is wrapped (``_traced_stage_class``: a module class made once torch is
+Each traced stage is wrapped (``traced_stage_class``: a module class made once torch is
 imported), which routes the values that cross
 stage boundaries: a stage takes every value made before it and used by it or later, and
 returns every value made by it or before and used later (a model input such as ``labels``
@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from pipeplan.errors import BadInputError
+from pipeplan.profile.tracing import Routing, check_builders, traced_split, traced_stage_class
 from pipeplan.run.gradsync import TiedGrads  # re-exported: it lived here before gradsync
+from pipeplan.profile.hf import is_hf_model
 from pipeplan.run.unitstages import as_units_stages
 
 __all__ = [
@@ -69,211 +71,10 @@ class RankStages:
     stage on tensors made from metadata, whose integer values (``labels``) are garbage."""
 
 
-class _Routing:
-    """Which values of the split graph enter and leave each stage."""
-
-    def __init__(self, split_gm: Any) -> None:
-        import torch.fx
-
-        nodes = list(split_gm.graph.nodes)
-        self.placeholders = [n.target for n in nodes if n.op == "placeholder"]
-        calls = [n for n in nodes if n.op == "call_module"]
-        self.submods = [n.target for n in calls]
-        stage_of: dict[str, int] = {n: -1 for n in self.placeholders}
-        self.call_args: list[list[str]] = []
-        self.results: list[list[tuple[str, Optional[int]]]] = []
-        for i, call in enumerate(calls):
-            if call.kwargs:
-                raise BadInputError(f"the traced stage {call.target} takes keyword arguments; cannot route them")
-            self.call_args.append([self._key(a) for a in call.args])
-            getitems = [u for u in call.users if u.op == "call_function" and u.args and u.args[0] is call]
-            if getitems and len(getitems) == len(call.users):
-                self.results.append([(u.name, int(u.args[1])) for u in getitems])
-            else:
-                self.results.append([(call.name, None)])
-            for key, _ in self.results[-1]:
-                stage_of[key] = i
-        output = next(n for n in nodes if n.op == "output")
-        flat = torch.fx.node.map_arg(output.args[0], lambda n: n)
-        self.outputs = [self._key(n) for n in _flatten(flat) if isinstance(n, torch.fx.Node)]
-        last = len(calls) - 1
-        users: dict[str, list[int]] = {}
-        for i, args in enumerate(self.call_args):
-            for key in args:
-                users.setdefault(key, []).append(i)
-        for key in self.outputs:
-            users.setdefault(key, []).append(last + 1)
-        self.inputs: list[list[str]] = []
-        self.live_out: list[list[str]] = []
-        order = {key: n for n, key in enumerate(stage_of)}
-        for i in range(len(calls)):
-            ins = [k for k, s in stage_of.items() if s < i and max(users.get(k, [-1])) >= i]
-            outs = [k for k, s in stage_of.items() if s <= i and max(users.get(k, [-1])) > i]
-            if i == last:
-                outs = list(self.outputs)
-            self.inputs.append(sorted(ins, key=order.get))
-            self.live_out.append(outs if i == last else sorted(outs, key=order.get))
-
-    @staticmethod
-    def _key(node: Any) -> str:
-        return node.name if hasattr(node, "name") else str(node)
-
-
-def _flatten(value: Any) -> list[Any]:
-    if isinstance(value, (tuple, list)):
-        return [x for v in value for x in _flatten(v)]
-    if isinstance(value, dict):
-        return [x for v in value.values() for x in _flatten(v)]
-    return [value]
-
-
-def _as_leaf_if_constant(value: Any) -> Any:
-    """A floating output that needs no gradient (a rotary table, a mask) as a leaf that does.
-
-    ``PipelineStage`` marks every floating tensor it receives as requiring a gradient and sends
-    that gradient back; the sender must then hold an output that takes one.
-    """
-    import torch
-
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and not value.requires_grad \
-            and torch.is_grad_enabled():
-        return value.detach().requires_grad_(True)
-    return value
-
-
-def _traced_stage_class() -> type:
-    import torch
-
-    class _TracedStage(torch.nn.Module):
-        """One submodule of the traced model, with the values that cross its boundaries routed.
-
-        ``forward(*values)`` takes the stage's live-in values (the first stage: the model's
-        inputs, positional or by keyword) and returns its live-out values (the last stage: the
-        model's flattened outputs, a tuple).
-        """
-
-        def __init__(self, submod: Any, routing: _Routing, index: int) -> None:
-            super().__init__()
-            self.submod = submod
-            self.index = index
-            self.first = index == 0
-            self.last = index == len(routing.submods) - 1
-            self.placeholders = list(routing.placeholders)
-            self.input_keys = list(routing.inputs[index])
-            self.call_args = list(routing.call_args[index])
-            self.results = list(routing.results[index])
-            self.output_keys = list(routing.live_out[index])
-
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            if self.first:
-                env = dict(zip(self.placeholders, args))
-                env.update(kwargs)
-                missing = [k for k in self.input_keys if k not in env]
-                if missing:
-                    raise RuntimeError(f"the first stage needs the model inputs {missing}; the batch lacks them")
-            else:
-                if len(args) != len(self.input_keys):
-                    raise RuntimeError(f"stage {self.index} expects {len(self.input_keys)} inputs, got {len(args)}")
-                env = dict(zip(self.input_keys, args))
-            out = self.submod(*(env[k] for k in self.call_args))
-            for key, item in self.results:
-                env[key] = out if item is None else out[item]
-            # A copy of each computed output: torch's split backward detaches a stage's outputs in
-            # place, which a view refuses, and (torch 2.13) fails ("backward through the graph a
-            # second time") when an output also feeds another output inside the stage, as T5's
-            # encoder states feed every decoder block; gloo sends only contiguous tensors (T5's
-            # position bias is a permuted view). The profiler's split timing copies them too.
-            values = tuple(v.clone(memory_format=torch.contiguous_format)
-                           if isinstance(v, torch.Tensor)
-                           and (v.grad_fn is not None or v._is_view() or not v.is_contiguous()) else v
-                           for v in (env[k] for k in self.output_keys))
-            if not self.last:
-                values = tuple(_as_leaf_if_constant(v) for v in values)
-            else:
-                # The schedule concatenates the last stage's outputs over micro-batches; a scalar
-                # (the model's own loss) cannot be concatenated, a 1-element vector can.
-                values = tuple(v.unsqueeze(0).clone() if isinstance(v, torch.Tensor) and v.dim() == 0 else v
-                               for v in values)
-            return values if self.last or len(values) != 1 else values[0]
-
-    return _TracedStage
-
-
-def traced_split(model: Any, example_inputs: Any, stage_first_units: Sequence[str]) -> tuple[Any, _Routing]:
-    """Trace ``model`` on one micro-batch and split it before each of ``stage_first_units``.
-
-    Returns
-    -------
-    (pipe, routing)
-        torch's ``Pipe`` and the values crossing each boundary.
-
-    Raises
-    ------
-    BadInputError
-        When torch cannot trace the model, or the split makes a different number of stages
-        (a split point that is not called at the top of the forward).
-    """
-    from torch.distributed.pipelining import SplitPoint, pipeline
-
-    from pipeplan.profile.loading import split_inputs
-
-    args, kwargs = split_inputs(example_inputs)
-    spec = {name: SplitPoint.BEGINNING for name in stage_first_units}
-    try:
-        pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None, split_spec=spec)
-    except Exception as exc:  # noqa: BLE001 - torch.export's failures on a user's model
-        raise BadInputError(
-            f"torch's tracer (torch.distributed.pipelining.pipeline) cannot split the model at "
-            f"{', '.join(stage_first_units)}: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}"
-        ) from None
-    if pipe.num_stages != len(stage_first_units) + 1:
-        raise BadInputError(
-            f"torch's tracer split the model into {pipe.num_stages} stages, the plan has "
-            f"{len(stage_first_units) + 1}: a stage's first unit ({', '.join(stage_first_units)}) "
-            f"is not a module the forward calls once at the top of its code"
-        )
-    return pipe, _Routing(pipe.split_gm)
-
-
-def check_builders(model_name: str, net: Any, order: Sequence[str], graph: Any, example_inputs: Any) -> dict[str, Any]:
-    """Which stage builders can run this model at any split between its units (profile time).
-
-    ``units`` needs a torch.fx graph with every unit's arguments known; ``traced`` needs
-    torch's tracer to split the model before every unit but the first (every boundary a plan
-    may choose). Recorded in the profile's ``measurement.stage_builders``; ``plan`` refuses a
-    profile where neither works (:func:`pipeplan.plan.runnable.runnable_problem`).
-    """
-    from pipeplan.profile.hf import is_hf_model
-    from pipeplan.profile.measure import exception_line
-
-    units_ok = (":" not in model_name) or (graph.method == "torch.fx"
-                                             and all(graph.args.get(u) is not None for u in order))
-    record: dict[str, Any] = {"units": bool(units_ok and not is_hf_model(model_name))}
-    if record["units"]:
-        record["run_uses"] = "units"
-        return record
-    try:
-        traced_split(net, example_inputs, list(order[1:]))
-        record["traced"] = True
-        record["run_uses"] = "traced"
-    except BadInputError as exc:
-        record["traced"] = False
-        record["traced_error"] = str(exc)
-    except Exception as exc:  # noqa: BLE001 - anything torch raises while tracing
-        record["traced"] = False
-        record["traced_error"] = exception_line(exc)
-    for p in net.parameters():
-        p.grad = None
-    return record
-
-
 def stage_builder(model: str, stage_layers: Sequence[Sequence[str]], *, seed: int = 0, device: Any = "cpu",
                   dtype: str = "fp32", unit_patterns: Optional[Sequence[str]] = None, bundle: Any = None,
                   **options: Any) -> str:
     """``units`` or ``traced``: which builder runs this model split this way (see the module doc)."""
-    from pipeplan.profile.hf import is_hf_model
-
     if is_hf_model(model):
         return "traced"
     if ":" not in model:
@@ -339,7 +140,7 @@ def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_i
     builder = builder or stage_builder(model, stage_layers, seed=seed, device=device, dtype=dtype,
                                        unit_patterns=unit_patterns, **options)
     if builder == "units":
-        from pipeplan.profile import build_stage
+        from pipeplan.profile.units import build_stage
 
         modules = [build_stage(model, stage_layers[i], seed=seed, device=device, dtype=dtype,
                                unit_patterns=unit_patterns, **options) for i in stage_indices]
@@ -367,7 +168,7 @@ def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_i
     alias = {name: canonical for canonical, group in tied.items() for name in group}
     pipe, routing = traced_split(net, example_inputs, [layers[0] for layers in stage_layers[1:]])
     _check_traced_stages(pipe, stage_layers, tied, alias)
-    cls = _traced_stage_class()
+    cls = traced_stage_class()
     modules, names, static = [], [], []
     uses: dict[str, set[int]] = {}
     examples = _example_values(pipe, routing, cls, example_inputs, len(stage_layers))
@@ -454,7 +255,7 @@ def split_backward_problem(module: Any, inputs: tuple, outputs: tuple) -> Option
             p.grad = None
 
 
-def _example_values(pipe: Any, routing: _Routing, cls: type, example_inputs: Any,
+def _example_values(pipe: Any, routing: Routing, cls: type, example_inputs: Any,
                     num_stages: int) -> list[tuple[Any, Any]]:
     """Each stage's inputs and outputs on the example micro-batch, as ``PipelineStage`` wants them
     (detached; floating ones require a gradient, as received activations do)."""

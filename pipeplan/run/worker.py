@@ -8,7 +8,7 @@ rank under torchrun: ``d x p`` of them for a plan with ``d`` data-parallel repli
    hung peer ends the job instead of waiting gloo's default 30 minutes; with ``d > 1`` it
    makes each replica's pipeline group and each pipeline rank's data group;
 2. builds only the units of its own stages, by the plan's layer names
-   (:func:`pipeplan.profile.build_stage`), and wraps each in a ``PipelineStage`` (talking in
+   (:func:`pipeplan.profile.units.build_stage`), and wraps each in a ``PipelineStage`` (talking in
    its replica's pipeline group);
 3. runs the torch schedule class the plan names, with the plan's micro-batch size and count,
    for ``steps`` iterations with an optimizer, on synthetic batches (or the model's own batch
@@ -62,6 +62,11 @@ from typing import Any, Optional
 from pipeplan.run.gradsync import plan_data_parallel
 from pipeplan.run.timing import (ComputeTimer, capture_inputs, measure_link, read_status_bytes, reset_peak_rss,
                                   time_alone, time_transfers)
+from pipeplan.formats.plan import Plan
+from pipeplan.facts.schedules import SPLIT_BACKWARD_SCHEDULES, TORCH_SCHEDULE_CLASS
+from pipeplan.profile.loading import load_bundle, make_microbatch
+from pipeplan.run.gradsync import DataParallelGrads, ReplicaGroups, TiedGrads, replica_share
+from pipeplan.run.stages import build_rank_stages, stage_builder
 
 __all__ = ["main", "run_rank", "build_optimizer", "optimizer_state_bytes", "measure_link", "RESULT_FILE",
            "error_file"]
@@ -159,8 +164,6 @@ def run_rank(config: dict[str, Any]) -> list[dict[str, Any]]:
     import torch
     import torch.distributed as dist
 
-    from pipeplan.formats.plan import Plan
-
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -210,12 +213,7 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    from pipeplan.plan.schedules import SPLIT_BACKWARD_SCHEDULES, TORCH_SCHEDULE_CLASS
-    from pipeplan.profile import load_bundle, make_microbatch
     from pipeplan.profile.loading import split_inputs
-    from pipeplan.run.gradsync import DataParallelGrads, ReplicaGroups, TiedGrads, replica_share
-    from pipeplan.run.stages import build_rank_stages, stage_builder
-
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     num_ranks = 1 + max(stage.rank for stage in plan.stages)
     data = plan_data_parallel(plan)

@@ -28,6 +28,8 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pipeplan.errors import BadInputError
+from pipeplan.errors import format_validation_error
+from pipeplan.quantities import parse_bandwidth, parse_bytes
 
 __all__ = ["GpuSpec", "GPUS", "get_gpu", "load_gpu_spec", "resolve_gpu", "gpu_rows"]
 
@@ -138,9 +140,6 @@ def _quantity(value: Any, parse, option: str) -> Any:
 
 def load_gpu_spec(path: Union[str, Path]) -> GpuSpec:
     """Read a GPU spec from TOML (see the module docstring); errors name the file and field."""
-    from pipeplan.formats.io import format_validation_error
-    from pipeplan.quantities import parse_bandwidth, parse_bytes
-
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))

@@ -1,0 +1,182 @@
+"""The cluster plan from the search's trials: the winner's plan with its layout, memory by part,
+the iteration's parts and notes; the runners-up per layout and why they lost; what would fit
+when nothing does. Pure: trials in, a :class:`pipeplan.formats.plan.Plan` (or a message) out.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from pipeplan.cluster.iteration import model_flops_utilization, tokens_per_s_per_gpu
+from pipeplan.cluster.profile_view import DegreeView
+from pipeplan.errors import BadInputError
+from pipeplan.facts.gpus import get_gpu
+from pipeplan.formats.plan import Alternative, Parallelism, Plan, PlanSettings
+from pipeplan.plan.assemble import plan_cost_model, stage_state_memory
+from pipeplan.quantities import format_bytes
+
+__all__ = ["assemble_cluster_plan", "infeasible_message", "trial_reason", "hbm_bytes_per_s", "peak_flops_per_s"]
+
+
+def _gpu_figure(profile, cluster, key: str):
+    gpu = (profile.measurement or {}).get("gpu") or {}
+    if gpu.get("name") == cluster.gpu and key in gpu:
+        return gpu[key]
+    try:
+        return getattr(get_gpu(cluster.gpu), key)
+    except BadInputError:
+        return gpu.get(key)
+
+
+def hbm_bytes_per_s(profile, cluster) -> Optional[float]:
+    """The cluster GPU's memory bandwidth: from the GPU table, else the profile's GPU; None if unknown."""
+    value = _gpu_figure(profile, cluster, "hbm_bytes_per_s")
+    return None if value is None else float(value)
+
+
+def peak_flops_per_s(profile, cluster) -> Optional[float]:
+    """The cluster GPU's dense peak in the profile's dtype; None if unknown."""
+    flops = _gpu_figure(profile, cluster, "peak_flops") or {}
+    value = flops.get(profile.dtype)
+    return None if value is None else float(value)
+
+
+def trial_reason(trial) -> str:
+    """Why a trial lost; an infeasible one's full message is worked out here, on first use."""
+    explain = trial.extras.pop("explain", None) if trial.status == "infeasible" else None
+    if explain is not None:
+        trial.reason = f"infeasible: {explain().splitlines()[0]}"
+    return trial.reason
+
+
+def infeasible_message(trials, settings: PlanSettings, cluster, usable: int, cap: int, total_state_bytes: float,
+                        needs=(math.inf, None, 0)) -> str:
+    """What would fit: the least per-GPU memory the state needs, and a GPU count it could fit in."""
+    G = cluster.gpus_per_node
+    gpus = max(1, math.ceil(total_state_bytes / max(usable, 1)))
+    gpus = gpus if gpus <= G else math.ceil(gpus / G) * G
+    least = min((t.extras.get("state_per_gpu", math.inf) for t in trials), default=math.inf)
+    planned = sorted({trial_reason(t) for t in trials if t.status == "infeasible"})
+    lines = [f"nothing fits {format_bytes(cap)} per GPU ({format_bytes(usable)} plannable after the "
+             f"{format_bytes(cluster.reserve_bytes)} reserve and {cluster.fragmentation:.0%} for fragmentation) "
+             f"on {settings.num_gpus} GPUs of {cluster.name}"]
+    if math.isfinite(least):
+        lines.append(f"the training state alone needs at least {format_bytes(least)} per GPU in the best layout "
+                     f"tried; fully sharded (ZeRO 3) it fits only from about {gpus} GPUs (activations not counted)")
+    peak, key, zero = needs
+    if key is not None and math.isfinite(peak):
+        d, t, p, _ = key
+        planned_cap = math.ceil(peak * (1 + cluster.fragmentation) + cluster.reserve_bytes)
+        lines.append(f"a cap of {format_bytes(planned_cap)} per GPU fits d={d} t={t} p={p} ZeRO {zero} "
+                     f"without recomputation")
+    elif planned:
+        lines.append(f"with the state fitting, {planned[0]}")
+    return "; ".join(lines)
+
+
+def _alternatives(best, trials, default_microbatch: int) -> list[Alternative]:
+    """The best trial of each (d, t, p) other than the winner's, and why it lost."""
+    by_key: dict = {}
+    for trial in trials:
+        current = by_key.get(trial.key)
+        # Planned by their time and pruned by their bound, together: a layout shows a planned
+        # time only where none of its pruned trials could be faster, so that it is the layout's
+        # best; then the rest (infeasible, state over the cap).
+        rank = ((0, trial.parts.iteration_ms, 0, trial.order) if trial.status == "planned" else
+                (0, trial.lower_bound_ms, 1, trial.order) if trial.status == "pruned" else (1, 0.0, 0, trial.order))
+        if current is None or rank < current[0]:
+            by_key[trial.key] = (rank, trial)
+    out = []
+    for key in sorted(by_key, key=lambda k: by_key[k][0]):
+        trial = by_key[key][1]
+        if trial is best:
+            continue
+        plan = trial.plan
+        if trial.status == "planned":
+            slower = trial.parts.iteration_ms - best.parts.iteration_ms
+            reason = f"slower by {slower:.1f} ms"
+        else:
+            reason = trial_reason(trial)
+        out.append(Alternative(
+            schedule=plan.schedule if plan else "-", virtual_stages=plan.virtual_stages if plan else 1,
+            microbatch_size=plan.microbatch_size if plan else default_microbatch,
+            recompute=("selective" if trial.family == "selective" else
+                       ("some" if plan and any(s.recompute for s in plan.stages) else "none")),
+            iteration_ms=round(trial.parts.iteration_ms, 6) if trial.status == "planned" else None,
+            lower_bound_ms=round(trial.lower_bound_ms, 6) if trial.status == "pruned" else None,
+            peak_memory_bytes=max(r.peak_memory_bytes for r in plan.ranks) if plan and plan.ranks else None,
+            reason=f"d={trial.data} t={trial.tensor} p={trial.pipeline} ZeRO {trial.zero_stage}: {reason}",
+        ))
+    return out
+
+
+def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: DegreeView, cluster, cap: int,
+              state) -> Plan:
+    plan, parts = best.plan, best.parts
+    d, t, p = best.data, best.tensor, best.pipeline
+    # The selective family's view bakes the attention core's recomputation into every unit's
+    # costs, so its pipeline plan says "none"; the plan must say what runs (every stage selective),
+    # or exports and doctor would drop --recompute-granularity selective.
+    selective = best.family == "selective"
+    stages = []
+    for stage in plan.stages:
+        if selective:
+            stage = stage.model_copy(update={"recompute": True, "recompute_granularity": "selective",
+                                             "selective_activation_bytes": stage.activation_bytes})
+        # The replica's plan carries the trial's ZeRO stage and d: its cost model is the plan's.
+        memory = stage_state_memory(plan, stage, profile.dtype_bytes)
+        static = math.ceil(plan_cost_model(plan, profile.dtype_bytes).static_bytes_per_param_byte * stage.param_bytes)
+        stages.append(stage.model_copy(update={
+            "weight_bytes": memory.weight_bytes + (best.extras["gathered"] if best.zero_stage == 3 else 0),
+            "gradient_bytes": memory.gradient_bytes, "optimizer_bytes": memory.optimizer_bytes,
+            "peak_activation_bytes": max(0, stage.peak_memory_bytes - static),
+        }))
+    iteration_ms = parts.iteration_ms
+    G = settings.global_batch
+    predicted = plan.predicted.model_copy(update={
+        "iteration_ms": round(iteration_ms, 6),
+        "samples_per_second": round(G / (iteration_ms / 1e3), 6),
+        "compute_ms": round(parts.compute_ms, 6),
+        "tensor_parallel_ms": round(parts.tensor_parallel_ms, 6),
+        "transfer_ms": round(parts.pipeline_transfer_ms, 6),
+        "bubble_ms": round(parts.bubble_ms - (plan.predicted.overhead_ms or 0.0), 6),
+        "data_parallel_ms": round(parts.data_parallel_ms, 6),
+        "optimizer_ms": round(parts.optimizer_ms, 6),
+    })
+    if profile.sequence_length:
+        predicted = predicted.model_copy(update={"tokens_per_second_per_gpu": round(
+            tokens_per_s_per_gpu(G, profile.sequence_length, iteration_ms, settings.num_gpus), 6)})
+        flops_per_token = (profile.measurement or {}).get("model_flops_per_token")
+        peak = peak_flops_per_s(profile, cluster)
+        if flops_per_token and peak:
+            predicted = predicted.model_copy(update={"model_flops_utilization": round(model_flops_utilization(
+                flops_per_token * G * profile.sequence_length, iteration_ms, settings.num_gpus, peak), 6)})
+    peak_rank = max(r.peak_memory_bytes for r in plan.ranks) if plan.ranks else max(s.peak_memory_bytes for s in plan.stages)
+    link_text = {"inter": "the network", "intra": "the intra-node link", "local": "no link"}[best.extras["link"]]
+    notes = [note.replace(", recompute none", ", recompute selective on every stage") if selective else note
+             for note in plan.notes] + [
+        f"layout d={d} x t={t} x p={p} on {cluster.name} ({cluster.gpus_per_node} GPUs per node), ranks in "
+        f"Megatron's order (tensor, data, pipeline); pipeline transfers on {link_text}",
+        f"data-parallel sync: {int(round(100 * (settings.data_parallel_overlap or 0)))}% assumed hidden behind "
+        f"compute (--data-parallel-overlap)" if d > 1 else "no data parallelism: no gradient sync",
+    ]
+    if hbm_bytes_per_s(profile, cluster) is None:
+        notes.append(f"optimizer step not timed: no HBM bandwidth known for {cluster.gpu}")
+    out_settings = settings.model_copy(update={
+        "stages": p, "search_stages": True if settings.stages is None else None,
+        "bandwidth_bytes_per_s": plan.settings.bandwidth_bytes_per_s,
+    })
+    return plan.model_copy(update={
+        "schema_version": 2, "settings": out_settings, "stages": stages, "predicted": predicted,
+        "alternatives": _alternatives(best, trials, settings.microbatch_size or min(profile.microbatch_sizes)), "notes": notes,
+        "parallelism": Parallelism(num_gpus=settings.num_gpus, data=d, tensor=t, pipeline=p,
+                                   virtual_stages=plan.virtual_stages, zero_stage=best.zero_stage,
+                                   sequence_parallel=bool(t > 1 and _sequence_parallel(profile)),
+                                   gpus_per_node=cluster.gpus_per_node),
+        "reserve_bytes": cluster.reserve_bytes + math.ceil(cluster.fragmentation * peak_rank),
+    })
+
+
+def _sequence_parallel(profile) -> bool:
+    return any(getattr(c, "sequence_parallel", None) for layer in profile.layers for c in layer.costs)

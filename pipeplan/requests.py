@@ -1,0 +1,154 @@
+"""What a caller asks the planner for: one validated request model per kind of plan.
+
+- :class:`PipelineRequest`: one pipeline on ``stages`` ranks (``pipeplan plan --stages``,
+  ``compare``, a given split with ``layers_per_stage``).
+- :class:`ClusterRequest`: data x tensor x pipeline over ``num_gpus`` GPUs of a cluster
+  (``pipeplan plan --gpus N --cluster C``); any degree may be fixed.
+
+Each request owns its cross-field rules (a cluster option without ``num_gpus`` is not a request
+at all) and its effective memory cap (:meth:`PipelineRequest.cap_bytes`: none means infinite
+for a pipeline, the cluster's GPU memory for a cluster). Every field takes its type, default and
+description from the plan file's record of the request, :class:`pipeplan.formats.plan.PlanSettings`,
+so there is one source for every default; the CLI's options read theirs from here
+(``tests/test_layers.py`` checks that they agree). A request becomes that record with
+:meth:`PipelineRequest.settings`; a record read back from a plan file becomes a request with
+:func:`request_of`, which applies the same rules (``pipeplan check`` re-plans through it).
+
+Examples
+--------
+>>> PipelineRequest(stages=4, global_batch=32).settings().schedule
+'auto'
+>>> request_of(PlanSettings(stages=2, zero_stage=3, data_parallel=8))
+Traceback (most recent call last):
+...
+pipeplan.errors.BadInputError: data_parallel, zero_stage: cluster options need num_gpus (--gpus) and a cluster; a pipeline request has no data-parallel, tensor-parallel or ZeRO degree
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeplan.errors import BadInputError, format_validation_error
+from pipeplan.formats.cluster import ClusterSpec
+from pipeplan.formats.limits import PositiveCount
+from pipeplan.formats.plan import PlanSettings, effective_cap_bytes
+
+__all__ = ["PipelineRequest", "ClusterRequest", "Request", "request_of", "CLUSTER_ONLY_FIELDS"]
+
+_FIELDS = PlanSettings.model_fields
+
+
+def _required(name: str, description: str):
+    """A field the record may leave null but a request of this kind must give."""
+    assert name in _FIELDS
+    return Field(description=description)
+
+
+#: Fields only a cluster request has.
+CLUSTER_ONLY_FIELDS = ("cluster", "data_parallel", "tensor_parallel", "zero_stage", "data_parallel_overlap",
+                       "search_stages")
+
+
+class _Request(BaseModel):
+    """The fields every request shares (see :class:`pipeplan.formats.plan.PlanSettings`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Unbounded here: the planner refuses a batch over its micro-batch count limit with the limit
+    # and the profile's sizes (api), before the plan file's own bound could say less.
+    global_batch: Optional[int] = Field(default=_FIELDS["global_batch"].default, gt=0,
+                                        description=_FIELDS["global_batch"].description)
+    microbatch_size: _FIELDS["microbatch_size"].annotation = _FIELDS["microbatch_size"]
+    memory_cap_bytes: _FIELDS["memory_cap_bytes"].annotation = _FIELDS["memory_cap_bytes"]
+    optimizer: _FIELDS["optimizer"].annotation = _FIELDS["optimizer"]
+    schedule: _FIELDS["schedule"].annotation = _FIELDS["schedule"]
+    virtual_stages: _FIELDS["virtual_stages"].annotation = _FIELDS["virtual_stages"]
+    recompute: _FIELDS["recompute"].annotation = _FIELDS["recompute"]
+    solver: _FIELDS["solver"].annotation = _FIELDS["solver"]
+    action_overhead_ms: _FIELDS["action_overhead_ms"].annotation = _FIELDS["action_overhead_ms"]
+    launcher: _FIELDS["launcher"].annotation = _FIELDS["launcher"]
+    layers_per_stage: _FIELDS["layers_per_stage"].annotation = _FIELDS["layers_per_stage"]
+
+    @classmethod
+    def make(cls, where: str = "request", **fields: Any):
+        """The request, or a one-line :class:`BadInputError` naming ``where`` and the field."""
+        try:
+            return cls(**fields)
+        except ValidationError as exc:
+            raise BadInputError(format_validation_error(where, exc)) from None
+
+    def settings(self) -> PlanSettings:
+        """The plan file's record of this request (``Plan.settings``).
+
+        Raises
+        ------
+        BadInputError
+            A value the record's finite ranges refuse (docs/formats.md).
+        """
+        try:
+            return PlanSettings(**self.model_dump(exclude_unset=True))
+        except ValidationError as exc:
+            raise BadInputError(format_validation_error("request", exc)) from None
+
+
+class PipelineRequest(_Request):
+    """One pipeline of ``stages`` ranks: the split, schedule, stages per rank, micro-batch size and
+    recomputation are searched unless fixed."""
+
+    stages: PositiveCount = _required("stages", "Pipeline ranks p.")
+    bandwidth_bytes_per_s: _FIELDS["bandwidth_bytes_per_s"].annotation = _FIELDS["bandwidth_bytes_per_s"]
+
+    def cap_bytes(self) -> float:
+        """The per-GPU cap the planner tests against: none means infinite."""
+        return effective_cap_bytes(self.memory_cap_bytes, None)
+
+
+class ClusterRequest(_Request):
+    """d x t x p = ``num_gpus`` over ``cluster``: every degree, the ZeRO stage and the pipeline's
+    own choices searched unless fixed. The cluster's links replace a point-to-point bandwidth."""
+
+    num_gpus: PositiveCount = _required("num_gpus", "--gpus: plan d x t x p = num_gpus over the cluster.")
+    cluster: ClusterSpec = _required("cluster", _FIELDS["cluster"].description)
+    stages: _FIELDS["stages"].annotation = _FIELDS["stages"]
+    data_parallel: _FIELDS["data_parallel"].annotation = _FIELDS["data_parallel"]
+    tensor_parallel: _FIELDS["tensor_parallel"].annotation = _FIELDS["tensor_parallel"]
+    zero_stage: _FIELDS["zero_stage"].annotation = _FIELDS["zero_stage"]
+    data_parallel_overlap: _FIELDS["data_parallel_overlap"].annotation = _FIELDS["data_parallel_overlap"]
+    search_stages: _FIELDS["search_stages"].annotation = _FIELDS["search_stages"]
+
+    def cap_bytes(self) -> float:
+        """The per-GPU cap: the request's, else the cluster's (its spec or its GPU's memory)."""
+        return effective_cap_bytes(self.memory_cap_bytes, self.cluster)
+
+
+Request = Union[PipelineRequest, ClusterRequest]
+
+
+def request_of(settings: Union[PlanSettings, PipelineRequest, ClusterRequest]) -> Request:
+    """The request a plan file's settings record (a request is returned as it is).
+
+    Raises
+    ------
+    BadInputError
+        Cluster options (``data_parallel``, ``tensor_parallel``, ``zero_stage``, the cluster,
+        ``data_parallel_overlap``) without ``num_gpus``, or ``num_gpus`` without a cluster: the
+        API never plans what the CLI refuses.
+    """
+    if isinstance(settings, (PipelineRequest, ClusterRequest)):
+        return settings
+    given = settings.model_dump(exclude_defaults=True)
+    if settings.bandwidth_bytes_per_s is None:
+        given["bandwidth_bytes_per_s"] = None  # null (infinite) differs from the default
+    if settings.num_gpus is None:
+        stray = sorted(name for name in CLUSTER_ONLY_FIELDS if getattr(settings, name) is not None)
+        if stray:
+            raise BadInputError(f"{', '.join(stray)}: cluster options need num_gpus (--gpus) and a cluster; a "
+                                f"pipeline request has no data-parallel, tensor-parallel or ZeRO degree")
+        return PipelineRequest.make("settings", **given)
+    if settings.cluster is None:
+        raise BadInputError("num_gpus: a cluster request needs the cluster (--cluster NAME or FILE)")
+    given.pop("bandwidth_bytes_per_s", None)  # the cluster's links replace it
+    given["cluster"] = settings.cluster
+    return ClusterRequest.make("settings", **given)

@@ -1,0 +1,147 @@
+"""The house follows the data flow: imports run down the layers, no cycle, imports at the top.
+
+Read from the code itself (every ``import`` statement, at any depth), so a new upward import
+or cycle fails here; docs/architecture.md draws the same layers. Also: the CLI's defaults are
+the request models' (one source for every default).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+import typer.main
+
+from pipeplan.cli import app
+from pipeplan.requests import ClusterRequest, PipelineRequest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pipeplan"
+
+#: Each top-level part of pipeplan and its layer: a module may import its own layer (without a
+#: cycle) and the layers below it, never one above.
+LAYERS = {
+    "": 0, "errors": 0, "quantities": 0, "progress": 0,   # ground
+    "facts": 1,                                    # schedules, GPUs, training state per parameter
+    "formats": 2,                                  # file models
+    "requests": 3,                                 # what a caller asks for
+    "profile": 4, "analytic": 4, "importers": 4,   # profiles in
+    "plan": 5,                                     # graph, cost model, solvers, simulator, search
+    "cluster": 6,                                  # layouts around the pipeline search
+    "api": 7,                                      # every planning entry point, the dispatch
+    "run": 8, "export": 8,                         # consumers of a plan
+    "check": 9, "doctor": 9,                       # consumers that re-plan and export
+    "show": 10, "cli_common": 10, "cli_run": 10, "cli": 10, "__main__": 10,
+}
+
+#: Packages whose functions may import other pipeplan modules: they reach torch, which stays
+#: lazy so that planning needs no torch (docs/architecture.md).
+LAZY_FOR_TORCH = ("profile", "run")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports():
+    """(importer, imported module, line, inside a function) for every pipeplan import."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    out = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        inner = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 for n in ast.walk(f)}
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target.split(".")[0] == "pipeplan" and target != name:
+                    while target not in modules and "." in target:
+                        target = target.rpartition(".")[0]
+                    out.append((name, target, node.lineno, id(node) in inner))
+    return modules, out
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+MODULES, IMPORTS = _imports()
+
+
+def test_every_part_has_a_layer():
+    assert {_part(m) for m in MODULES} <= set(LAYERS)
+
+
+def test_no_import_runs_up_the_layers():
+    upward = [f"{a} -> {b} (line {line})" for a, b, line, _ in IMPORTS if LAYERS[_part(b)] > LAYERS[_part(a)]]
+    assert upward == []
+
+
+def test_no_import_cycle():
+    graph = nx.DiGraph((a, b) for a, b, _, _ in IMPORTS)
+    cycles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
+    assert cycles == []
+    parts = nx.DiGraph((_part(a), _part(b)) for a, b, _, _ in IMPORTS if _part(a) != _part(b))
+    assert [sorted(c) for c in nx.strongly_connected_components(parts) if len(c) > 1] == []
+
+
+def test_imports_between_modules_sit_at_the_top():
+    inside = [f"{a} -> {b} (line {line})" for a, b, line, nested in IMPORTS
+              if nested and _part(a) not in LAZY_FOR_TORCH]
+    assert inside == []
+
+
+def test_no_package_face_loads_names_through_importlib():
+    faces = [m for m, p in MODULES.items() if p.name == "__init__.py" and "importlib" in p.read_text()]
+    assert faces == []
+
+
+def test_planning_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, pipeplan.cli, pipeplan.api; print('torch' in sys.modules or 'transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+
+
+def _options(command: str) -> dict:
+    click_command = typer.main.get_command(app).commands[command]
+    return {p.name: p.default for p in click_command.params}
+
+
+@pytest.mark.parametrize("command", ["plan", "compare"])
+def test_cli_defaults_are_the_request_defaults(command):
+    """Every option of ``plan`` (and ``compare``) that a request field carries defaults to that
+    field's default (bandwidth written as text: 25GB/s is the field's 25e9)."""
+    from pipeplan.quantities import parse_bandwidth
+
+    names = {"memory_cap": "memory_cap_bytes", "bandwidth": "bandwidth_bytes_per_s", "gpus": "num_gpus",
+             "zero": "zero_stage"}
+    compared = 0
+    for option, default in _options(command).items():
+        field = names.get(option, option)
+        for model in (PipelineRequest, ClusterRequest):
+            if field not in model.model_fields or field in ("stages", "schedule") and command == "compare":
+                continue
+            if model.model_fields[field].is_required():
+                continue  # required in that request: the CLI's None means "not this kind"
+            expected = model.model_fields[field].default
+            if option == "bandwidth":
+                default = parse_bandwidth(default)
+            assert default == expected, (command, option, model.__name__)
+            compared += 1
+    assert compared >= 8

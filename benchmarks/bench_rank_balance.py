@@ -1,7 +1,7 @@
 """Predicted time with and without the second split balanced by rank (several stages per rank).
 
-For the shipped profiles (``profiles/*.json``) and PipeDream's real profiles (read from
-``$PIPEPLAN_PIPEDREAM`` or ``../shared/data/pipedream``; skipped where absent), plans each under
+For the shipped profiles (``profiles/*.json``) and PipeDream's real profiles (shipped in
+``profiles/pipedream/``), plans each under
 ``--schedule zbv`` and ``--schedule interleaved`` (its ``v`` searched) at 2, 4 and 8 stages, once
 as shipped and once with the balanced split switched off (the min-max-stage split alone, as
 before it), and prints both predicted iterations, the gain and how the shipped plan's split was
@@ -13,12 +13,12 @@ found. Results go to docs/benchmarks.md with this command:
 from __future__ import annotations
 
 import argparse
-import os
 from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PIPEDREAM = Path(os.environ.get("PIPEPLAN_PIPEDREAM", REPO.parent / "shared" / "data" / "pipedream"))
+#: PipeDream's graphs, shipped in the repository (profiles/pipedream/README.md: origin, licence, format).
+PIPEDREAM = REPO / "profiles" / "pipedream"
 
 @contextmanager
 def min_max_stage_split_only():
@@ -44,7 +44,7 @@ def profiles(only):
             yield path.stem, load_profile(path), {}
     for name, batch in PROFILED_BATCH.items():
         path = PIPEDREAM / f"{name}.graph.txt"
-        if path.exists() and (not only or name in only):
+        if not only or name in only:
             # As tests/test_planner_pipedream.py plans them: 16 micro-batches, transfers free.
             yield name, import_pipedream(path, batch), {"global_batch": batch * 16, "bandwidth_bytes_per_s": None}
 

@@ -22,9 +22,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PIPEDREAM = REPO.parent.parent / "shared" / "data" / "pipedream"
-if not PIPEDREAM.exists():
-    PIPEDREAM = Path("/work/shared/data/pipedream")
+#: PipeDream's graphs, shipped in the repository (profiles/pipedream/README.md).
+PIPEDREAM = REPO / "profiles" / "pipedream"
 
 BATCH = {
     "alexnet": 256, "vgg16": 128, "resnet18": 256, "resnet50": 128, "resnext50": 128,

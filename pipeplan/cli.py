@@ -247,6 +247,9 @@ def plan(
         result = plan_profile(profile, request, output, record_time=record_time)
     if not quiet:
         rich_console().print(plan_tables(result))
+        if global_batch is None:  # a default that sets the whole plan's scale is said, not silent
+            echo(f"note: no --global-batch: planned at {result.settings.global_batch} samples per iteration "
+                       f"(8 x the largest profiled micro-batch); give --global-batch for your training's batch", err=True)
         if output:
             echo(f"wrote {output}")
 

@@ -40,6 +40,7 @@ def plan_tables(plan: Plan) -> Group:
     overhead = () if p.overhead_ms is None else (
         (f"  schedule's own work ({plan.settings.action_overhead_ms:g} ms/action)", f"{p.overhead_ms:.3f} ms"),)
     for key, value in (
+        ("global batch", f"{plan.num_microbatches * plan.microbatch_size} samples"),
         ("micro-batches", f"{plan.num_microbatches} x {plan.microbatch_size} samples"),
         ("iteration", f"{p.iteration_ms:.3f} ms"),
         ("  compute (bottleneck rank)", f"{p.compute_ms:.3f} ms"),

@@ -1,26 +1,23 @@
-"""Shared fixtures: small profiles built in code, and the real PipeDream profiles when present."""
+"""Shared fixtures: small profiles built in code, and the real PipeDream profiles shipped in profiles/pipedream."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-
-import pytest
 
 from pipeplan.importers.pipedream import PROFILED_BATCH
 
 REPO = Path(__file__).resolve().parents[1]
-#: The PipeDream graphs beside the checkout; PIPEPLAN_PIPEDREAM points elsewhere (e.g. from a worktree).
-PIPEDREAM = Path(os.environ.get("PIPEPLAN_PIPEDREAM", REPO.parent / "shared" / "data" / "pipedream"))
+#: PipeDream's graphs, shipped in the repository (profiles/pipedream/README.md: origin, licence, format).
+PIPEDREAM = REPO / "profiles" / "pipedream"
 
 #: Profiling batch of each PipeDream graph (from the data's README).
 PIPEDREAM_BATCH = PROFILED_BATCH
 
 
 def pipedream_path(name: str) -> Path:
+    # They ship in the repository: a missing one is a broken checkout, not a reason to skip.
     path = PIPEDREAM / f"{name}.graph.txt"
-    if not path.exists():
-        pytest.skip(f"{path} is absent")
+    assert path.is_file(), f"{path} is missing from the checkout"
     return path
 
 

@@ -150,3 +150,20 @@ def test_cli_as_a_subprocess(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 2
     assert "no such file" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_defaulted_global_batch_is_said_and_show_prints_the_global_batch(tmp_path):
+    prof = write(tmp_path, make_profile_dict(n_layers=6, sizes=(1, 2)))
+    out = tmp_path / "plan.json"
+    done = subprocess.run([sys.executable, "-m", "pipeplan", "plan", str(prof), "--stages", "2", "-o", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "note: no --global-batch: planned at 16 samples per iteration (8 x the largest profiled micro-batch)" \
+        in done.stderr
+    shown = invoke("show", out)
+    assert shown.exit_code == 0 and "global batch" in shown.output and "16 samples" in shown.output
+    # Given, or with -q, nothing is said.
+    for extra in (["--global-batch", "8"], ["-q"]):
+        done = subprocess.run([sys.executable, "-m", "pipeplan", "plan", str(prof), "--stages", "2", *extra],
+                              capture_output=True, text=True)
+        assert done.returncode == 0 and "--global-batch" not in done.stderr, done.stderr

@@ -297,3 +297,13 @@ def test_a_searched_plan_for_a_launcher_uses_a_zero_stage_it_runs_and_exports(tm
     path.write_text(dump_model(plan))
     exported = runner.invoke(app, ["export", str(path), "--format", launcher, "--profile", str(PROFILE)])
     assert exported.exit_code == 0, exported.output
+
+
+def test_a_global_batch_that_leaves_out_data_parallel_degrees_says_so():
+    # 1001 = 7 x 11 x 13: on 16 GPUs only d = 1 divides it, and the search tried only that.
+    plan = _plan(global_batch=1001)
+    assert plan.parallelism.data == 1
+    note = next(n for n in plan.notes if n.startswith("global batch 1001 leaves out d = 2, 4, 8, 16"))
+    assert "only d = 1 was searched; a global batch of 992 or 1008 keeps every d" in note
+    assert not any(n.startswith("global batch") for n in _plan(global_batch=64).notes)
+

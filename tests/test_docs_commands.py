@@ -2,7 +2,9 @@
 
 Each document's commands run in order, in one scratch copy of the repository's ``profiles/``,
 ``docs/`` and ``benchmarks/`` (so a command may use what an earlier one wrote), with
-``pipeplan`` on PATH as this checkout. Which commands count:
+``pipeplan`` on PATH as this checkout. Nothing lies beside that copy (no ``../shared``), so every
+command runs as it would from a fresh clone; the data the docs use ship in ``profiles/``
+(PipeDream's graphs in ``profiles/pipedream/``). Which commands count:
 
 - ```bash / ```sh blocks: the whole block, as one script (``set -e``);
 - plain ``` blocks: the lines after a ``$ `` prompt, or, in a block without prompts, lines that
@@ -180,10 +182,7 @@ def workspace(tmp_path_factory):
     work.mkdir()
     for name in ("profiles", "docs", "benchmarks"):
         shutil.copytree(REPO / name, work / name)
-    # CI has shared/ beside the checkout; PIPEPLAN_SHARED points elsewhere (a worktree).
-    shared = Path(os.environ.get("PIPEPLAN_SHARED", REPO.parent / "shared"))
-    if shared.exists():
-        (root / "shared").symlink_to(shared)
+    # Nothing beside the copy: a command that reads outside the clone (../shared) fails here.
     bin_dir = root / "bin"
     bin_dir.mkdir()
     python_path = f"{REPO}"
@@ -240,8 +239,6 @@ def test_every_command_in_the_docs_runs(doc, workspace, tmp_path):
             continue
         if _needs_torch(prepared) and not have_torch:
             continue
-        if "../shared/" in prepared and not (work.parent / "shared").exists():
-            continue  # the real profiles are absent here
         done = _run(kind, prepared, work, env)
         # check's and doctor's verdict (a regression, an error finding) is exit 1 with a report.
         verdict = kind == "line" and re.match(r"(\$ )?pipeplan (check|doctor)\b", prepared) and done.returncode == 1
@@ -266,6 +263,19 @@ def test_every_skip_names_a_command_in_the_docs():
     everything = "\n".join(text for doc in DOCS for _, text in doc_commands(doc))
     stale = [key for key in [*SKIP, *SKIP_BLOCK] if key not in everything]
     assert stale == [], f"SKIP entries that match no command in the docs (remove them): {stale}"
+
+
+def test_no_command_reads_outside_the_clone():
+    """A fresh clone has nothing beside it: no command may name ../shared or another absolute data path."""
+    outside = [(doc.name, text) for doc in DOCS for _, text in doc_commands(doc)
+               if re.search(r"\.\./shared\b|/work/shared\b|\$PIPEPLAN_(PIPEDREAM|SHARED)\b", text)]
+    assert outside == [], f"commands that read outside the repository (ship the data in profiles/): {outside}"
+
+
+def test_the_workspace_has_nothing_beside_it(workspace):
+    work, _ = workspace
+    assert sorted(p.name for p in work.parent.iterdir()) == ["bin", "repo"]
+    assert (work / "profiles" / "pipedream" / "resnet50.graph.txt").is_file()
 
 
 def test_ci_runs_the_two_readme_commands():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -147,3 +148,18 @@ def test_plan_for_a_launcher_on_the_command_line(tmp_path):
     assert plan["settings"]["launcher"] == "megatron" and plan["schedule"] in ("1f1b", "interleaved")
     bad = runner.invoke(app, [*args, "--launcher", "fairscale"])
     assert bad.exit_code == 2 and bad.output.startswith("error: --launcher")
+
+
+def test_the_header_and_the_best_plan_say_micro_batches_the_same_way(profile, tmp_path):
+    # The header said "micro-batch 2 x 32" (size x count), the best-plan line "32 x 2" (count x size).
+    config = json.loads((DATA / "deepspeed_pipeline_ds_config.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 2
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    result = runner.invoke(app, ["doctor", "deepspeed", str(path), "--profile", str(profile), "--world-size", "4",
+                                 "--layers-per-part", "0,9,18,27,35"])
+    assert result.exit_code in (0, 1), result.output
+    assert "32 micro-batches of 2 per replica" in result.output
+    best = next(line for line in result.output.splitlines() if line.startswith("best plan"))
+    assert re.search(r"v = \d+, \d+ micro-batches of \d+, layers per stage", best), best
+    assert not re.search(r"micro-batch \d+ x \d+|, \d+ x \d+,", result.output)

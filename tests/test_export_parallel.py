@@ -395,3 +395,21 @@ def test_deepspeed_engine_runs_a_data_parallel_export(request, tmp_path):
     # ranks (pipe, data): 0, 1 are stage 0's two replicas, 2, 3 stage 1's
     assert [r["stage"] for r in ranks] == [0, 0, 1, 1]
     assert all(r["micro_batches"] == plan.num_microbatches == 4 for r in ranks)
+
+
+def test_exports_carry_the_profiles_sequence_length(tmp_path):
+    # Without it torchtitan trained at its default 2048 and Megatron-LM at whatever the script said,
+    # not at the sequence the plan's times and memory were profiled at.
+    profile, plan = degree_plan(2, 2, 2, 1, "1f1b", 1, 4)
+    profile = profile.model_copy(update={"sequence_length": 4096})
+    flags = megatron_flags(export_plan(plan, profile, "megatron")[".sh"])
+    assert flags["--seq-length"] == "4096"
+    text = export_plan(plan, profile, "torchtitan")[".toml"]
+    assert "seq_len = 4096" in text
+    pytest.importorskip("torch")
+    config, _, _ = torchtitan_accepts(tmp_path, text, 8)
+    assert config.training.seq_len == 4096
+    # A profile without one (or no profile) writes none.
+    bare = profile.model_copy(update={"sequence_length": None})
+    assert "--seq-length" not in megatron_flags(export_plan(plan, bare, "megatron")[".sh"])
+    assert "seq_len" not in export_plan(plan, None, "torchtitan")[".toml"]

@@ -1,4 +1,4 @@
-"""The planner on PipeDream's real profiles (read from ../shared; skipped where absent)."""
+"""The planner on PipeDream's real profiles (shipped in profiles/pipedream)."""
 
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ model, in one process group).
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +28,7 @@ from pipeplan.run import run_plans  # noqa: E402
 pytestmark = pytest.mark.torch
 
 SEQ_LEN = 8
+TESTS = Path(__file__).resolve().parent
 #: Tiny configs; enough units for 8 stages (4 ranks x 2 stages) in each.
 TINY = {
     "hf:gpt2": {"layers": 4, "hidden": 32, "heads": 2, "vocab": 64},
@@ -35,6 +38,9 @@ TINY = {
     "hf:vit": {"layers": 5, "hidden": 32, "heads": 2, "image_size": 16},
     "hf:t5": {"layers": 4, "hidden": 32, "heads": 2, "vocab": 64},
     "pipeplan.profile.examples:tuples": {},
+    "user_models:unet": {},
+    "user_models:t5ish": {},
+    "user_models:inplace": {},
 }
 
 _PROFILES: dict[str, object] = {}
@@ -74,6 +80,29 @@ MATRIX = {
 }
 
 
+#: User models (tests/user_models.py) that once failed, on 2 ranks, each split where it failed:
+#: (schedule, the first unit of each stage but the first). U-Net: its tuple of cropped skips
+#: crosses every boundary; T5: the encoder's bias and the decoder's token ids cross; in-place:
+#: stage 1 starts with nn.ReLU(inplace=True). They run on the units stage builder.
+USER_SPLITS = {
+    "user_models:unet": [("1f1b", ["mid"]), ("interleaved", ["down2", "mid", "up1"])],
+    "user_models:t5ish": [("1f1b", ["encoder.1"]), ("interleaved", ["encoder.0", "encoder.1", "decoder.1"])],
+    "user_models:inplace": [("1f1b", ["2"])],
+}
+
+
+def _split_plan(model: str, ranks: int, schedule: str, firsts: list[str]):
+    """A plan of ``model`` whose stages start at ``firsts`` (after the first): the planner's own
+    split follows the noisy profile, and these cases must cross the boundaries that failed."""
+    plan = _plans(model, ranks, [schedule])[0]
+    order = [layer.name for layer in _profile(model).layers]
+    cuts = [0, *(order.index(name) for name in firsts), len(order)]
+    assert len(plan.stages) == len(cuts) - 1, (model, schedule)
+    for stage, start, end in zip(plan.stages, cuts, cuts[1:]):
+        stage.layers = order[start:end]
+    return plan
+
+
 @pytest.mark.parametrize("ranks", sorted(MATRIX))
 def test_every_model_pipelined_equals_one_process(tmp_path, ranks):
     # One torchrun job runs every model's plans (``run_plans`` with one profile per plan): the
@@ -82,22 +111,29 @@ def test_every_model_pipelined_equals_one_process(tmp_path, ranks):
     cases = [(model, schedule) for model, schedules in MATRIX[ranks].items() for schedule in schedules]
     plans = [plan for model, schedules in MATRIX[ranks].items() for plan in _plans(model, ranks, schedules)]
     assert [plan.schedule for plan in plans] == [schedule for _, schedule in cases]
+    if ranks == 2:
+        for model, splits in USER_SPLITS.items():
+            cases += [(model, schedule) for schedule, _ in splits]
+            plans += [_split_plan(model, ranks, schedule, firsts) for schedule, firsts in splits]
+    # The ranks import tests/user_models.py.
+    python_path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
     reports = run_plans(plans, profile=[_profile(model) for model, _ in cases], steps=2, work_dir=tmp_path,
-                        echo=False, timeout_s=90, verify=True, alone_repeats=0)
+                        echo=False, timeout_s=90, verify=True, alone_repeats=0, env={"PYTHONPATH": python_path})
     failures = []
     for (model, schedule), plan, report in zip(cases, plans, reports):
         verdict = report["verify"]
+        builder = "units" if model.startswith("user_models:") else "traced"
         checks = {
             "verify passed": verdict["passed"],
-            "traced builder": verdict["stage_builder"] == "traced",
+            f"{builder} builder": verdict["stage_builder"] == builder,
             "a row per stage": [row["stage"] for row in verdict["stages"]] == list(range(len(plan.stages))),
             "every gradient": all(not row["missing_gradients"] for row in verdict["stages"]),
             "parameters compared": sum(row["parameters_compared"] for row in verdict["stages"]) > 0,
             "largest difference < 1e-4": verdict["max_rel_diff"] < 1e-4,
             "two losses": len(report["loss"]) == 2,
             "the plan's model": report["run"]["model"] == model,
-            "whole model released": any("whole model" in n and "; released after the build" in n
-                                        for n in report["notes"]),
+            "whole model released": builder == "units" or any(
+                "whole model" in n and "; released after the build" in n for n in report["notes"]),
         }
         failed = [name for name, ok in checks.items() if not ok]
         if failed:
@@ -387,3 +423,46 @@ def test_plan_refuses_a_profile_no_stage_builder_can_run(tmp_path):
     assert result.exit_code == 2
     assert "no stage builder of pipeplan run can run hf:gpt2" in result.output
     assert "data-dependent control flow" in result.output
+
+
+def test_units_stages_pass_tuples_of_contiguous_tensors_between_them():
+    # The U-Net's first stage ends inside its tuples of cropped skips: what it sends is flat and
+    # contiguous (gloo sends no other), and the next stage regroups it into the tuple its first
+    # unit takes; the two stages together compute the whole model's output.
+    from pipeplan.profile.loading import load_bundle, make_microbatch
+    from pipeplan.run.stages import build_rank_stages
+
+    stages = [["down1", "down2"], ["mid", "up2", "up1", "out"]]
+    bundle = load_bundle("user_models:unet", seed=0)
+    (x,), _ = make_microbatch(bundle, 2, None, seed=1)
+    built = build_rank_stages("user_models:unet", stages, [0, 1], example_inputs=(x,), builder="units",
+                              bundle=bundle)
+    sent = built.modules[0](x)
+    assert isinstance(sent, tuple) and len(sent) == 3 and all(t.is_contiguous() for t in sent)
+    assert [tuple(t.shape) for t in built.static_args[1][0]] == [tuple(t.shape) for t in sent]
+    whole = load_bundle("user_models:unet", seed=0).model
+    assert torch.allclose(built.modules[1](*sent), whole(x), atol=1e-6)
+
+
+def test_a_model_with_inplace_relu_profiles_and_names_a_failing_unit():
+    profile = _profile("user_models:inplace")
+    assert [layer.name for layer in profile.layers][:3] == ["0", "1", "2"]  # "2": nn.ReLU(inplace=True)
+    assert profile.measurement["stage_builders"]["run_uses"] == "units"
+
+
+def test_verify_refuses_a_model_with_dropout_before_running(tmp_path):
+    # A user's T5 built from a config keeps T5's dropout of 0.1: a pipelined step and one
+    # process draw different masks, so --verify cannot compare them (it reported gradients
+    # over 100% off, worst on relative_attention_bias). Refused before any rank starts.
+    profile = profile_model("user_models:t5ish_dropout", microbatch_sizes=[1], seq_len=None, repeats=1, warmup=0,
+                            whole_model_check=False)
+    assert "encoder.0.dropout" in profile.measurement["dropout"]["modules"]
+    plan = make_plan(profile, PlanSettings(stages=2, global_batch=4, microbatch_size=1, schedule="1f1b"),
+                     profile_sha256="0" * 64)
+    with pytest.raises(BadInputError, match=r"run --verify: user_models:t5ish_dropout has dropout with p > 0 "
+                                            r"\(encoder.0.dropout, .*build the model with dropout 0"):
+        run_plans([plan], profile=[profile], steps=2, work_dir=tmp_path, echo=False, verify=True)
+    assert not list(tmp_path.glob("*rank*"))  # no rank started
+    # Without dropout (the same model) nothing is recorded.
+    assert "dropout" not in _profile("user_models:t5ish").measurement
+

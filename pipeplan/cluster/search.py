@@ -30,7 +30,7 @@ from pipeplan.cluster.iteration import iteration_parts, pipeline_lower_bound_ms
 from pipeplan.cluster.memory import plannable_bytes, zero3_gathered_bytes
 from pipeplan.cluster.placement import Layout
 from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, tensor_degrees
-from pipeplan.cluster.space import candidates, parallel_degrees
+from pipeplan.cluster.space import batch_divisor_note, candidates, parallel_degrees
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.facts.schedules import valid_virtual_stages
 from pipeplan.facts.training_state import optimizer_step_ms, state_bytes_per_param_byte, training_state
@@ -144,6 +144,8 @@ class _Search:
     views: dict = field(default_factory=dict)
     """(t, recomputation family) -> the profile one GPU sees (:class:`DegreeView`)."""
     trials: list = field(default_factory=list)
+    batch_note: Optional[str] = None
+    """The data-parallel degrees the global batch leaves out (:func:`batch_divisor_note`), if any."""
 
     def run(self, trial: _Trial, best_ms: Optional[float] = None) -> None:
         _run_trial(trial, self.profile, self.settings, self.views[(trial.tensor, trial.family)], self.cluster,
@@ -162,8 +164,9 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
                     default=(math.inf, None, 0))
         raise InfeasibleError(infeasible_message(trials, settings, cluster, search.usable, search.cap, total_state,
                                                   needs))
-    return assemble_cluster_plan(best, trials, profile, settings, search.views[(best.tensor, best.family)], cluster,
-                     search.cap, search.state)
+    plan = assemble_cluster_plan(best, trials, profile, settings, search.views[(best.tensor, best.family)], cluster,
+                                 search.cap, search.state)
+    return plan.model_copy(update={"notes": [*plan.notes, search.batch_note]}) if search.batch_note else plan
 
 
 def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bool) -> _Search:
@@ -188,7 +191,10 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
         state=training_state(settings.optimizer, profile.dtype_bytes), hbm=hbm_bytes_per_s(profile, cluster),
         overlap=DEFAULT_OVERLAP if settings.data_parallel_overlap is None else settings.data_parallel_overlap,
         sizes_all=profile.microbatch_sizes if settings.microbatch_size is None else [settings.microbatch_size],
-        profile_sha256=profile_sha256, record_time=record_time)
+        profile_sha256=profile_sha256, record_time=record_time,
+        batch_note=batch_divisor_note(degrees, settings.global_batch,
+                                      profile.microbatch_sizes if settings.microbatch_size is None
+                                      else [settings.microbatch_size]))
     # The (d, t, p) that some micro-batch size b runs with d x b dividing the batch (space.candidates
     # raises, naming the sizes, when none does).
     runnable = sorted({(c.data, c.tensor, c.pipeline) for c in candidates(degrees, settings.global_batch,

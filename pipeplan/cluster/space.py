@@ -19,6 +19,7 @@ candidate by the planner; their own rules (e.g. ``m`` against ``p``) are the sch
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -200,3 +201,32 @@ def candidates(degrees: Iterable[Degrees], global_batch: int, microbatch_sizes: 
             f"--global-batch: {global_batch} is not divisible by d x b for any data-parallel degree "
             f"d in {datas} and micro-batch size b in {sizes}")
     return sorted(out)
+
+
+def batch_divisor_note(degrees: Iterable[Degrees], global_batch: int, microbatch_sizes: Iterable[int]) -> Optional[str]:
+    """Which data-parallel degrees the global batch leaves out, and the nearest batches that keep
+    them all; None when it keeps every one.
+
+    The search only tries a layout whose ``d x b`` divides the batch for some micro-batch size
+    ``b``: a batch with few divisors (1001 on 512 GPUs) silently left only d = 1.
+
+    Examples
+    --------
+    >>> print(batch_divisor_note([Degrees(1, 1, 8), Degrees(2, 1, 4), Degrees(8, 1, 1)], 1001, [1, 2]))
+    global batch 1001 leaves out d = 2, 8 (d x the micro-batch size must divide it, sizes [1, 2]): only d = 1 was searched; a global batch of 1000 or 1008 keeps every d
+    >>> batch_divisor_note([Degrees(2, 1, 4)], 32, [1, 2]) is None
+    True
+    """
+    sizes = sorted({int(b) for b in microbatch_sizes if int(b) >= 1})
+    datas = sorted({deg.data for deg in degrees})
+    kept = [d for d in datas if any(global_batch % (d * b) == 0 for b in sizes)]
+    left_out = [d for d in datas if d not in kept]
+    if not left_out or not sizes:
+        return None
+    step = math.lcm(*(d * sizes[0] for d in datas))
+    lower, upper = (global_batch // step) * step, (global_batch // step + 1) * step
+    nearest = f"{lower} or {upper}" if lower > 0 else f"{upper}"
+    return (f"global batch {global_batch} leaves out d = {', '.join(map(str, left_out))} (d x the micro-batch size "
+            f"must divide it, sizes {sizes}): only d = {', '.join(map(str, kept)) or 'none'} was searched; "
+            f"a global batch of {nearest} keeps every d")
+

@@ -52,6 +52,8 @@ def cluster_plan_tables(plan):
         return f"{ms:.1f} ms ({ms / p.iteration_ms:.1%})" if p.iteration_ms else f"{ms:.1f} ms"
 
     rows = [
+        ("global batch", f"{par.data * plan.num_microbatches * plan.microbatch_size} samples "
+                         f"(d={par.data} replicas x {plan.num_microbatches} x {plan.microbatch_size})"),
         ("micro-batches per replica", f"{plan.num_microbatches} x {plan.microbatch_size} samples"),
         ("iteration", f"{p.iteration_ms:.1f} ms"),
         ("  compute", share(p.compute_ms)),

@@ -156,7 +156,8 @@ def gap_findings(result: Diagnosis) -> list[Finding]:
     if result.plan is None:
         return [Finding("best-plan", "info", "",
                         f"pipeplan's best plan for {config.pipeline_degree} ranks: {best.schedule}, "
-                        f"{len(best.stages)} stages, {best.num_microbatches} x {best.microbatch_size}, predicted "
+                        f"{len(best.stages)} stages, {best.num_microbatches} micro-batches of {best.microbatch_size}, "
+                        f"predicted "
                         f"{best.predicted.iteration_ms:.6g} ms per iteration", "--fix writes it")]
     speedup = result.speedup
     if speedup <= 1 + 1e-3:

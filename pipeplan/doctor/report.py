@@ -37,8 +37,9 @@ def _stage_rows(result: Diagnosis) -> list[tuple[str, ...]]:
 def _summary(result: Diagnosis) -> list[str]:
     c = result.config
     lines = [f"{c.path}: {c.launcher}, {c.pipeline_degree} pipeline ranks x {c.virtual_stages} virtual stages, "
-             f"{c.schedule}, tensor {c.tensor_degree}, data {c.data_degree or '?'}, micro-batch {c.microbatch_size} "
-             f"x {c.num_microbatches if c.num_microbatches is not None else '?'} per replica, recompute {c.recompute}"]
+             f"{c.schedule}, tensor {c.tensor_degree}, data {c.data_degree or '?'}, "
+             f"{c.num_microbatches if c.num_microbatches is not None else '?'} micro-batches of {c.microbatch_size} "
+             f"per replica, recompute {c.recompute}"]
     if result.plan is not None and result.plan.parallelism is not None:
         par, plan = result.plan.parallelism, result.plan
         lines.append(f"on {plan.settings.cluster.name}: {par.num_gpus} GPUs as d={par.data} x t={par.tensor} x "
@@ -54,15 +55,15 @@ def _summary(result: Diagnosis) -> list[str]:
     if result.best is not None:
         b = result.best
         lines.append(f"best plan ({c.launcher} can run it): {b.schedule}, v = {b.virtual_stages}, "
-                     f"{b.num_microbatches} x {b.microbatch_size}, layers per stage "
+                     f"{b.num_microbatches} micro-batches of {b.microbatch_size}, layers per stage "
                      f"{[len(s.layers) for s in sorted(b.stages, key=lambda s: s.index)]}, predicted "
                      f"{b.predicted.iteration_ms:.6g} ms"
                      + (f" (ZeRO {b.parallelism.zero_stage})" if b.parallelism is not None else ""))
     if result.best_any is not None:
         b, par = result.best_any, result.best_any.parallelism
         lines.append(f"best plan for the same {par.num_gpus} GPUs: d={par.data} x t={par.tensor} x p={par.pipeline}, "
-                     f"ZeRO {par.zero_stage}, {b.schedule}, v = {b.virtual_stages}, {b.num_microbatches} x "
-                     f"{b.microbatch_size} per replica, predicted {b.predicted.iteration_ms:.6g} ms")
+                     f"ZeRO {par.zero_stage}, {b.schedule}, v = {b.virtual_stages}, {b.num_microbatches} "
+                     f"micro-batches of {b.microbatch_size} per replica, predicted {b.predicted.iteration_ms:.6g} ms")
     return lines
 
 

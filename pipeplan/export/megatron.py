@@ -293,6 +293,9 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
         ("--micro-batch-size", str(degrees.microbatch_size)),
         ("--global-batch-size", str(degrees.global_batch)),
     ]
+    if profile.sequence_length:
+        # The sequence the plan's costs and memory were profiled at (Megatron-LM has no default).
+        flags.append(("--seq-length", str(profile.sequence_length)))
     lines.append("PIPEPLAN_MEGATRON_ARGS=(")
     lines += [f"    {flag}" + ("" if value is None else f" {shlex.quote(value)}") for flag, value in flags]
     lines.append(")")

@@ -275,6 +275,9 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profi
                   f"local_batch_size = {degrees.microbatch_size}"]
     lines += [f"# local_batch_size x data-parallel replicas x {1 if pipelined else degrees.num_microbatches} "
               f"accumulation step(s)",
-              f"global_batch_size = {degrees.global_batch}",
-              "", "[activation_checkpoint]", *checkpoint]
+              f"global_batch_size = {degrees.global_batch}"]
+    if profile is not None and profile.sequence_length:
+        # The sequence the plan was profiled at; without it torchtitan trains at its default, 2048.
+        lines.append(f"seq_len = {profile.sequence_length}")
+    lines += ["", "[activation_checkpoint]", *checkpoint]
     return "\n".join(lines) + "\n"

@@ -13,6 +13,7 @@ from pipeplan.formats.profile import Device, Layer, LayerCost, Profile, TiedWeig
 from pipeplan.profile.allocator import keep_freed_memory
 from pipeplan import __version__
 from pipeplan.formats.io import write_json_atomic
+from pipeplan.profile.tracing import active_dropout
 
 __all__ = ["profile_model", "profile_to_file", "parse_microbatch_sizes", "summary_table",
            "forward_failure"]
@@ -298,6 +299,7 @@ def profile_model(
                             bar.advance(task)
                     timers = {}
                     for name in order:
+                        current = name  # a unit that fails here is named, not the whole model
                         timers[name] = UnitTimer(
                             net.get_submodule(name), seen.calls[name], device=torch_device,
                             exclude=exclude, loss=loss_last if name == last else None,
@@ -368,6 +370,7 @@ def profile_model(
         example, _ = make_microbatch(bundle, sizes[0], seq_len, seed=seed, device=torch_device, dtype=torch_dtype)
         builders = check_builders(model, net, order, graph, example)
         del example
+        dropout = active_dropout(net)
         device_model, device_extra = _device_info(torch_device)
         from pipeplan.profile.hf import hf_unit_kinds, is_hf_model
 
@@ -437,6 +440,11 @@ def profile_model(
                           "units; their calls are code between units, run in the stage that needs them",
             } if repeated else None,
             "stage_builders": builders,
+            "dropout": {
+                "modules": dropout,
+                "method": "dropout modules with p > 0 in training mode: run --verify refuses the model "
+                          "(a pipeline and one process draw different masks)",
+            } if dropout else None,
             "load_average_before": load_before,
             "load_average_after": _load_average(),
             "whole_model_check": checks,

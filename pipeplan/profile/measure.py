@@ -125,7 +125,10 @@ class UnitMeasurement:
     backward_samples: list[float] = field(default_factory=list, repr=False)
 
 
-def _fresh(call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[Any, ...], dict[str, Any], list]:
+def _fresh(call: tuple[tuple[Any, ...], dict[str, Any]],
+           copy: bool = False) -> tuple[tuple[Any, ...], dict[str, Any], list]:
+    """The call's inputs as fresh leaves that require grad (and the leaves); with ``copy``, the
+    unit gets a copy of each leaf instead, which it may change in place."""
     leaves: list[torch.Tensor] = []
 
     def leaf(t: Any) -> Any:
@@ -135,10 +138,16 @@ def _fresh(call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[Any, ...
         if t.is_floating_point() or t.is_complex():
             t.requires_grad_(True)
             leaves.append(t)
+            return t.clone() if copy else t
         return t
 
     args, kwargs = tree_map(leaf, call)
     return args, kwargs, leaves
+
+
+def _changes_leaf_in_place(exc: BaseException) -> bool:
+    """True for autograd's refusal of an in-place change to a leaf (or a view of one)."""
+    return "leaf Variable that requires grad is being used in an in-place operation" in str(exc)
 
 
 def _grad_outputs(out: Any) -> list[torch.Tensor]:
@@ -201,9 +210,21 @@ class UnitTimer:
         self.module, self.call, self.device, self.loss = module, call, device, loss
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.split_backward = split_backward
+        self.copy_inputs = False
         args, kwargs, leaves = _fresh(call)
-        with saved_activation_bytes(exclude=exclude) as saved:
-            raw, out = self._forward(args, kwargs)
+        try:
+            with saved_activation_bytes(exclude=exclude) as saved:
+                raw, out = self._forward(args, kwargs)
+        except RuntimeError as exc:
+            if not _changes_leaf_in_place(exc):
+                raise
+            # A unit that changes its input in place (torchvision's nn.ReLU(inplace=True) as a
+            # unit of its own) refuses a leaf; in a model its input is an earlier op's output.
+            # So it gets a copy of the leaf, as a pipeline stage gives it (pipeplan/run/stages.py).
+            self.copy_inputs = True
+            args, kwargs, leaves = _fresh(call, copy=True)
+            with saved_activation_bytes(exclude=exclude) as saved:
+                raw, out = self._forward(args, kwargs)
         self.output_bytes = tensor_bytes(raw)
         outs = _grad_outputs(out)
         self.grads = None if loss is not None else [torch.randn_like(t) for t in outs]
@@ -226,7 +247,7 @@ class UnitTimer:
 
     def sample(self, record: bool = True, input_pass: bool = False) -> None:
         """One timed forward and backward; with ``input_pass`` also an input-gradient-only pass."""
-        a, kw, _ = _fresh(self.call)
+        a, kw, _ = _fresh(self.call, self.copy_inputs)
         t_f, (_, o) = _timed(lambda: self._forward(a, kw), self.device)
         o_list = _grad_outputs(o)
         t_b = 0.0
@@ -237,7 +258,7 @@ class UnitTimer:
             self.forward_samples.append(t_f)
             self.backward_samples.append(t_b)
         if input_pass and self.split:
-            a, kw, ins = _fresh(self.call)
+            a, kw, ins = _fresh(self.call, self.copy_inputs)
             t_f2, (_, o) = _timed(lambda: self._forward(a, kw), self.device)
             o_list = _grad_outputs(o)
             try:

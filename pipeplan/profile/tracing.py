@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 from pipeplan.errors import BadInputError
 from pipeplan.profile.hf import is_hf_model
 
-__all__ = ["Routing", "traced_stage_class", "traced_split", "check_builders"]
+__all__ = ["Routing", "traced_stage_class", "traced_split", "check_builders", "active_dropout"]
 
 
 class Routing:
@@ -216,3 +216,13 @@ def check_builders(model_name: str, net: Any, order: Sequence[str], graph: Any, 
     for p in net.parameters():
         p.grad = None
     return record
+
+
+def active_dropout(model: Any) -> list[str]:
+    """Names of the model's dropout modules that draw masks (``p > 0``, in training mode): a
+    pipelined step and one process draw different masks, so ``run --verify`` refuses them
+    (:mod:`pipeplan.run.verify`); the profile records them."""
+    import torch
+
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0 and module.training]

@@ -51,6 +51,7 @@ from pipeplan.facts.schedules import check_schedule
 from pipeplan.run.report import build_report
 from pipeplan.formats.io import (check_output_target, file_sha256, load_plan, load_profile, refuse_overwriting_input,
                                  write_text_atomic)
+from pipeplan.run.verify import dropout_refusal
 
 __all__ = [
     "RunFailedError",
@@ -423,6 +424,12 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
     for one in specs:
         if one["seq_len"] is None:
             one["seq_len"] = 128
+    if verify:
+        # Refused before any rank starts; the ranks check the model itself where no profile says.
+        for one, prof in zip(specs, profiles):
+            dropout = (getattr(prof, "measurement", None) or {}).get("dropout")
+            if dropout:
+                raise BadInputError(dropout_refusal(one["model"], dropout["modules"]))
     spec = specs[0]
 
     with StopOnSignals():

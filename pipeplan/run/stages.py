@@ -38,6 +38,7 @@ from pipeplan.errors import BadInputError
 from pipeplan.profile.tracing import Routing, check_builders, traced_split, traced_stage_class
 from pipeplan.run.gradsync import TiedGrads  # re-exported: it lived here before gradsync
 from pipeplan.profile.hf import is_hf_model
+from pipeplan.run.unitstages import as_units_stages
 
 __all__ = [
     "RankStages",
@@ -145,9 +146,11 @@ def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_i
                                unit_patterns=unit_patterns, **options) for i in stage_indices]
         bundle = load_bundle(model, seed=seed, device=device, dtype=dtype,
                              **({"materialise": []} if ":" not in model else {}), **options)
+        static = as_units_stages(modules, stage_indices, len(stage_layers),
+                                 bundle.model if ":" in model else None, example_inputs)
         loss = bundle.loss_fn or default_loss
         names = [{n: n for n, _ in m.named_parameters()} for m in modules]
-        return RankStages(modules=modules, builder="units", loss=loss, param_names=names)
+        return RankStages(modules=modules, builder="units", loss=loss, param_names=names, static_args=static)
 
     bundle = bundle or load_bundle(model, seed=seed, device=device, dtype=dtype, **options)
     net = bundle.model

@@ -22,10 +22,26 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from pipeplan.errors import PipeplanError
+from pipeplan.errors import BadInputError, PipeplanError
+from pipeplan.profile.tracing import active_dropout
 
-__all__ = ["microbatches", "reference_step", "compare_stage", "compare_rank", "summarize", "default_tolerance",
+__all__ = ["active_dropout", "dropout_refusal", "refuse_dropout", "microbatches", "reference_step", "compare_stage", "compare_rank", "summarize", "default_tolerance",
            "attach_verdict", "check_verdict", "verdict_lines", "VerifyFailedError"]
+
+
+def dropout_refusal(model: str, names: Sequence[str]) -> str:
+    """Why ``--verify`` cannot check a model with active dropout, and what to do."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"run --verify: {model} has dropout with p > 0 ({shown}): a pipelined step and one process draw "
+            f"different dropout masks, so their gradients cannot be compared; build the model with dropout 0 "
+            f"for --verify (hf: models are), or run without --verify")
+
+
+def refuse_dropout(model: str, bundle: Any) -> None:
+    """Raise :class:`BadInputError` when the bundle's model (if built) has active dropout."""
+    names = active_dropout(bundle.model) if bundle is not None and bundle.model is not None else []
+    if names:
+        raise BadInputError(dropout_refusal(model, names))
 
 
 class VerifyFailedError(PipeplanError):

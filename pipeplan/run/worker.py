@@ -267,7 +267,9 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
     first_inputs, first_target_batch = replica_share(global_inputs, global_target, groups.data_rank, data)
     reference = None
     if config.get("verify"):
-        from pipeplan.run.verify import reference_step
+        from pipeplan.run.verify import reference_step, refuse_dropout
+
+        refuse_dropout(model, whole)
 
         # Before the stages are built from the same model: the reference leaves the weights as
         # they were and clears its gradients.
@@ -276,9 +278,11 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         reference = reference_step(ref_bundle, global_inputs, global_target, m * data)
         del ref_bundle
     del global_inputs, global_target
-    if builder == "traced":
+    if builder == "traced" or whole is not None:
         from pipeplan.run.verify import microbatches
 
+        # The traced builder traces on it; the units builder reads off it how a user model's
+        # units pass tuples between stages.
         example = microbatches(first_inputs, first_target_batch, m)[0][0]
     built = build_rank_stages(model, [s.layers for s in plan.stages], [s.index for s in stages_here],
                               example_inputs=example, seed=seed, device=device, dtype=dtype,

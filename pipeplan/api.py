@@ -12,7 +12,7 @@ from pipeplan.cluster.search import plan_cluster
 from pipeplan.requests import ClusterRequest, PipelineRequest, Request, request_of
 from pipeplan.plan.given import plan_split
 from pipeplan.plan.search import make_plan, with_profile_defaults
-from pipeplan.formats.limits import check_microbatch_count
+from pipeplan.formats.limits import check_microbatch_count, check_option_range
 from pipeplan.importers import import_pipedream
 from pipeplan.plan.baselines import compare_baselines
 from pipeplan.formats.io import load_report
@@ -51,6 +51,11 @@ def make_profile(model: str, output: str | Path, *, analytic: bool = False, micr
     BadInputError
         An option of the other kind, a bad model or config, sizes that do not parse.
     """
+    # Sizes bounded before any work: a million layers would build for hours (docs/formats.md).
+    for option, value in (("--layers", (options or {}).get("layers")), ("--hidden", (options or {}).get("hidden")),
+                          ("--heads", (options or {}).get("heads")), ("--vocab", (options or {}).get("vocab")),
+                          ("--seq-len", seq_len)):
+        check_option_range(option, value)
     if analytic:
         return analytic_profile_to_file(
             model, output, gpu=gpu, gpu_spec=gpu_spec, microbatch_sizes=microbatch_sizes,

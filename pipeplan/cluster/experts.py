@@ -24,7 +24,8 @@ from pipeplan.errors import BadInputError
 from pipeplan.facts.training_state import optimizer_step_ms, state_bytes_per_param_byte, state_memory
 
 __all__ = ["check_expert_request", "expert_choices", "expert_data_degree", "expert_group", "view_expert_bytes",
-           "moe_rank_tails", "moe_static_bytes", "moe_stage_memory"]
+           "moe_rank_tails", "moe_tails_lower_bound", "moe_static_bytes", "moe_stage_memory", "expert_note",
+           "no_expert_layout_message"]
 
 
 def check_expert_request(profile, settings) -> None:
@@ -122,3 +123,35 @@ def moe_stage_memory(param_bytes: float, expert_bytes: float, dtype_bytes: int, 
     dense = state_memory((param_bytes - expert_bytes) / dtype_bytes, state, zero_stage, data)
     expert = state_memory(expert_bytes / dtype_bytes, state, zero_stage, expert_data)
     return dense, expert.total_bytes
+
+
+def moe_tails_lower_bound(trial, rank_params, m: int, cluster, state, hbm, overlap: float, fp16: bool,
+                          step_efficiency: float):
+    """A lower bound on each rank's sync and step from its total parameters alone (the pipeline
+    search's incumbent knows no more): all of them as dense or all as experts, whichever is
+    cheaper. Each group's time is a latency plus bytes at a rate, so the split's time, both
+    latencies and each share at its own rate, is at least the cheaper of the two."""
+    as_dense = moe_rank_tails(trial, rank_params, [0.0] * len(rank_params), m, cluster, state, hbm, overlap, fp16,
+                              step_efficiency)
+    as_experts = moe_rank_tails(trial, rank_params, rank_params, m, cluster, state, hbm, overlap, fp16,
+                                step_efficiency)
+    return ([min(a, b) for a, b in zip(as_dense[0], as_experts[0])],
+            [min(a, b) for a, b in zip(as_dense[1], as_experts[1])])
+
+
+def expert_note(profile, group: ExpertGroup, expert_data: int) -> str:
+    """The plan's note on its expert parallelism."""
+    n = profile.experts.num_experts
+    link = "the intra-node link" if group.ranks_per_node >= group.expert else "the network"
+    routing = f"imbalance {group.imbalance:g} (--expert-imbalance)" if group.imbalance != 1 else "balanced"
+    return (f"expert parallelism E={group.expert} (expert-tensor {group.expert_tensor}, expert-data {expert_data}): "
+            f"each GPU holds {n // group.expert} of the {n} experts of each MoE layer; dispatch and combine "
+            f"all-to-alls over {link}; routing {routing}")
+
+
+def no_expert_layout_message(profile, settings) -> str:
+    etp = settings.expert_tensor_parallel or 1
+    return (f"--expert-parallel: no layout has an expert-parallel degree that divides its data-parallel degree "
+            f"and the model's {profile.experts.num_experts} experts"
+            + (f" with --expert-tensor-parallel {etp} dividing t" if etp > 1 else "")
+            + (f" (E = {settings.expert_parallel} must divide d)" if settings.expert_parallel else ""))

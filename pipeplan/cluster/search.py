@@ -25,7 +25,8 @@ from typing import Optional
 
 from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
 from pipeplan.cluster.experts import (check_expert_request, expert_choices, expert_data_degree, expert_group,
-                                      moe_rank_tails, moe_stage_memory, moe_static_bytes, view_expert_bytes)
+                                      expert_note, moe_rank_tails, moe_stage_memory, moe_static_bytes,
+                                      moe_tails_lower_bound, no_expert_layout_message, view_expert_bytes)
 from pipeplan.cluster.bounds import seed_estimate_ms, unit_sums
 from pipeplan.cluster.iteration import (iteration_parts, model_flops_utilization, pipeline_lower_bound_ms,
                                         tokens_per_s_per_gpu)
@@ -249,11 +250,7 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
                                                 expert_tensor=etp, moe=moe,
                                                 expert_data=expert_data_degree(d, t, e, etp) if moe else d))
     if moe and not search.trials:
-        raise BadInputError(
-            f"--expert-parallel: no layout has an expert-parallel degree that divides its data-parallel degree "
-            f"and the model's {profile.experts.num_experts} experts"
-            + (f" with --expert-tensor-parallel {etp} dividing t" if etp > 1 else "")
-            + (f" (E = {settings.expert_parallel} must divide d)" if settings.expert_parallel else ""))
+        raise BadInputError(no_expert_layout_message(profile, settings))
     return search
 
 
@@ -466,15 +463,9 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     if best_ms is not None and settings.layers_per_stage is None:
         def iteration_ms(rank_end_ms, rank_param_bytes, m):
             params = [b / profile.dtype_bytes for b in rank_param_bytes]
-            if trial.moe:
-                # Only each rank's total is known here: a lower bound on the split sync and step
-                # (all of it as dense, or all as experts, whichever is cheaper).
-                as_dense = moe_rank_tails(trial, params, [0.0] * len(params), m, cluster, state, hbm, overlap, fp16,
-                                          OPTIMIZER_HBM_EFFICIENCY)
-                as_experts = moe_rank_tails(trial, params, params, m, cluster, state, hbm, overlap, fp16,
-                                            OPTIMIZER_HBM_EFFICIENCY)
-                sync = [min(a, b) for a, b in zip(as_dense[0], as_experts[0])]
-                step = [min(a, b) for a, b in zip(as_dense[1], as_experts[1])]
+            if trial.moe:  # only each rank's total is known here: a lower bound
+                sync, step = moe_tails_lower_bound(trial, params, m, cluster, state, hbm, overlap, fp16,
+                                                   OPTIMIZER_HBM_EFFICIENCY)
             else:
                 sync, step = _rank_tails(trial, params, m, span, cluster, state, hbm, overlap, fp16)
             return max(end + s for end, s in zip(rank_end_ms, sync)) + max(step)
@@ -655,13 +646,7 @@ def _assemble(best: _Trial, trials, profile, settings: PlanSettings, view: Degre
         f"compute (--data-parallel-overlap)" if d > 1 else "no data parallelism: no gradient sync",
     ]
     if best.moe:
-        group = view.experts
-        notes.append(
-            f"expert parallelism E={best.expert} (expert-tensor {best.expert_tensor}, expert-data {best.expert_data}): "
-            f"each GPU holds {profile.experts.num_experts // best.expert} of the {profile.experts.num_experts} experts "
-            f"of each MoE layer; dispatch and combine all-to-alls over "
-            f"{'the intra-node link' if group.ranks_per_node >= best.expert else 'the network'}; routing "
-            + (f"imbalance {group.imbalance:g} (--expert-imbalance)" if group.imbalance != 1 else "balanced"))
+        notes.append(expert_note(profile, view.experts, best.expert_data))
     if hbm_bytes_per_s(profile, cluster) is None:
         notes.append(f"optimizer step not timed: no HBM bandwidth known for {cluster.gpu}")
     out_settings = settings.model_copy(update={

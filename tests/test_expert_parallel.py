@@ -305,3 +305,49 @@ def test_expert_group_on_the_network_when_it_spans_nodes():
     group = expert_group(Settings, DGX, data=16, tensor=1, pipeline=1, expert=16)
     assert (group.expert, group.ranks_per_node) == (16, 8)
     assert expert_group(Settings, DGX, data=16, tensor=1, pipeline=1, expert=4).ranks_per_node == 4
+
+
+# ---------------------------------------------------------------- the Megatron-LM export
+
+
+def test_megatron_export_of_an_ep_plan_is_megatron_cores(moe_profile, tmp_path):
+    """The flags build megatron-core's own TransformerConfig (its MoE checks) and its expert rank
+    generator, whose expert-parallel groups are the plan's (E consecutive GPUs at ETP 1)."""
+    pytest.importorskip("torch")
+    try:
+        import torch
+        from megatron.core import parallel_state
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except ImportError:
+        pytest.skip("megatron-core not installed")
+    from pipeplan.export import export_plan
+    from tests.test_export_parallel import megatron_flags
+
+    profile, path = moe_profile
+    out = tmp_path / "plan.json"
+    result = _plan(path, "--expert-parallel", "4", "--data-parallel", "8", "--tensor-parallel", "2",
+                   "--launcher", "megatron", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    flags = megatron_flags(export_plan(plan, profile, "megatron")[".sh"])
+    assert (flags["--num-experts"], flags["--expert-model-parallel-size"], flags["--expert-tensor-parallel-size"],
+            flags["--moe-router-topk"]) == ("8", "4", "1", "2")
+    config = TransformerConfig(
+        num_layers=int(flags["--num-layers"]), hidden_size=512, num_attention_heads=8,
+        tensor_model_parallel_size=int(flags["--tensor-model-parallel-size"]),
+        pipeline_model_parallel_size=int(flags["--pipeline-model-parallel-size"]),
+        pipeline_model_parallel_layout=flags.get("--pipeline-model-parallel-layout"),
+        sequence_parallel="--sequence-parallel" in flags, pipeline_dtype=torch.bfloat16,
+        num_moe_experts=int(flags["--num-experts"]), moe_router_topk=int(flags["--moe-router-topk"]),
+        moe_ffn_hidden_size=int(flags["--moe-ffn-hidden-size"]),
+        expert_model_parallel_size=int(flags["--expert-model-parallel-size"]),
+        expert_tensor_parallel_size=int(flags["--expert-tensor-parallel-size"]),
+        moe_token_dispatcher_type=flags["--moe-token-dispatcher-type"])
+    par = plan.parallelism
+    etp, ep, pp = config.expert_tensor_parallel_size, config.expert_model_parallel_size, par.pipeline
+    edp = par.num_gpus // (etp * ep * pp)
+    assert edp == par.expert_data
+    experts = parallel_state.RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1, order="tp-ep-dp-pp")
+    layout = Layout(par.data, par.tensor, par.pipeline, par.gpus_per_node)
+    assert tuple(experts.get_ranks("ep")[0]) == layout.expert_group(ep, etp)
+    assert tuple(experts.get_ranks("dp")[0]) == layout.expert_data_group(ep, etp)

@@ -351,3 +351,45 @@ def test_megatron_export_of_an_ep_plan_is_megatron_cores(moe_profile, tmp_path):
     layout = Layout(par.data, par.tensor, par.pipeline, par.gpus_per_node)
     assert tuple(experts.get_ranks("ep")[0]) == layout.expert_group(ep, etp)
     assert tuple(experts.get_ranks("dp")[0]) == layout.expert_data_group(ep, etp)
+
+
+# ---------------------------------------------------------------- doctor
+
+
+#: The parallel flags of NVIDIA's examples/mixtral/train_mixtral_8x7b_distributed.sh (Megatron-LM),
+#: restated: Mixtral 8x7B, t = 1, p = 4, E = 8, the distributed optimizer, 8 GPUs per node.
+MIXTRAL_SCRIPT = """#!/bin/bash
+GPUS_PER_NODE=8
+NNODES=${SLURM_NNODES:-"1"}
+ARGS=(--seq-length 4096 --num-layers 32 --hidden-size 4096 --num-attention-heads 32
+      --num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall
+      --micro-batch-size 1 --global-batch-size 256 --bf16
+      --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --expert-model-parallel-size EP
+      --use-distributed-optimizer --sequence-parallel)
+torchrun --nproc_per_node $GPUS_PER_NODE --nnodes $NNODES pretrain_gpt.py ${ARGS[@]}
+"""
+
+
+@pytest.fixture(scope="module")
+def mixtral_8x7b(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mixtral") / "mixtral-8x7b.json"
+    path.write_text(dump_model(analytic_profile("mixtral-8x7b", get_gpu("h100-sxm"), seq_len=4096,
+                                                microbatch_sizes=(1,), tensor_parallel=(1,))))
+    return path
+
+
+@pytest.mark.parametrize("ep", [8, 1])
+def test_doctor_reads_the_expert_parallel_size_of_nvidias_mixtral_script(mixtral_8x7b, tmp_path, ep):
+    """On 32 H100s (SLURM_NNODES=4) the script fits at its E = 8: no over-memory error, and doctor
+    says what the experts take; at E = 1 every GPU would hold every expert, and it does not fit."""
+    script = tmp_path / "train_mixtral_8x7b_distributed.sh"
+    script.write_text(MIXTRAL_SCRIPT.replace("EP", str(ep)))
+    result = CliRunner().invoke(app, ["doctor", "megatron", str(script), "--profile", str(mixtral_8x7b),
+                                      "--cluster", "dgx-h100", "--var", "SLURM_NNODES=4"])
+    if ep == 8:
+        assert result.exit_code == 0, result.output
+        assert "over-memory" not in result.output
+        assert "--expert-model-parallel-size 8: each GPU holds 1 of the 8 experts" in result.output
+        assert "experts" in result.output.split("memory per GPU:")[1].splitlines()[1]
+    else:
+        assert result.exit_code == 1 and result.output.count("[over-memory]") == 4

@@ -83,11 +83,7 @@ def expert_group(settings, cluster, data: int, tensor: int, pipeline: int, exper
 
 def view_expert_bytes(view, layer_names) -> float:
     """The routed experts' parameter bytes one GPU holds of these units (the view's)."""
-    by_name = getattr(view, "_expert_bytes", None)
-    if by_name is None:
-        by_name = {layer.name: layer.expert_param_bytes or 0 for layer in view.profile.layers}
-        object.__setattr__(view, "_expert_bytes", by_name)
-    return float(sum(by_name.get(name, 0) for name in layer_names))
+    return view.stage_expert_bytes(layer_names)
 
 
 def moe_static_bytes(optimizer: str, dtype_bytes: int, zero_stage: int, data: int, expert_data: int,

@@ -122,6 +122,14 @@ class DegreeView:
     """``{(MoE unit name, micro-batch size): {part: (forward ms, backward ms)}}`` for the parts of
     :data:`EXPERT_PARTS` (empty for a dense profile)."""
     experts: ExpertGroup = field(default_factory=ExpertGroup)
+    expert_bytes: dict = field(default_factory=dict)
+    """``{MoE unit name: routed-expert parameter bytes one GPU holds}`` (empty for a dense profile)."""
+
+    def stage_expert_bytes(self, layer_names) -> float:
+        """The routed experts' parameter bytes one GPU holds of these units."""
+        if not self.expert_bytes:
+            return 0.0
+        return float(sum(self.expert_bytes.get(name, 0) for name in layer_names))
 
     def stage_expert_ms(self, layer_names, microbatch_size: int, recompute: bool) -> dict:
         """The MoE parts' time of a stage per micro-batch (the forward's twice if it recomputes)."""
@@ -214,7 +222,9 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
                                   for tie in profile.tied_weights]
     view = profile.model_copy(update=update)
     return DegreeView(profile=view, tensor_parallel=t, selective=selective, tensor_parallel_ms=tp_ms,
-                      expert_ms=ep_ms, experts=experts)
+                      expert_ms=ep_ms, experts=experts,
+                      expert_bytes={layer.name: layer.expert_param_bytes for layer in layers
+                                    if layer.expert_param_bytes})
 
 
 def _expert_parts(cost, experts: ExpertGroup, cluster: ClusterSpec) -> dict:

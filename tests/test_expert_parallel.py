@@ -393,3 +393,22 @@ def test_doctor_reads_the_expert_parallel_size_of_nvidias_mixtral_script(mixtral
         assert "experts" in result.output.split("memory per GPU:")[1].splitlines()[1]
     else:
         assert result.exit_code == 1 and result.output.count("[over-memory]") == 4
+
+
+@settings(max_examples=15, deadline=None)
+@given(e=st.sampled_from([1, 2, 4, 8]), f=st.floats(1.0, 3.0), size=st.sampled_from([1, 2]))
+def test_view_property_experts_add_up_and_time_only_grows(moe_profile, e, f, size):
+    """At any E and imbalance: the GPUs of a group hold every expert once (up to rounding), the
+    dense bytes are untouched, and no unit gets faster than the plain view."""
+    profile, _ = moe_profile
+    plain = degree_view(profile, 1, DGX)
+    view = degree_view(profile, 1, DGX, experts=ExpertGroup(expert=e, imbalance=f, ranks_per_node=e))
+    for layer, seen, base in zip(profile.layers, view.profile.layers, plain.profile.layers):
+        held = (seen.expert_param_bytes or 0) * e
+        assert 0 <= held - (layer.expert_param_bytes or 0) < e
+        assert seen.param_bytes - (seen.expert_param_bytes or 0) == layer.param_bytes - (layer.expert_param_bytes or 0)
+        got = next(c for c in seen.costs if c.microbatch_size == size)
+        was = next(c for c in base.costs if c.microbatch_size == size)
+        assert got.forward_ms >= was.forward_ms and got.backward_ms >= was.backward_ms
+        if layer.expert_param_bytes and (e > 1 or f > 1):
+            assert got.forward_ms > was.forward_ms

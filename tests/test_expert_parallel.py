@@ -412,3 +412,21 @@ def test_view_property_experts_add_up_and_time_only_grows(moe_profile, e, f, siz
         assert got.forward_ms >= was.forward_ms and got.backward_ms >= was.backward_ms
         if layer.expert_param_bytes and (e > 1 or f > 1):
             assert got.forward_ms > was.forward_ms
+
+
+def test_torchtitan_export_of_an_ep_plan_is_torchtitans(moe_profile, tmp_path):
+    """torchtitan's ConfigManager and ParallelDims read the plan's expert degrees."""
+    pytest.importorskip("torch")
+    from pipeplan.export import export_plan
+    from tests.test_export_parallel import torchtitan_accepts
+
+    _, path = moe_profile
+    out = tmp_path / "plan.json"
+    result = _plan(path, "--expert-parallel", "4", "--data-parallel", "8", "--tensor-parallel", "2",
+                   "--launcher", "torchtitan", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    text = export_plan(plan, None, "torchtitan")[".toml"]
+    config, dims, _ = torchtitan_accepts(tmp_path, text, plan.parallelism.num_gpus)
+    assert (dims.ep, dims.etp, dims.tp) == (4, 1, 2)
+    assert config.parallelism.expert_parallel_degree == plan.parallelism.expert

@@ -536,9 +536,10 @@ def _infeasible_message(trials, settings: PlanSettings, cluster, usable: int, ca
                      f"tried; fully sharded (ZeRO 3) it fits only from about {gpus} GPUs (activations not counted)")
     peak, key, zero = needs
     if key is not None and math.isfinite(peak):
-        d, t, p = key[:3]
+        d, t, p, _, e = key
         planned_cap = math.ceil(peak * (1 + cluster.fragmentation) + cluster.reserve_bytes)
-        lines.append(f"a cap of {format_bytes(planned_cap)} per GPU fits d={d} t={t} p={p} ZeRO {zero} "
+        experts = f" E={e}" if settings.expert_parallel is not None or e > 1 else ""
+        lines.append(f"a cap of {format_bytes(planned_cap)} per GPU fits d={d} t={t} p={p}{experts} ZeRO {zero} "
                      f"without recomputation")
     elif planned:
         lines.append(f"with the state fitting, {planned[0]}")

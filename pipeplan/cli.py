@@ -113,19 +113,26 @@ def _counts(text: str) -> list[int]:
 
 
 def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_parallel=None, zero=None,
-                     data_parallel_overlap=None):
+                     data_parallel_overlap=None, expert_parallel=None, expert_tensor_parallel=None,
+                     expert_imbalance=None):
     """The cluster options of ``pipeplan plan`` (docs/cluster-model.md); empty without --gpus."""
     if num_gpus is None:
         given = [name for name, value in (("--cluster", cluster), ("--data-parallel", data_parallel),
                                           ("--tensor-parallel", tensor_parallel), ("--zero", zero),
-                                          ("--data-parallel-overlap", data_parallel_overlap)) if value is not None]
+                                          ("--data-parallel-overlap", data_parallel_overlap),
+                                          ("--expert-parallel", expert_parallel),
+                                          ("--expert-tensor-parallel", expert_tensor_parallel),
+                                          ("--expert-imbalance", expert_imbalance)) if value is not None]
         if given:
             raise BadInputError(f"{given[0]}: needs --gpus (the cluster's GPU count)")
         return {}
     if cluster is None:
         raise BadInputError("--gpus: give --cluster NAME or FILE too (pipeplan cluster lists the presets)")
     return {"num_gpus": num_gpus, "cluster": resolve_cluster(cluster), "data_parallel": data_parallel,
-            "tensor_parallel": tensor_parallel, "zero_stage": zero, "data_parallel_overlap": data_parallel_overlap}
+            "tensor_parallel": tensor_parallel, "zero_stage": zero, "data_parallel_overlap": data_parallel_overlap,
+            **{name: value for name, value in (("expert_parallel", expert_parallel),
+                                               ("expert_tensor_parallel", expert_tensor_parallel),
+                                               ("expert_imbalance", expert_imbalance)) if value is not None}}
 
 
 _PROFILE_ARG = typer.Argument(..., help="Profile JSON file.", show_default=False)
@@ -233,6 +240,9 @@ def plan(
     zero: Optional[int] = typer.Option(None, "--zero", help="With --gpus: fix the ZeRO stage (0-3); default: search."),
     data_parallel_overlap: Optional[float] = typer.Option(None, "--data-parallel-overlap", help="With --gpus: share of the gradient sync hidden behind compute (default 0)."),
     layers_per_stage: Optional[str] = typer.Option(None, "--layers-per-stage", help="Fix the split: units per stage in profile order, e.g. 5,7,7,7 (virtual stages in order); needs a named --schedule."),
+    expert_parallel: Optional[int] = typer.Option(None, "--expert-parallel", help="With --gpus, a mixture-of-experts profile: fix the expert-parallel degree E (divides d and the experts); default: search."),
+    expert_tensor_parallel: Optional[int] = typer.Option(None, "--expert-tensor-parallel", help="With --gpus: the experts' tensor-parallel degree (divides t; default 1)."),
+    expert_imbalance: Optional[float] = typer.Option(None, "--expert-imbalance", help="With --gpus: the busiest rank's routed tokens over the balanced share (>= 1; default 1)."),
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
     refuse_overwriting_input(output, profile)
@@ -240,7 +250,8 @@ def plan(
                             memory_cap, optimizer, bandwidth, schedule, virtual_stages, recompute, solver,
                             action_overhead_ms, launcher=launcher, num_gpus=gpus, cluster=cluster,
                             data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero=zero,
-                            data_parallel_overlap=data_parallel_overlap)
+                            data_parallel_overlap=data_parallel_overlap, expert_parallel=expert_parallel,
+                            expert_tensor_parallel=expert_tensor_parallel, expert_imbalance=expert_imbalance)
     if layers_per_stage is not None:
         request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
     with reporting(terminal_progress(quiet)):

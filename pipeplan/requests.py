@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeplan.errors import BadInputError, format_validation_error
 from pipeplan.formats.cluster import ClusterSpec
@@ -48,7 +48,8 @@ def _required(name: str, description: str):
 
 #: Fields only a cluster request has.
 CLUSTER_ONLY_FIELDS = ("cluster", "data_parallel", "tensor_parallel", "zero_stage", "data_parallel_overlap",
-                       "search_stages")
+                       "search_stages", "expert_parallel", "expert_tensor_parallel", "expert_imbalance",
+                       "expert_data_parallel")
 
 
 class _Request(BaseModel):
@@ -117,6 +118,26 @@ class ClusterRequest(_Request):
     zero_stage: _FIELDS["zero_stage"].annotation = _FIELDS["zero_stage"]
     data_parallel_overlap: _FIELDS["data_parallel_overlap"].annotation = _FIELDS["data_parallel_overlap"]
     search_stages: _FIELDS["search_stages"].annotation = _FIELDS["search_stages"]
+    expert_parallel: _FIELDS["expert_parallel"].annotation = _FIELDS["expert_parallel"]
+    expert_tensor_parallel: _FIELDS["expert_tensor_parallel"].annotation = _FIELDS["expert_tensor_parallel"]
+    expert_imbalance: _FIELDS["expert_imbalance"].annotation = _FIELDS["expert_imbalance"]
+
+    @model_validator(mode="after")
+    def _expert_rules(self) -> "ClusterRequest":
+        # (BadInputError, not ValueError: pydantic passes it through, naming the CLI's options.)
+        # Megatron-core carves the expert-parallel groups out of each stage's data-parallel ranks
+        # (parallel_state: E x ETP x EDP x PP = world, the dense layers' d ranks per t shard).
+        e = self.expert_parallel
+        if e is not None and self.data_parallel is not None and self.data_parallel % e:
+            raise BadInputError(f"--expert-parallel: {e} does not divide --data-parallel {self.data_parallel} "
+                                f"(expert-parallel groups are carved out of the data-parallel ranks of a stage)")
+        if e is not None and self.num_gpus % e:
+            raise BadInputError(f"--expert-parallel: {e} does not divide --gpus {self.num_gpus}")
+        etp = self.expert_tensor_parallel
+        if etp is not None and self.tensor_parallel is not None and self.tensor_parallel % etp:
+            raise BadInputError(f"--expert-tensor-parallel: {etp} does not divide --tensor-parallel "
+                                f"{self.tensor_parallel} (the experts' tensor groups sit inside the dense layers')")
+        return self
 
     def cap_bytes(self) -> float:
         """The per-GPU cap: the request's, else the cluster's (its spec or its GPU's memory)."""

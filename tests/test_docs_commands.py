@@ -59,6 +59,8 @@ SKIP = {
     "torchrun --nproc-per-node 4 pretrain_gpt.py": "needs Megatron-LM's pretrain_gpt.py and GPUs",
     "pip install --no-deps megatron-core": "installs packages (the test extras have them)",
     "pipeplan profile my/config.json --analytic --gpu-spec my-gpu.toml": "placeholder files (a config and a GPU spec)",
+    "pipeplan doctor megatron train_mixtral_8x7b_distributed.sh": "NVIDIA's Megatron-LM script, not shipped: "
+        "tests/test_expert_parallel.py runs doctor on its flags",
     "pipeplan calibrate llama3-8b-h100.json --measured measured.json": "placeholder files (a measured profile)",
     "pytest tests/test_export.py": "the test suite runs it",
     "pipeplan doctor megatron train.sh --profile model.json": "placeholder files (train.sh, model.json)",

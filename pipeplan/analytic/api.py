@@ -131,6 +131,7 @@ def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, 
         selective_activation_bytes=unit_activation_bytes(cfg, kind, index, shape, selective=True),
         selective_recompute_ms=_round(parts_ms(work.attention_core, peak, bw, efficiency)),
     )
+    fields.update(_expert_fields(cfg, kind, index, shape, work, peak, bw, efficiency))
     if t > 1:
         traffic = unit_collectives(cfg, kind, shape)
         experts = unit_expert_param_count(cfg, kind, t, index)
@@ -147,6 +148,36 @@ def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, 
             tensor_parallel_backward_count=traffic.backward_count,
         )
     return LayerCost(**fields)
+
+
+#: The routed experts' parts of an MoE block (pipeplan.analytic.flops._mlp) and the shared experts'.
+_ROUTED_PARTS = frozenset({"gate_proj", "up_proj", "down_proj", "fc1", "fc2", "activation"})
+_SHARED_PARTS = frozenset({"shared_gate_proj", "shared_up_proj", "shared_down_proj", "shared_activation"})
+
+
+def _expert_fields(cfg: ModelConfig, kind: str, index: int, shape: Shape, work, peak: float, bw: float,
+                   efficiency: EfficiencyModel) -> dict:
+    """An MoE unit's routed and shared experts' share of its passes, and one dispatch's bytes per
+    rank (docs/cluster-model.md, expert parallelism); empty for a dense unit."""
+    if kind not in ("block", "mtp") or not cfg.is_moe_layer(index):
+        return {}
+
+    def part_of(parts, names):
+        return parts_ms([p for p in parts if p.name in names], peak, bw, efficiency)
+
+    backward = work.backward_input + work.backward_weight
+    fields = dict(
+        expert_forward_ms=_round(part_of(work.forward, _ROUTED_PARTS)),
+        expert_backward_ms=_round(part_of(backward, _ROUTED_PARTS)),
+        # Each rank sends each of its tokens (1/t of them under sequence parallelism) to its
+        # top-k experts: k copies of the hidden state.
+        expert_dispatch_bytes=int(shape.tokens // shape.sp_share * cfg.experts_per_token * cfg.hidden_size
+                                  * shape.dtype_bytes),
+    )
+    if cfg.shared_expert_intermediate_size:
+        fields.update(shared_expert_forward_ms=_round(part_of(work.forward, _SHARED_PARTS)),
+                      shared_expert_backward_ms=_round(part_of(backward, _SHARED_PARTS)))
+    return fields
 
 
 def analytic_profile(

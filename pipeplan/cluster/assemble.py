@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from pipeplan.cluster.experts import expert_note, moe_stage_memory, moe_static_bytes, view_expert_bytes
 from pipeplan.cluster.iteration import model_flops_utilization, tokens_per_s_per_gpu
 from pipeplan.cluster.profile_view import DegreeView
 from pipeplan.errors import BadInputError
@@ -66,9 +67,10 @@ def infeasible_message(trials, settings: PlanSettings, cluster, usable: int, cap
                      f"tried; fully sharded (ZeRO 3) it fits only from about {gpus} GPUs (activations not counted)")
     peak, key, zero = needs
     if key is not None and math.isfinite(peak):
-        d, t, p, _ = key
+        d, t, p, _, e = key
         planned_cap = math.ceil(peak * (1 + cluster.fragmentation) + cluster.reserve_bytes)
-        lines.append(f"a cap of {format_bytes(planned_cap)} per GPU fits d={d} t={t} p={p} ZeRO {zero} "
+        experts = f" E={e}" if settings.expert_parallel is not None or e > 1 else ""
+        lines.append(f"a cap of {format_bytes(planned_cap)} per GPU fits d={d} t={t} p={p}{experts} ZeRO {zero} "
                      f"without recomputation")
     elif planned:
         lines.append(f"with the state fitting, {planned[0]}")
@@ -106,7 +108,8 @@ def _alternatives(best, trials, default_microbatch: int) -> list[Alternative]:
             iteration_ms=round(trial.parts.iteration_ms, 6) if trial.status == "planned" else None,
             lower_bound_ms=round(trial.lower_bound_ms, 6) if trial.status == "pruned" else None,
             peak_memory_bytes=max(r.peak_memory_bytes for r in plan.ranks) if plan and plan.ranks else None,
-            reason=f"d={trial.data} t={trial.tensor} p={trial.pipeline} ZeRO {trial.zero_stage}: {reason}",
+            reason=f"d={trial.data} t={trial.tensor} p={trial.pipeline}" + (f" E={trial.expert}" if trial.moe else "")
+                   + f" ZeRO {trial.zero_stage}: {reason}",
         ))
     return out
 
@@ -127,10 +130,19 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
         # The replica's plan carries the trial's ZeRO stage and d: its cost model is the plan's.
         memory = stage_state_memory(plan, stage, profile.dtype_bytes)
         static = math.ceil(plan_cost_model(plan, profile.dtype_bytes).static_bytes_per_param_byte * stage.param_bytes)
+        update = {}
+        if best.moe:
+            # The dense part as ZeRO shards it over d, the routed experts' over EDP (the cost model's).
+            experts = view_expert_bytes(view, stage.layers)
+            memory, expert_state = moe_stage_memory(stage.param_bytes, experts, profile.dtype_bytes, state,
+                                                    best.zero_stage, d, best.expert_data)
+            static = math.ceil(moe_static_bytes(settings.optimizer, profile.dtype_bytes, best.zero_stage, d,
+                                                best.expert_data, stage.param_bytes, experts))
+            update["expert_state_bytes"] = int(expert_state)
         stages.append(stage.model_copy(update={
             "weight_bytes": memory.weight_bytes + (best.extras["gathered"] if best.zero_stage == 3 else 0),
             "gradient_bytes": memory.gradient_bytes, "optimizer_bytes": memory.optimizer_bytes,
-            "peak_activation_bytes": max(0, stage.peak_memory_bytes - static),
+            "peak_activation_bytes": max(0, stage.peak_memory_bytes - static), **update,
         }))
     iteration_ms = parts.iteration_ms
     G = settings.global_batch
@@ -144,6 +156,10 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
         "data_parallel_ms": round(parts.data_parallel_ms, 6),
         "optimizer_ms": round(parts.optimizer_ms, 6),
     })
+    if best.moe:
+        predicted = predicted.model_copy(update={
+            name: round(getattr(parts, name), 6)
+            for name in ("expert_dispatch_ms", "expert_compute_ms", "expert_combine_ms", "shared_expert_ms")})
     if profile.sequence_length:
         predicted = predicted.model_copy(update={"tokens_per_second_per_gpu": round(
             tokens_per_s_per_gpu(G, profile.sequence_length, iteration_ms, settings.num_gpus), 6)})
@@ -161,6 +177,8 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
         f"data-parallel sync: {int(round(100 * (settings.data_parallel_overlap or 0)))}% assumed hidden behind "
         f"compute (--data-parallel-overlap)" if d > 1 else "no data parallelism: no gradient sync",
     ]
+    if best.moe:
+        notes.append(expert_note(profile, view.experts, best.expert_data))
     if hbm_bytes_per_s(profile, cluster) is None:
         notes.append(f"optimizer step not timed: no HBM bandwidth known for {cluster.gpu}")
     out_settings = settings.model_copy(update={
@@ -173,7 +191,9 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
         "parallelism": Parallelism(num_gpus=settings.num_gpus, data=d, tensor=t, pipeline=p,
                                    virtual_stages=plan.virtual_stages, zero_stage=best.zero_stage,
                                    sequence_parallel=bool(t > 1 and _sequence_parallel(profile)),
-                                   gpus_per_node=cluster.gpus_per_node),
+                                   gpus_per_node=cluster.gpus_per_node,
+                                   expert=best.expert if best.moe else None,
+                                   expert_tensor=best.expert_tensor if best.moe else None),
         "reserve_bytes": cluster.reserve_bytes + math.ceil(cluster.fragmentation * peak_rank),
     })
 

@@ -37,7 +37,7 @@ from typing import Literal
 from pipeplan.formats.cluster import Link
 
 __all__ = ["COLLECTIVES", "ring_ms", "tree_all_reduce_ms", "flat_collective_ms", "collective_ms",
-           "tensor_parallel_ms", "send_ms"]
+           "tensor_parallel_ms", "send_ms", "all_to_all_ms"]
 
 Collective = Literal["all-reduce", "reduce-scatter", "all-gather"]
 
@@ -234,3 +234,55 @@ def send_ms(size_bytes: float, link: Link) -> float:
     if size_bytes == 0:
         return 0.0
     return link.latency_us / 1e3 + size_bytes / link.achieved_bytes_per_s * 1e3
+
+
+def all_to_all_ms(size_bytes: float, ranks: int, ranks_per_node: int, intra: Link, inter: Link) -> float:
+    """One all-to-all of an expert-parallel group: each of its ``n`` ranks holds ``size_bytes``
+    and sends ``1 / n`` of them to every rank (the token dispatch or combine of balanced routing:
+    Megatron-core's ``MoEAlltoAllTokenDispatcher``, DeepSpeed-MoE).
+
+    NCCL runs it as one group of point-to-point sends and receives to every peer at once
+    (``ncclGroupStart``, a send and a receive per peer), so it pays one call's fixed latency and
+    one hop's latency of the slowest link it uses, and moves the bytes on both links at once:
+    the ``(k - 1) / n`` share for the other ``k - 1`` ranks of its node over the intra-node link,
+    the ``(n - k) / n`` share for the other nodes over the network (each GPU on its own NIC)::
+
+        all_to_all = call_latency + hop_latency + max((k - 1) / n x S / B_intra, (n - k) / n x S / B_inter)
+
+    Parameters
+    ----------
+    size_bytes : float
+        Bytes one rank sends in all, its own share included (``S``).
+    ranks : int
+        ``n``, the group's size.
+    ranks_per_node : int
+        ``k``, the group's ranks on the sender's node (itself included); ``n`` on one node.
+    intra, inter : Link
+        The cluster's intra-node link and network.
+
+    Returns
+    -------
+    float
+        Milliseconds; 0 for one rank or no bytes.
+
+    Examples
+    --------
+    >>> nv = Link(bandwidth_bytes_per_s=400e9, latency_us=0, efficiency=1)
+    >>> ib = Link(bandwidth_bytes_per_s=50e9, latency_us=0, efficiency=1)
+    >>> all_to_all_ms(8e9, 8, 8, nv, ib)      # 7/8 x 8 GB at 400 GB/s
+    17.5
+    >>> all_to_all_ms(8e9, 16, 8, nv, ib)     # 8/16 x 8 GB at 50 GB/s on the NIC
+    80.0
+    """
+    if size_bytes < 0:
+        raise ValueError(f"size_bytes: {size_bytes} must be >= 0")
+    if not 1 <= ranks_per_node <= ranks:
+        raise ValueError(f"ranks_per_node {ranks_per_node} must be between 1 and ranks {ranks}")
+    n, k = ranks, ranks_per_node
+    if n == 1 or size_bytes == 0:
+        return 0.0
+    slowest = inter if n > k else intra
+    latency_ms = (slowest.call_latency_us + slowest.latency_us) / 1e3
+    intra_ms = (k - 1) / n * size_bytes / intra.achieved_bytes_per_s * 1e3
+    inter_ms = (n - k) / n * size_bytes / inter.achieved_bytes_per_s * 1e3
+    return latency_ms + max(intra_ms, inter_ms)

@@ -34,7 +34,7 @@ from pipeplan.facts.training_state import TrainingState
 from pipeplan.cluster.placement import GroupSpan
 from pipeplan.formats.cluster import ClusterSpec
 
-__all__ = ["DEFAULT_OVERLAP", "DataParallelSync", "data_parallel_sync"]
+__all__ = ["DEFAULT_OVERLAP", "DataParallelSync", "data_parallel_sync", "moe_data_parallel_sync"]
 
 #: Share of the data-parallel sync hidden behind compute unless the user says otherwise:
 #: none, so the prediction is an upper bound on the sync's cost.
@@ -121,3 +121,29 @@ def data_parallel_sync(params: float, state: TrainingState, zero_stage: int, spa
         gradient_ms = num_microbatches * run("reduce-scatter", gradient_bytes)
         gather_ms = 2 * num_microbatches * run("all-gather", weight_bytes)
     return DataParallelSync(gradient_ms, gather_ms, (1 - overlap) * (gradient_ms + gather_ms))
+
+
+def moe_data_parallel_sync(dense_params: float, expert_params: float, state: TrainingState, zero_stage: int,
+                           span: GroupSpan, expert_span: GroupSpan, cluster: ClusterSpec, num_microbatches: int,
+                           overlap: float = DEFAULT_OVERLAP) -> DataParallelSync:
+    """The sync of a GPU of a mixture-of-experts layout: its dense parameters over the
+    data-parallel group (``span``), its routed experts' over the expert-data-parallel group
+    (``expert_span``: the ``t x d / (E x ETP)`` GPUs that hold the same experts; Megatron-core
+    reduces the expert gradients over ``expert_data_parallel_group``). The two run one after
+    the other (separate buckets), so their times add.
+
+    Examples
+    --------
+    >>> from pipeplan.facts.training_state import training_state
+    >>> from pipeplan.cluster.presets import PRESETS
+    >>> adam, dgx = training_state("adam", 2), PRESETS["dgx-h100"]
+    >>> two_nodes, one = GroupSpan(1, 2), GroupSpan(1, 1)
+    >>> moe_data_parallel_sync(1e9, 5e8, adam, 0, two_nodes, one, dgx, 8) == data_parallel_sync(1e9, adam, 0, two_nodes, dgx, 8)
+    True
+    """
+    dense = data_parallel_sync(dense_params, state, zero_stage, span, cluster, num_microbatches, overlap)
+    if not expert_params:
+        return dense
+    expert = data_parallel_sync(expert_params, state, zero_stage, expert_span, cluster, num_microbatches, overlap)
+    return DataParallelSync(dense.gradient_ms + expert.gradient_ms, dense.weight_gather_ms + expert.weight_gather_ms,
+                            dense.exposed_ms + expert.exposed_ms)

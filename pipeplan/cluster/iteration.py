@@ -16,7 +16,7 @@ others' drain). The parts (:class:`IterationParts`) add up to the iteration exac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 __all__ = ["IterationParts", "iteration_parts", "tokens_per_s_per_gpu", "model_flops_utilization",
            "pipeline_lower_bound_ms", "round_trip_lower_bound_ms"]
@@ -39,11 +39,25 @@ class IterationParts:
     """What the data-parallel sync adds beyond the make-span."""
     optimizer_ms: float
     """The optimizer step (the slowest rank's)."""
+    expert_dispatch_ms: float = 0.0
+    """Mixture of experts: the critical rank's token dispatch all-to-alls (forward and backward)."""
+    expert_compute_ms: float = 0.0
+    """Its routed experts' GEMMs for the tokens it receives."""
+    expert_combine_ms: float = 0.0
+    """Its combine all-to-alls."""
+    shared_expert_ms: float = 0.0
+    """Its shared experts."""
+
+    @property
+    def expert_ms(self) -> float:
+        """The mixture-of-experts parts together (0 for a dense model)."""
+        return self.expert_dispatch_ms + self.expert_compute_ms + self.expert_combine_ms + self.shared_expert_ms
 
     @property
     def pipeline_ms(self) -> float:
         """The make-span: everything before the sync."""
-        return self.compute_ms + self.tensor_parallel_ms + self.pipeline_transfer_ms + self.bubble_ms
+        return (self.compute_ms + self.tensor_parallel_ms + self.expert_ms + self.pipeline_transfer_ms
+                + self.bubble_ms)
 
     @property
     def iteration_ms(self) -> float:
@@ -52,7 +66,7 @@ class IterationParts:
 
 def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: float, bubble_ms: float,
                     rank_end_ms: Sequence[float], rank_sync_ms: Sequence[float],
-                    rank_optimizer_ms: Sequence[float]) -> IterationParts:
+                    rank_optimizer_ms: Sequence[float], expert_ms: Optional[dict] = None) -> IterationParts:
     """The iteration's parts from the pipeline's simulation and each rank's sync and step.
 
     Parameters
@@ -65,6 +79,10 @@ def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: floa
         When each pipeline rank's last action ends; the largest is the make-span.
     rank_sync_ms, rank_optimizer_ms : sequence of float
         Each rank's exposed data-parallel sync and its optimizer step.
+    expert_ms : dict, optional
+        The critical rank's mixture-of-experts parts of its busy time (``dispatch``, ``experts``,
+        ``combine``, ``shared_expert``: :data:`pipeplan.cluster.profile_view.EXPERT_PARTS`); they
+        come out of ``compute_ms``, in that order, never below zero.
 
     Returns
     -------
@@ -94,10 +112,17 @@ def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: floa
     if not 0 <= tensor_parallel_ms <= busy_ms:
         raise ValueError(f"tensor_parallel_ms {tensor_parallel_ms} must be within busy_ms {busy_ms}")
     synced = max(end + sync for end, sync in zip(rank_end_ms, rank_sync_ms))
+    left = busy_ms - tensor_parallel_ms
+    moe = {}
+    for part, name in (("dispatch", "expert_dispatch_ms"), ("combine", "expert_combine_ms"),
+                       ("experts", "expert_compute_ms"), ("shared_expert", "shared_expert_ms")):
+        value = min(max(0.0, (expert_ms or {}).get(part, 0.0)), left)
+        moe[name] = value
+        left -= value
     return IterationParts(
-        compute_ms=busy_ms - tensor_parallel_ms, tensor_parallel_ms=tensor_parallel_ms,
+        compute_ms=left, tensor_parallel_ms=tensor_parallel_ms,
         pipeline_transfer_ms=transfer_ms, bubble_ms=bubble_ms,
-        data_parallel_ms=synced - makespan, optimizer_ms=max(rank_optimizer_ms),
+        data_parallel_ms=synced - makespan, optimizer_ms=max(rank_optimizer_ms), **moe,
     )
 
 

@@ -145,6 +145,36 @@ class Layout:
         """Every data-parallel group's shape (all alike in this ordering)."""
         return self.span(self.data_group(0, 0))
 
+    def expert_group(self, expert: int, expert_tensor: int = 1) -> tuple[int, ...]:
+        """The first pipeline rank's first expert-parallel group: Megatron-core numbers the expert
+        layers' ranks expert-tensor innermost, then expert, then expert-data, inside each
+        pipeline rank's ``t x d`` GPUs (``RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp)``), so the
+        group is ``expert`` GPUs ``expert_tensor`` apart.
+
+        Examples
+        --------
+        >>> Layout(data=8, tensor=2, pipeline=1, gpus_per_node=8).expert_group(4)
+        (0, 1, 2, 3)
+        >>> Layout(data=8, tensor=2, pipeline=1, gpus_per_node=8).expert_group(4, expert_tensor=2)
+        (0, 2, 4, 6)
+        """
+        return tuple(i * expert_tensor for i in range(expert))
+
+    def expert_data_group(self, expert: int, expert_tensor: int = 1) -> tuple[int, ...]:
+        """The first expert-data-parallel group: the ``t x d / (E x ETP)`` GPUs that hold the same
+        experts, ``E x ETP`` apart (their gradients are summed over it)."""
+        stride = expert * expert_tensor
+        return tuple(j * stride for j in range(self.tensor * self.data // stride))
+
+    def loose_span(self, ranks) -> GroupSpan:
+        """The group's shape, its fewest ranks on any node it touches where they differ (a group
+        of a pipeline rank whose GPUs are not whole nodes): the network's share is then not
+        underestimated."""
+        counts: dict[int, int] = {}
+        for rank in ranks:
+            counts[self.node(rank)] = counts.get(self.node(rank), 0) + 1
+        return GroupSpan(ranks_per_node=min(counts.values()), nodes=len(counts))
+
     def pipeline_link(self, src_pipeline_rank: int, dst_pipeline_rank: int) -> LinkKind:
         """The link a pipeline transfer between two pipeline ranks crosses.
 

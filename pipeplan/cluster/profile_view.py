@@ -20,6 +20,21 @@ report them as a part.
 is recomputed in the backward) is a view too: each unit keeps ``selective_activation_bytes`` and
 its backward (and input-gradient pass) grows by ``selective_recompute_ms``.
 
+Expert parallelism (a profile with ``experts``) is a view too: at expert-parallel degree ``E``
+and expert-tensor-parallel degree ``ETP`` one GPU holds ``1 / (E x ETP)`` of each MoE unit's
+routed experts (``expert_param_bytes``; the dense part as at ``t``), and each MoE unit's passes
+grow by its token dispatch and combine, two all-to-alls over the expert-parallel group in the
+forward and two in the backward (:func:`pipeplan.cluster.collectives.all_to_all_ms` of the
+unit's ``expert_dispatch_bytes``, times the imbalance ``f``), and by ``(f - 1)`` of its routed
+experts' time (the busiest rank receives ``f`` times the balanced share)::
+
+    forward_ms'        += (f - 1) x expert_forward_ms  + 2 x A2A(f x dispatch bytes, E)
+    backward_ms'       += (f - 1) x expert_backward_ms + 2 x A2A(f x dispatch bytes, E)
+
+(the input-gradient pass takes the all-to-alls and its share of the experts' extra). The view
+keeps each MoE unit's parts (dispatch, combine, routed experts, shared experts) apart
+(:attr:`DegreeView.expert_ms`) for the iteration's named parts. docs/cluster-model.md.
+
 A measured or version-1 profile has degree 1 only; its view at ``t = 1`` is the profile itself.
 """
 
@@ -29,12 +44,34 @@ import math
 
 from dataclasses import dataclass, field
 
-from pipeplan.cluster.collectives import tensor_parallel_ms
+from pipeplan.cluster.collectives import all_to_all_ms, tensor_parallel_ms
 from pipeplan.errors import BadInputError
 from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.formats.profile import Layer, LayerCost
 
-__all__ = ["DegreeView", "degree_view", "tensor_degrees", "head_counts"]
+__all__ = ["DegreeView", "degree_view", "tensor_degrees", "head_counts", "EXPERT_PARTS", "ExpertGroup"]
+
+#: The named parts of an MoE unit's time that the iteration reports (DegreeView.expert_ms).
+EXPERT_PARTS = ("dispatch", "experts", "combine", "shared_expert")
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """Expert parallelism of a view: the degrees, the imbalance and the group's shape."""
+
+    expert: int = 1
+    """``E``: the expert-parallel degree."""
+    expert_tensor: int = 1
+    """``ETP``: the expert-tensor-parallel degree."""
+    imbalance: float = 1.0
+    """``f >= 1``: the busiest rank's routed tokens over the balanced share."""
+    ranks_per_node: int = 1
+    """The group's ranks on one node (``E`` when it fits in one)."""
+
+    @property
+    def trivial(self) -> bool:
+        return self.expert == 1 and self.expert_tensor == 1 and self.imbalance == 1.0
+
 
 #: LayerCost fields a degree-1 entry of the view keeps (the rest are schema version 2's).
 _V1_FIELDS = ("microbatch_size", "forward_ms", "backward_ms", "activation_bytes", "output_bytes",
@@ -81,6 +118,28 @@ class DegreeView:
     selective: bool
     tensor_parallel_ms: dict = field(default_factory=dict)
     """``{(unit name, micro-batch size): (forward ms, backward ms)}`` of its collectives."""
+    expert_ms: dict = field(default_factory=dict)
+    """``{(MoE unit name, micro-batch size): {part: (forward ms, backward ms)}}`` for the parts of
+    :data:`EXPERT_PARTS` (empty for a dense profile)."""
+    experts: ExpertGroup = field(default_factory=ExpertGroup)
+    expert_bytes: dict = field(default_factory=dict)
+    """``{MoE unit name: routed-expert parameter bytes one GPU holds}`` (empty for a dense profile)."""
+
+    def stage_expert_bytes(self, layer_names) -> float:
+        """The routed experts' parameter bytes one GPU holds of these units."""
+        if not self.expert_bytes:
+            return 0.0
+        return float(sum(self.expert_bytes.get(name, 0) for name in layer_names))
+
+    def stage_expert_ms(self, layer_names, microbatch_size: int, recompute: bool) -> dict:
+        """The MoE parts' time of a stage per micro-batch (the forward's twice if it recomputes)."""
+        total = dict.fromkeys(EXPERT_PARTS, 0.0)
+        if not self.expert_ms:
+            return total
+        for name in layer_names:
+            for part, (forward, backward) in self.expert_ms.get((name, microbatch_size), {}).items():
+                total[part] += forward * (2 if recompute else 1) + backward
+        return total
 
     def stage_tensor_parallel_ms(self, layer_names, microbatch_size: int, recompute: bool) -> float:
         """The collectives' time of a stage per micro-batch (the forward's twice if it recomputes)."""
@@ -91,8 +150,10 @@ class DegreeView:
         return total
 
 
-def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: bool = False) -> DegreeView:
-    """The profile one GPU of a ``tensor_parallel`` group sees, collectives timed on ``cluster``.
+def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: bool = False,
+                experts: ExpertGroup = ExpertGroup()) -> DegreeView:
+    """The profile one GPU of a ``tensor_parallel`` group sees, collectives timed on ``cluster``
+    (and, for an MoE profile, one GPU of an ``experts`` group: the module docstring).
 
     Raises
     ------
@@ -102,7 +163,8 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
     """
     t = tensor_parallel
     link = cluster.intra_node
-    layers, tp_ms = [], {}
+    layers, tp_ms, ep_ms = [], {}, {}
+    moe = getattr(profile, "experts", None) is not None
     for layer in profile.layers:
         entries = [c for c in layer.costs if _degree(c) == t]
         if not entries:
@@ -127,15 +189,29 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
                         f"recomputation needs an analytic profile (pipeplan profile --analytic)")
                 values["activation_bytes"] = c.selective_activation_bytes
                 extra_backward += c.selective_recompute_ms
-            values["forward_ms"] += forward_tp
+            extra_forward, extra_input = forward_tp, extra_backward
+            if moe and layer.expert_param_bytes:
+                parts = _expert_parts(c, experts, cluster)
+                ep_ms[(layer.name, c.microbatch_size)] = parts
+                more_forward, more_backward, more_input = _expert_extra(c, parts, experts)
+                extra_forward += more_forward
+                extra_backward += more_backward
+                extra_input += more_input
+            values["forward_ms"] += extra_forward
             values["backward_ms"] += extra_backward
             if values["backward_input_ms"] is not None:
-                values["backward_input_ms"] += extra_backward
+                values["backward_input_ms"] += extra_input
             costs.append(LayerCost(**{k: v for k, v in values.items() if v is not None}))
             tp_ms[(layer.name, c.microbatch_size)] = (forward_tp, backward_tp)
         param_bytes = layer.param_bytes if t == 1 else layer.param_bytes_at(t)
+        expert_bytes = None
+        if moe and layer.expert_param_bytes:
+            # The dense part as at t; the routed experts: 1 / (E x ETP) of the layer's.
+            at_t = layer.expert_param_bytes if t == 1 else (entries[0].expert_param_bytes or 0)
+            expert_bytes = int(math.ceil(layer.expert_param_bytes / (experts.expert * experts.expert_tensor)))
+            param_bytes = param_bytes - at_t + expert_bytes
         layers.append(Layer(name=layer.name, param_bytes=param_bytes, costs=costs, kind=layer.kind,
-                            description=layer.description))
+                            description=layer.description, expert_param_bytes=expert_bytes))
     update = {"layers": layers, "schema_version": 1}
     if profile.tied_weights and t > 1:
         # A tied weight is sharded as its first user is (a vocabulary-parallel embedding: 1/t).
@@ -145,4 +221,36 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
                                                                                        * share[tie.layers[0]]))})
                                   for tie in profile.tied_weights]
     view = profile.model_copy(update=update)
-    return DegreeView(profile=view, tensor_parallel=t, selective=selective, tensor_parallel_ms=tp_ms)
+    return DegreeView(profile=view, tensor_parallel=t, selective=selective, tensor_parallel_ms=tp_ms,
+                      expert_ms=ep_ms, experts=experts,
+                      expert_bytes={layer.name: layer.expert_param_bytes for layer in layers
+                                    if layer.expert_param_bytes})
+
+
+def _expert_parts(cost, experts: ExpertGroup, cluster: ClusterSpec) -> dict:
+    """One MoE unit's parts per micro-batch at one entry: ``{part: (forward ms, backward ms)}``.
+
+    Dispatch and combine are one all-to-all each per pass (the backward runs each one's
+    transpose); the busiest rank receives ``f`` times the balanced share of tokens."""
+    f = experts.imbalance
+    a2a = all_to_all_ms(f * (cost.expert_dispatch_bytes or 0), experts.expert, experts.ranks_per_node,
+                        cluster.intra_node, cluster.inter_node)
+    return {
+        "dispatch": (a2a, a2a),
+        "experts": (f * (cost.expert_forward_ms or 0.0), f * (cost.expert_backward_ms or 0.0)),
+        "combine": (a2a, a2a),
+        "shared_expert": (cost.shared_expert_forward_ms or 0.0, cost.shared_expert_backward_ms or 0.0),
+    }
+
+
+def _expert_extra(cost, parts: dict, experts: ExpertGroup) -> tuple[float, float, float]:
+    """What expert parallelism adds to a unit's forward, backward and input-gradient pass: the
+    all-to-alls and the imbalance's share of the routed experts (the input-gradient pass takes
+    the all-to-alls and the experts' extra in its own share of the backward)."""
+    a2a_forward = parts["dispatch"][0] + parts["combine"][0]
+    a2a_backward = parts["dispatch"][1] + parts["combine"][1]
+    more_forward = (experts.imbalance - 1.0) * (cost.expert_forward_ms or 0.0)
+    more_backward = (experts.imbalance - 1.0) * (cost.expert_backward_ms or 0.0)
+    share = (cost.backward_input_ms / cost.backward_ms) if cost.backward_input_ms is not None and cost.backward_ms \
+        else 0.5
+    return a2a_forward + more_forward, a2a_backward + more_backward, a2a_backward + share * more_backward

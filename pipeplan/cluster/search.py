@@ -26,6 +26,9 @@ from typing import Optional
 from pipeplan.cluster.assemble import assemble_cluster_plan, hbm_bytes_per_s, infeasible_message
 from pipeplan.cluster.bounds import seed_estimate_ms, unit_sums
 from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
+from pipeplan.cluster.experts import (check_expert_request, expert_choices, expert_data_degree, expert_group,
+                                      moe_rank_tails, moe_static_bytes, moe_tails_lower_bound,
+                                      no_expert_layout_message, view_expert_bytes)
 from pipeplan.cluster.iteration import iteration_parts, pipeline_lower_bound_ms
 from pipeplan.cluster.memory import plannable_bytes, zero3_gathered_bytes
 from pipeplan.cluster.placement import Layout
@@ -71,10 +74,21 @@ class _Trial:
     plan: Optional[Plan] = None
     parts: object = None
     extras: dict = field(default_factory=dict)
+    expert: int = 1
+    """E (1: no expert parallelism, every dense plan)."""
+    expert_tensor: int = 1
+    expert_data: int = 1
+    """EDP = t x d / (E x ETP) (d for a dense profile)."""
+    moe: bool = False
+    """Whether the profile has experts (their state and sync are split from the dense ones)."""
 
     @property
     def key(self):
-        return (self.data, self.tensor, self.pipeline)
+        return (self.data, self.tensor, self.pipeline, self.expert)
+
+    @property
+    def view_key(self):
+        return (self.tensor, self.family, self.expert)
 
 
 def _zero_stages(settings: PlanSettings, d: int, p: int) -> list[int]:
@@ -142,13 +156,15 @@ class _Search:
     profile_sha256: str
     record_time: bool
     views: dict = field(default_factory=dict)
-    """(t, recomputation family) -> the profile one GPU sees (:class:`DegreeView`)."""
+    """(t, recomputation family, E) -> the profile one GPU sees (:class:`DegreeView`)."""
+    groups: dict = field(default_factory=dict)
+    """(t, E) -> the expert group of the views (:class:`pipeplan.cluster.profile_view.ExpertGroup`)."""
     trials: list = field(default_factory=list)
     batch_note: Optional[str] = None
     """The data-parallel degrees the global batch leaves out (:func:`batch_divisor_note`), if any."""
 
     def run(self, trial: _Trial, best_ms: Optional[float] = None) -> None:
-        _run_trial(trial, self.profile, self.settings, self.views[(trial.tensor, trial.family)], self.cluster,
+        _run_trial(trial, self.profile, self.settings, self.views[trial.view_key], self.cluster,
                    self.usable, self.state, self.hbm, self.overlap, self.profile_sha256, self.record_time, best_ms)
 
 
@@ -164,7 +180,7 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
                     default=(math.inf, None, 0))
         raise InfeasibleError(infeasible_message(trials, settings, cluster, search.usable, search.cap, total_state,
                                                   needs))
-    plan = assemble_cluster_plan(best, trials, profile, settings, search.views[(best.tensor, best.family)], cluster,
+    plan = assemble_cluster_plan(best, trials, profile, settings, search.views[best.view_key], cluster,
                                  search.cap, search.state)
     return plan.model_copy(update={"notes": [*plan.notes, search.batch_note]}) if search.batch_note else plan
 
@@ -181,6 +197,7 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
     if settings.layers_per_stage is not None:
         settings = _fixed_split_stages(settings)
     units = len(profile.layers)
+    check_expert_request(profile, settings)
     degrees = parallel_degrees(settings.num_gpus, cluster.gpus_per_node, units, head_counts(profile),
                                tensor_degrees(profile), data=settings.data_parallel, tensor=settings.tensor_parallel,
                                pipeline=settings.stages)
@@ -201,12 +218,21 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
                                                                            search.sizes_all)})
     selective_ok = all(getattr(c, "selective_activation_bytes", None) is not None
                        for layer in profile.layers for c in layer.costs)
+    moe = getattr(profile, "experts", None) is not None
+    etp = settings.expert_tensor_parallel or 1
     for d, t, p in runnable:
-        if (t, "plain") not in search.views:
-            search.views[(t, "plain")] = degree_view(profile, t, cluster)
-        for zero in _zero_stages(settings, d, p):
-            for family, _ in _families(settings, selective_ok):
-                search.trials.append(_Trial(d, t, p, zero, family, len(search.trials)))
+        for e in expert_choices(profile, settings, d, t):
+            group = expert_group(settings, cluster, d, t, p, e)
+            search.groups[(t, e)] = group
+            if (t, "plain", e) not in search.views:
+                search.views[(t, "plain", e)] = degree_view(profile, t, cluster, experts=group)
+            for zero in _zero_stages(settings, d, p):
+                for family, _ in _families(settings, selective_ok):
+                    search.trials.append(_Trial(d, t, p, zero, family, len(search.trials), expert=e,
+                                                expert_tensor=etp, moe=moe,
+                                                expert_data=expert_data_degree(d, t, e, etp) if moe else d))
+    if moe and not search.trials:
+        raise BadInputError(no_expert_layout_message(profile, settings))
     return search
 
 
@@ -220,9 +246,10 @@ def _bound_trials(search: _Search) -> None:
         "inter_node": cluster.inter_node.model_copy(update={"latency_us": 0.0})})
     sums_of: dict = {}
     for trial in search.trials:
-        vkey = (trial.tensor, trial.family)
+        vkey = trial.view_key
         if vkey not in views:
-            views[vkey] = degree_view(profile, trial.tensor, cluster, selective=trial.family == "selective")
+            views[vkey] = degree_view(profile, trial.tensor, cluster, selective=trial.family == "selective",
+                                      experts=search.groups[(trial.tensor, trial.expert)])
         view = views[vkey]
         replica_batch = G // trial.data
         sizes = tuple(b for b in search.sizes_all if replica_batch % b == 0)
@@ -230,8 +257,13 @@ def _bound_trials(search: _Search) -> None:
             sums_of[(vkey, sizes)] = unit_sums(view, sizes)
         sums = sums_of[(vkey, sizes)]
         params = sum(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes
-        static = state_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes, trial.zero_stage,
-                                            trial.data) * params * profile.dtype_bytes
+        expert_params = view_expert_bytes(view, [layer.name for layer in view.profile.layers]) / profile.dtype_bytes
+        if trial.moe:
+            static = moe_static_bytes(settings.optimizer, profile.dtype_bytes, trial.zero_stage, trial.data,
+                                      trial.expert_data, params * profile.dtype_bytes, expert_params * profile.dtype_bytes)
+        else:
+            static = state_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes, trial.zero_stage,
+                                                trial.data) * params * profile.dtype_bytes
         trial.extras["state_per_gpu"] = static / trial.pipeline
         if static / trial.pipeline > usable:
             trial.status = "state-over-cap"
@@ -239,6 +271,8 @@ def _bound_trials(search: _Search) -> None:
                             f"over the {format_bytes(usable)} plannable")
             continue
         shard = params / trial.pipeline / (trial.data if trial.zero_stage >= 1 else 1)
+        if trial.moe and trial.zero_stage >= 1:
+            shard = ((params - expert_params) / trial.data + expert_params / trial.expert_data) / trial.pipeline
         step = optimizer_step_ms(shard, state, hbm, OPTIMIZER_HBM_EFFICIENCY, profile.dtype == "fp16") if hbm else 0.0
         trial.extras["step_lb"] = step
         span = Layout(trial.data, trial.tensor, trial.pipeline, cluster.gpus_per_node).data_span()
@@ -247,8 +281,12 @@ def _bound_trials(search: _Search) -> None:
             m, work, largest = replica_batch // b, at.work_ms, at.largest_unit_ms
             # Averaged over the ranks: some rank's busy time plus sync is at least the mean's
             # (bandwidth terms only, which are linear in the parameters).
-            sync = data_parallel_sync(params / trial.pipeline, state, trial.zero_stage, span, bandwidth_only,
-                                      m, overlap).exposed_ms
+            if trial.moe:
+                sync = moe_rank_tails(trial, [params / trial.pipeline], [expert_params / trial.pipeline], m,
+                                      bandwidth_only, state, None, overlap, False, OPTIMIZER_HBM_EFFICIENCY)[0][0]
+            else:
+                sync = data_parallel_sync(params / trial.pipeline, state, trial.zero_stage, span, bandwidth_only,
+                                          m, overlap).exposed_ms
             round_trip = at.round_trip_ms(m) if trial.pipeline > 1 else 0.0
             by_size[b] = max(pipeline_lower_bound_ms(work, m, trial.pipeline) + sync, m * largest, round_trip) + step
             pipeline_by_size[b] = max(pipeline_lower_bound_ms(work, m, trial.pipeline, largest_unit_ms=largest),
@@ -306,10 +344,10 @@ def _search_heap(search: _Search, best, unbounded: dict, done):
             continue
         if not refined:
             family = "plain" if any(f == "plain" for f, _ in _families(settings, True)) else "selective"
-            key = (trial.data, trial.tensor, trial.pipeline, family)
+            key = (trial.data, trial.tensor, trial.pipeline, family, trial.expert)
             if key not in unbounded:
-                unbounded[key] = _unbounded(profile, settings, views[(trial.tensor, family)], trial, family,
-                                            cluster, profile_sha256, best_ms)
+                unbounded[key] = _unbounded(profile, settings, views[(trial.tensor, family, trial.expert)], trial,
+                                            family, cluster, profile_sha256, best_ms)
             trial.lower_bound_ms = max(bound, unbounded[key][0] + trial.extras["step_lb"])
             heapq.heappush(heap, (trial.lower_bound_ms, trial.order, True, trial))
             continue
@@ -366,7 +404,9 @@ def _sub_settings(settings: PlanSettings, trial, link, cap, recompute: str) -> P
         "memory_cap_bytes": cap, "bandwidth_bytes_per_s": link.achieved_bytes_per_s,
         "recompute": recompute, "zero_stage": trial.zero_stage, "data_parallel": trial.data,
         "num_gpus": None, "cluster": None, "tensor_parallel": None, "layers_per_stage": None,
-        "data_parallel_overlap": None, "search_stages": None,
+        "data_parallel_overlap": None, "search_stages": None, "expert_parallel": None,
+        "expert_tensor_parallel": None, "expert_imbalance": None,
+        "expert_data_parallel": trial.expert_data if trial.moe else None,
     })
 
 
@@ -424,8 +464,12 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     incumbent = None
     if best_ms is not None and settings.layers_per_stage is None:
         def iteration_ms(rank_end_ms, rank_param_bytes, m):
-            sync, step = _rank_tails(trial, [b / profile.dtype_bytes for b in rank_param_bytes], m, span, cluster,
-                                     state, hbm, overlap, fp16)
+            params = [b / profile.dtype_bytes for b in rank_param_bytes]
+            if trial.moe:  # only each rank's total is known here: a lower bound
+                sync, step = moe_tails_lower_bound(trial, params, m, cluster, state, hbm, overlap, fp16,
+                                                   OPTIMIZER_HBM_EFFICIENCY)
+            else:
+                sync, step = _rank_tails(trial, params, m, span, cluster, state, hbm, overlap, fp16)
             return max(end + s for end, s in zip(rank_end_ms, sync)) + max(step)
 
         incumbent = Incumbent(best_ms, iteration_ms, trial.extras["bound_by_size"])
@@ -445,14 +489,25 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     for event in sim.events:
         rank_end[event.rank] = max(rank_end[event.rank], event.end_ms)
     rank_params = [0.0] * trial.pipeline
+    rank_experts = [0.0] * trial.pipeline
     rank_tp = [0.0] * trial.pipeline
+    rank_moe = [dict() for _ in range(trial.pipeline)]
     for stage in plan.stages:
         rank_params[stage.rank] += stage.param_bytes / profile.dtype_bytes
         rank_tp[stage.rank] += m * view.stage_tensor_parallel_ms(stage.layers, plan.microbatch_size, stage.recompute)
-    sync, step = _rank_tails(trial, rank_params, m, span, cluster, state, hbm, overlap, fp16)
+        if trial.moe:
+            rank_experts[stage.rank] += view_expert_bytes(view, stage.layers) / profile.dtype_bytes
+            for part, ms in view.stage_expert_ms(stage.layers, plan.microbatch_size, stage.recompute).items():
+                rank_moe[stage.rank][part] = rank_moe[stage.rank].get(part, 0.0) + m * ms
+    if trial.moe:
+        sync, step = moe_rank_tails(trial, rank_params, rank_experts, m, cluster, state, hbm, overlap, fp16,
+                                    OPTIMIZER_HBM_EFFICIENCY)
+    else:
+        sync, step = _rank_tails(trial, rank_params, m, span, cluster, state, hbm, overlap, fp16)
     critical = sim.critical_rank
     trial.parts = iteration_parts(sim.compute_ms, min(rank_tp[critical], sim.compute_ms), sim.transfer_ms,
-                                  sim.bubble_ms + sim.overhead_ms, rank_end, sync, step)
+                                  sim.bubble_ms + sim.overhead_ms, rank_end, sync, step,
+                                  expert_ms=rank_moe[critical] if trial.moe else None)
     trial.plan = plan
     trial.status = "planned"
     trial.extras = {"layout": layout, "link": "inter" if "inter" in links else ("intra" if links else "local"),

@@ -43,7 +43,9 @@ def cluster_plan_tables(plan):
     title = (f"{plan.profile.model}: {par.num_gpus} GPUs of {cluster.name if cluster else '?'} as d={par.data} x "
              f"t={par.tensor} x p={par.pipeline}, {plan.schedule}"
              + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "") + f", ZeRO {par.zero_stage}"
-             + (", sequence parallel" if par.sequence_parallel else ""))
+             + (", sequence parallel" if par.sequence_parallel else "")
+             + (f", experts E={par.expert} (ETP {par.expert_tensor or 1}, EDP {par.expert_data})"
+                if par.expert is not None else ""))
     summary = Table(title=title, show_header=False)
     summary.add_column("what")
     summary.add_column("value", justify="right")
@@ -58,6 +60,10 @@ def cluster_plan_tables(plan):
         ("iteration", f"{p.iteration_ms:.1f} ms"),
         ("  compute", share(p.compute_ms)),
         ("  tensor-parallel collectives", share(p.tensor_parallel_ms or 0.0)),
+        *([("  expert dispatch (all-to-all)", share(p.expert_dispatch_ms or 0.0)),
+           ("  routed experts", share(p.expert_compute_ms or 0.0)),
+           ("  expert combine (all-to-all)", share(p.expert_combine_ms or 0.0)),
+           ("  shared experts", share(p.shared_expert_ms or 0.0))] if p.expert_dispatch_ms is not None else []),
         ("  pipeline bubble", share(p.bubble_ms + (p.overhead_ms or 0.0))),
         ("  pipeline transfers", share(p.transfer_ms)),
         ("  data-parallel sync", share(p.data_parallel_ms or 0.0)),
@@ -85,14 +91,16 @@ def cluster_plan_tables(plan):
                           f"{layout.data_span().size} GPUs ({layout.data_span().link})", nxt)
 
     stages = Table(title="stages: memory per GPU by part")
+    moe = any(s.expert_state_bytes is not None for s in plan.stages)
     for column in ("stage", "rank", "layers", "first .. last", "fwd ms", "bwd ms", "weights", "grads",
-                   "optimizer", "activations", "in flight", "peak"):
+                   "optimizer", *(("experts",) if moe else ()), "activations", "in flight", "peak"):
         stages.add_column(column, justify="left" if column == "first .. last" else "right")
     for s in plan.stages:
         span = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
         stages.add_row(str(s.index), str(s.rank), str(len(s.layers)), span, f"{s.forward_ms:.2f}",
                        f"{s.backward_ms:.2f}" + (" (rc)" if s.recompute else ""),
                        *(format_bytes(v or 0) for v in (s.weight_bytes, s.gradient_bytes, s.optimizer_bytes,
+                                                       *((s.expert_state_bytes,) if moe else ()),
                                                        s.peak_activation_bytes)),
                        str(s.in_flight), format_bytes(s.peak_memory_bytes))
     ranks = Table(title="memory per GPU")

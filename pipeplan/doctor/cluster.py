@@ -50,10 +50,14 @@ class RankMemory:
     """Activations at the rank's peak (the micro-batches in flight)."""
     reserve_bytes: int
     """CUDA context, NCCL and allocator fragmentation (the cluster spec's reserve)."""
+    expert_bytes: int = 0
+    """Mixture of experts: the routed experts' weights, gradients and optimizer state it holds
+    (1 / E of them); the other parts are then the dense layers'."""
 
     @property
     def planned_bytes(self) -> int:
-        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+        return (self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.expert_bytes
+                + self.activation_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -83,25 +87,30 @@ def rank_memory(plan: Plan, profile, cluster) -> tuple[RankMemory, ...]:
     out = []
     for r in sorted(plan.ranks, key=lambda r: r.rank):
         stages = [s for s in plan.stages if s.rank == r.rank]
-        weights = gradients = optimizer = static = gathered = 0
+        weights = gradients = optimizer = static = gathered = experts = 0
         for s in stages:
+            if s.expert_state_bytes is not None:
+                # A mixture-of-experts plan's stage: its dense parts and its experts, as the search split them.
+                weights, gradients = weights + s.weight_bytes, gradients + s.gradient_bytes
+                optimizer, experts = optimizer + s.optimizer_bytes, experts + s.expert_state_bytes
+                continue
             own = stage_state_memory(plan, s, profile.dtype_bytes)
             gathered = max(gathered, (s.weight_bytes or own.weight_bytes) - own.weight_bytes)
             weights += own.weight_bytes
             gradients += s.gradient_bytes if s.gradient_bytes is not None else own.gradient_bytes
             optimizer += s.optimizer_bytes if s.optimizer_bytes is not None else own.optimizer_bytes
-        static = weights + gradients + optimizer
+        static = weights + gradients + optimizer + experts
         activations = max(0, r.peak_memory_bytes - static)
         planned = static + gathered + activations
         out.append(RankMemory(rank=r.rank, weight_bytes=weights + gathered, gradient_bytes=gradients,
-                              optimizer_bytes=optimizer, activation_bytes=activations,
+                              optimizer_bytes=optimizer, activation_bytes=activations, expert_bytes=experts,
                               reserve_bytes=reserve_bytes(planned, cluster.reserve_bytes, cluster.fragmentation)))
     return tuple(out)
 
 
 def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int], *, cluster, data: int,
                     tensor: int, zero_stage: int, schedule: str, virtual_stages: int, microbatch_size: int,
-                    num_microbatches: int, recompute: str, profile_sha256: str) -> ClusterCost:
+                    num_microbatches: int, recompute: str, profile_sha256: str, expert: int = 1) -> ClusterCost:
     """A given layout on ``cluster``: the plan ``pipeplan plan --layers-per-stage`` makes of it.
 
     Parameters
@@ -117,6 +126,8 @@ def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int]
         ``d``, ``t`` and the ZeRO stage the launcher runs.
     schedule, virtual_stages, microbatch_size, num_microbatches, recompute
         As the launcher runs them (``num_microbatches`` per data-parallel replica).
+    expert : int
+        The launcher's expert-parallel size (a mixture-of-experts profile; ignored otherwise).
 
     Returns
     -------
@@ -137,6 +148,7 @@ def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int]
         "layers_per_stage": list(layers_per_stage), "schedule": schedule, "virtual_stages": virtual_stages,
         "microbatch_size": microbatch_size, "global_batch": data * microbatch_size * num_microbatches,
         "recompute": recompute, "bandwidth_bytes_per_s": None, "search_stages": None,
+        "expert_parallel": expert if getattr(profile, "experts", None) is not None else None,
         # Lifted so that a layout over the cap is costed too; held against `cap` below.
         "memory_cap_bytes": MAX_BYTES,
     })
@@ -150,7 +162,8 @@ def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int]
 
 def best_on_cluster(profile, settings: PlanSettings, *, launcher: str, cluster, num_gpus: int, global_batch: int,
                     degrees: tuple[int, int, int] | None, zero_stages: tuple[int, ...],
-                    recompute_options: tuple[str, ...], profile_sha256: str) -> tuple[Plan | None, list[str]]:
+                    recompute_options: tuple[str, ...], profile_sha256: str,
+                    expert: int | None = None) -> tuple[Plan | None, list[str]]:
     """The fastest cluster plan ``launcher`` can run on ``num_gpus`` GPUs of ``cluster``.
 
     Parameters
@@ -184,7 +197,8 @@ def best_on_cluster(profile, settings: PlanSettings, *, launcher: str, cluster, 
                 "num_gpus": num_gpus, "cluster": cluster, "global_batch": global_batch, "launcher": launcher,
                 "zero_stage": zero, "recompute": recompute, "data_parallel": d, "tensor_parallel": t, "stages": p,
                 "memory_cap_bytes": cap, "layers_per_stage": None, "schedule": "auto", "virtual_stages": None,
-                "microbatch_size": None, "bandwidth_bytes_per_s": None, "search_stages": None})
+                "microbatch_size": None, "bandwidth_bytes_per_s": None, "search_stages": None,
+                "expert_parallel": expert if degrees is not None and getattr(profile, "experts", None) else None})
             try:
                 plan = plan_cluster(profile, trial, profile_sha256=profile_sha256)
             except (InfeasibleError, BadInputError) as exc:

@@ -44,6 +44,9 @@ class LauncherConfig:
     data_degree: int | None = None
     """Data-parallel size ``d``, where the file (or ``--world-size``) gives it."""
     context_degree: int = 1
+    expert_degree: int = 1
+    """Expert-parallel size ``E`` (Megatron's ``--expert-model-parallel-size``; 1: every GPU holds
+    every expert of a mixture-of-experts model)."""
     """Context-parallel size (Megatron ``--context-parallel-size``)."""
     num_layers: int | None = None
     """Transformer blocks the config declares (Megatron ``--num-layers``, torchtitan's model)."""

@@ -43,8 +43,9 @@ def _gib(n: float) -> str:
 
 
 def _memory_text(r) -> str:
+    experts = f" + experts {_gib(r.expert_bytes)}" if r.expert_bytes else ""
     return (f"weights {_gib(r.weight_bytes)} + gradients {_gib(r.gradient_bytes)} + optimizer "
-            f"{_gib(r.optimizer_bytes)} + activations {_gib(r.activation_bytes)} + reserve "
+            f"{_gib(r.optimizer_bytes)}{experts} + activations {_gib(r.activation_bytes)} + reserve "
             f"{_gib(r.reserve_bytes)} GiB")
 
 
@@ -59,7 +60,7 @@ def _zero_fix(config, profile, settings, counts, cluster, cost: ClusterCost, mod
         other = cost_on_cluster(profile, settings, counts, cluster=cluster, data=d, tensor=config.tensor_degree,
                                 zero_stage=zero, schedule=config.schedule, virtual_stages=config.virtual_stages,
                                 microbatch_size=config.microbatch_size, num_microbatches=config.num_microbatches,
-                                recompute=mode, profile_sha256=sha)
+                                recompute=mode, profile_sha256=sha, expert=config.expert_degree)
         if not other.over_cap:
             return zero, other
     return None
@@ -83,6 +84,19 @@ def _memory_findings(config, cost: ClusterCost, zero_fix, split_setting: str) ->
             f"{format_bytes(r.total_bytes)} per GPU ({_memory_text(r)}), {format_bytes(r.total_bytes - cost.cap_bytes)} "
             f"over the {format_bytes(cost.cap_bytes)} cap", fix))
     return out
+
+
+def _expert_notes(config, profile, cost: ClusterCost) -> list[str]:
+    """How much of each GPU a mixture-of-experts model's routed experts take at the config's E."""
+    experts = getattr(profile, "experts", None)
+    if experts is None:
+        return []
+    worst = max(cost.memory, key=lambda m: m.expert_bytes)
+    setting = {"megatron": "--expert-model-parallel-size"}.get(config.launcher, "the expert-parallel size")
+    return [f"experts: {setting} {config.expert_degree}: each GPU holds {experts.num_experts // config.expert_degree} "
+            f"of the {experts.num_experts} experts of each MoE layer; their weights, gradients and optimizer state "
+            f"take up to {format_bytes(worst.expert_bytes)} per GPU (rank {worst.rank}), "
+            f"{worst.expert_bytes / max(1, cost.cap_bytes):.0%} of the {format_bytes(cost.cap_bytes)} cap"]
 
 
 def _sequence_findings(config, profile, notes: list[str]) -> list:
@@ -151,8 +165,9 @@ def diagnose_on_cluster(result, profile, settings: PlanSettings, positions, *, m
                                    zero_stage=config.zero_stage, schedule=config.schedule,
                                    virtual_stages=config.virtual_stages, microbatch_size=config.microbatch_size,
                                    num_microbatches=config.num_microbatches, recompute=mode,
-                                   profile_sha256=profile_sha256)
+                                   profile_sha256=profile_sha256, expert=config.expert_degree)
             result.plan, result.cluster_cost = cost.plan, cost
+            result.notes += _expert_notes(config, profile, cost)
             fix = _zero_fix(config, profile, settings, counts, cluster, cost, mode, profile_sha256) \
                 if cost.over_cap else None
             result.findings += _memory_findings(config, cost, fix, split_setting(config))
@@ -164,7 +179,8 @@ def diagnose_on_cluster(result, profile, settings: PlanSettings, positions, *, m
             zeros += tuple(z for z in LAUNCHER_ZERO_STAGES[config.launcher] if z > config.zero_stage)
         result.best, skipped = best_on_cluster(
             profile, settings, launcher=config.launcher, cluster=cluster, num_gpus=num_gpus, global_batch=G,
-            degrees=(d, t, p), zero_stages=zeros, recompute_options=recompute_options, profile_sha256=profile_sha256)
+            degrees=(d, t, p), zero_stages=zeros, recompute_options=recompute_options, profile_sha256=profile_sha256,
+            expert=config.expert_degree)
         if search_layouts:
             result.best_any, _ = best_on_cluster(
                 profile, settings, launcher=config.launcher, cluster=cluster, num_gpus=num_gpus, global_batch=G,

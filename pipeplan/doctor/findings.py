@@ -81,7 +81,11 @@ def parts_text(plan: Plan) -> str:
             + (f" + overhead {pr.overhead_ms:.6g}" if pr.overhead_ms else "")
             + f" + pipeline transfers {pr.transfer_ms:.6g}")
     if plan.parallelism is not None:
-        text += (f" + tensor-parallel {tp:.6g} + data-parallel sync {dp:.6g} + optimizer {opt:.6g}")
+        text += f" + tensor-parallel {tp:.6g}"
+        if pr.expert_dispatch_ms is not None:
+            text += (f" + expert dispatch {pr.expert_dispatch_ms:.6g} + routed experts {pr.expert_compute_ms or 0:.6g}"
+                     f" + expert combine {pr.expert_combine_ms or 0:.6g} + shared experts {pr.shared_expert_ms or 0:.6g}")
+        text += f" + data-parallel sync {dp:.6g} + optimizer {opt:.6g}"
     text += " ms"
     if pr.tokens_per_second_per_gpu is not None:
         text += f"; {pr.tokens_per_second_per_gpu:.4g} tokens/s per GPU"

@@ -203,8 +203,9 @@ def parse_megatron(path: str, text: str, *, variables: dict[str, str] | None = N
     settings = {name: flags[name] for name in read if name in flags}
     if world:
         settings["world size"] = str(world)
+    expert = _int(path, flags, "--expert-model-parallel-size") or 1
     return LauncherConfig(
-        launcher="megatron", path=path, pipeline_degree=p, virtual_stages=v,
+        launcher="megatron", path=path, pipeline_degree=p, virtual_stages=v, expert_degree=expert,
         schedule="interleaved" if v > 1 else "1f1b", microbatch_size=mbs, num_microbatches=m,
         tensor_degree=t, data_degree=d, context_degree=cp, num_layers=num_layers, recompute=recompute,
         sharded_optimizer="--use-distributed-optimizer" in flags,

@@ -70,12 +70,22 @@ def _summary(result: Diagnosis) -> list[str]:
 _MEMORY_HEADER = ("rank", "weights", "gradients", "optimizer", "activations", "reserve", "total", "cap")
 
 
+def _memory_header(result: Diagnosis) -> tuple[str, ...]:
+    """The memory table's columns: an "experts" part for a mixture-of-experts layout."""
+    cost = result.cluster_cost
+    if cost is None or not any(r.expert_bytes for r in cost.memory):
+        return _MEMORY_HEADER
+    return (*_MEMORY_HEADER[:4], "experts", *_MEMORY_HEADER[4:])
+
+
 def _memory_rows(result: Diagnosis) -> list[tuple[str, ...]]:
     """Memory per GPU of each pipeline rank, by part (with --cluster)."""
     cost = result.cluster_cost
     if cost is None:
         return []
+    moe = any(r.expert_bytes for r in cost.memory)
     return [(str(r.rank), format_bytes(r.weight_bytes), format_bytes(r.gradient_bytes), format_bytes(r.optimizer_bytes),
+             *((format_bytes(r.expert_bytes),) if moe else ()),
              format_bytes(r.activation_bytes), format_bytes(r.reserve_bytes), format_bytes(r.total_bytes),
              format_bytes(cost.cap_bytes) + (" OVER" if r.total_bytes > cost.cap_bytes else ""))
             for r in cost.memory]
@@ -119,6 +129,7 @@ def as_dict(result: Diagnosis) -> dict:
         "memory_per_rank": None if result.cluster_cost is None else [
             {"rank": r.rank, "weight_bytes": r.weight_bytes, "gradient_bytes": r.gradient_bytes,
              "optimizer_bytes": r.optimizer_bytes, "activation_bytes": r.activation_bytes,
+             **({"expert_bytes": r.expert_bytes} if r.expert_bytes else {}),
              "reserve_bytes": r.reserve_bytes, "total_bytes": r.total_bytes} for r in result.cluster_cost.memory],
         "memory_cap_bytes": None if result.cluster_cost is None else result.cluster_cost.cap_bytes,
         "speedup": result.speedup,
@@ -144,7 +155,8 @@ def render(result: Diagnosis, output_format: str = "table") -> str:
         out += ["| " + " | ".join(r) + " |" for r in rows]
         memory = _memory_rows(result)
         if memory:
-            out += ["", "| " + " | ".join(_MEMORY_HEADER) + " |", "|" + "---|" * len(_MEMORY_HEADER)]
+            header = _memory_header(result)
+            out += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
             out += ["| " + " | ".join(r) + " |" for r in memory]
         out += [""] + [f"> note: {n}" for n in result.notes]
         return "\n".join(out).rstrip() + "\n"
@@ -153,7 +165,7 @@ def render(result: Diagnosis, output_format: str = "table") -> str:
     out += _table(header, rows)
     memory = _memory_rows(result)
     if memory:
-        out += ["", "memory per GPU:"] + _table(_MEMORY_HEADER, memory)
+        out += ["", "memory per GPU:"] + _table(_memory_header(result), memory)
     out.append("")
     for f in findings:
         out.append(f"{f.severity}: [{f.code}] {f.message}")

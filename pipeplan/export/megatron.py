@@ -203,6 +203,26 @@ def _optimizer_flags(plan: Plan, degrees, notes: list[str]) -> list[tuple[str, s
     return [("--use-distributed-optimizer", None)]
 
 
+def _expert_flags(plan: Plan, profile) -> list[tuple[str, str | None]]:
+    """A mixture-of-experts plan's experts as Megatron-LM's flags (its ``_add_moe_args``): the
+    experts and their shape from the profile, the degrees from the plan, and the all-to-all
+    token dispatcher the plan's dispatch and combine are timed as."""
+    par, experts = plan.parallelism, getattr(profile, "experts", None)
+    if par is None or par.expert is None or experts is None:
+        return []
+    flags = [
+        ("--num-experts", str(experts.num_experts)),
+        ("--moe-router-topk", str(experts.experts_per_token)),
+        ("--moe-ffn-hidden-size", str(experts.expert_intermediate_size)),
+        ("--expert-model-parallel-size", str(par.expert)),
+        ("--expert-tensor-parallel-size", str(par.expert_tensor or 1)),
+        ("--moe-token-dispatcher-type", "alltoall"),
+    ]
+    if experts.shared_expert_intermediate_size:
+        flags.append(("--moe-shared-expert-intermediate-size", str(experts.shared_expert_intermediate_size)))
+    return flags
+
+
 def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -> str:
     """The plan as a bash array of Megatron-LM flags.
 
@@ -288,7 +308,7 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
     flags.append(("--num-layers", str(num_layers)))
     if degrees.sequence_parallel:
         flags.append(("--sequence-parallel", None))
-    flags += optimizer + recompute
+    flags += optimizer + recompute + _expert_flags(plan, profile)
     flags += [
         ("--micro-batch-size", str(degrees.microbatch_size)),
         ("--global-batch-size", str(degrees.global_batch)),

@@ -170,6 +170,20 @@ def _activation_checkpoint(plan: Plan, notes: list[str]) -> list[str]:
     return ['mode = "selective"', 'selective_ac_option = "op"']
 
 
+def _expert_lines(plan: Plan) -> list[str]:
+    """A mixture-of-experts plan's degrees as torchtitan's ``[parallelism]`` keys
+    (``expert_parallel_degree``, ``expert_tensor_parallel_degree``; its ``ParallelDims`` takes
+    ETP = t or 1 only)."""
+    par = plan.parallelism
+    if par is None or par.expert is None:
+        return []
+    etp = par.expert_tensor or 1
+    if par.expert > 1 and etp not in (1, par.tensor):
+        raise BadInputError(f"plan: torchtitan runs expert-tensor parallelism at t ({par.tensor}) or 1 only, not "
+                            f"{etp}: re-plan with --expert-tensor-parallel 1 or {par.tensor}")
+    return [f"expert_parallel_degree = {par.expert}", f"expert_tensor_parallel_degree = {etp}"]
+
+
 def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profile=None) -> str:
     """The plan as torchtitan TOML (``[parallelism]``, ``[training]`` and ``[activation_checkpoint]``).
 
@@ -254,6 +268,7 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profi
         lines.append(f"fsdp_reshard_after_forward = {_toml_string(reshard)}")
     lines += [f"tensor_parallel_degree = {degrees.tensor}",
               f"pipeline_parallel_degree = {shape.num_ranks}"]
+    lines += _expert_lines(plan)
     if pipelined:
         # With a CSV, torchtitan still reads the schedule name to place stages (loop or V).
         placement_name = name or ("ZBVZeroBubble" if shape.v_placement else "Interleaved1F1B")

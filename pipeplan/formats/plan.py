@@ -107,6 +107,16 @@ class Parallelism(_Strict):
                                                                "2 also the gradients, 3 also the weights.")
     sequence_parallel: bool = Field(default=False, description="Megatron's sequence parallelism (t > 1).")
     gpus_per_node: PositiveCount = Field(description="From the cluster spec, for the layout.")
+    expert: Optional[PositiveCount] = Field(
+        default=None, description="Expert-parallel degree E of a mixture-of-experts model (its groups carved "
+                                  "out of each stage's data-parallel ranks); null: 1 (a dense model).")
+    expert_tensor: Optional[PositiveCount] = Field(
+        default=None, description="Expert-tensor-parallel degree ETP (the experts' own tensor sharding); null: 1.")
+
+    @property
+    def expert_data(self) -> int:
+        """The expert-data-parallel degree ``t x d / (E x ETP)``: the ranks holding the same experts."""
+        return max(1, self.tensor * self.data // ((self.expert or 1) * (self.expert_tensor or 1)))
 
     @model_validator(mode="after")
     def _product(self) -> "Parallelism":
@@ -181,6 +191,21 @@ class PlanSettings(_Strict):
         description="Share of the data-parallel sync hidden behind compute; null: 0 (all exposed).")
     search_stages: Optional[bool] = Field(
         default=None, description="True in a cluster plan whose pipeline degree was searched (stages is the choice).")
+    expert_parallel: Optional[PositiveCount] = Field(
+        default=None,
+        description="--expert-parallel: fixed expert-parallel degree E (it must divide d and the number of "
+                    "experts), or null to search it (mixture-of-experts profiles; 1 for dense ones).")
+    expert_tensor_parallel: Optional[PositiveCount] = Field(
+        default=None, description="--expert-tensor-parallel: the experts' tensor-parallel degree ETP (it must "
+                                  "divide t); null: 1.")
+    expert_imbalance: Optional[FiniteFloat] = Field(
+        default=None, ge=1, le=64,
+        description="--expert-imbalance: the busiest rank's routed tokens over the balanced share (>= 1); "
+                    "null: 1 (balanced routing).")
+    expert_data_parallel: Optional[PositiveCount] = Field(
+        default=None,
+        description="Internal: the expert-data-parallel degree t x d / (E x ETP) of one replica's cost model "
+                    "(set by the cluster search; null in a request and in a plan file's settings).")
 
     def cap_bytes(self) -> float:
         """The per-GPU cap the request means: ``memory_cap_bytes``, else the cluster's (its spec or
@@ -254,6 +279,11 @@ class PlanStage(_Strict):
     gradient_bytes: Optional[PlanBytes] = Field(default=None, description="Gradients held (ZeRO 2-3: the shard).")
     optimizer_bytes: Optional[PlanBytes] = Field(default=None, description="Optimizer state held (ZeRO 1-3: the shard).")
     peak_activation_bytes: Optional[PlanBytes] = Field(default=None, description="Activations at the stage's peak.")
+    expert_state_bytes: Optional[PlanBytes] = Field(
+        default=None, description="Mixture-of-experts plans: the routed experts' weights, gradients and optimizer "
+                                  "state the stage holds (1 / (E x ETP) of them, sharded over the "
+                                  "expert-data-parallel group); weight_bytes, gradient_bytes and optimizer_bytes "
+                                  "are then the dense part's.")
     # --- schema_version 2: full recomputation's kept bytes ---
     checkpoint_bytes: Optional[PlanBytes] = Field(
         default=None, description="Full-recompute stages: bytes kept per micro-batch in flight, every layer's "
@@ -279,6 +309,14 @@ class Predicted(_Strict):
     tensor_parallel_ms: Optional[PlanMs] = Field(default=None, description="Tensor-parallel collectives.")
     data_parallel_ms: Optional[PlanMs] = Field(default=None, description="What the data-parallel sync adds.")
     optimizer_ms: Optional[PlanMs] = Field(default=None, description="The optimizer step.")
+    expert_dispatch_ms: Optional[PlanMs] = Field(
+        default=None, description="Mixture of experts: the token dispatch all-to-alls (forward and backward).")
+    expert_compute_ms: Optional[PlanMs] = Field(
+        default=None, description="Mixture of experts: the routed experts' GEMMs for the tokens the rank receives.")
+    expert_combine_ms: Optional[PlanMs] = Field(
+        default=None, description="Mixture of experts: the combine all-to-alls (forward and backward).")
+    shared_expert_ms: Optional[PlanMs] = Field(
+        default=None, description="Mixture of experts: the shared experts' MLP.")
     tokens_per_second_per_gpu: Optional[NonNegativeFloat] = Field(default=None, description="Training throughput per GPU.")
     model_flops_utilization: Optional[FiniteFloat] = Field(
         default=None, ge=0, description="Model FLOPs per iteration (no recompute) over the GPUs' peak (MFU).")

@@ -135,6 +135,24 @@ class LayerCost(_Strict):
         description="Of param_bytes at this degree, one rank's bytes of the routed experts (a "
         "mixture-of-experts layer). Absent at degree 1 (the layer's expert_param_bytes).",
     )
+    expert_forward_ms: Optional[NonNegativeMs] = Field(
+        default=None,
+        description="Of forward_ms, the routed experts' GEMMs and activation for the tokens one rank "
+        "routes (top-k x its tokens, balanced): what expert parallelism moves to other ranks and "
+        "--expert-imbalance scales. Absent: no routed experts.",
+    )
+    expert_backward_ms: Optional[NonNegativeMs] = Field(
+        default=None, description="Of backward_ms, the routed experts' part (input and weight gradients).")
+    shared_expert_forward_ms: Optional[NonNegativeMs] = Field(
+        default=None, description="Of forward_ms, the shared experts' MLP every token passes through.")
+    shared_expert_backward_ms: Optional[NonNegativeMs] = Field(
+        default=None, description="Of backward_ms, the shared experts' part.")
+    expert_dispatch_bytes: Optional[NonNegativeBytes] = Field(
+        default=None,
+        description="Bytes one rank sends to the experts per micro-batch and pass in one dispatch "
+        "(and gets back in one combine): its tokens x top-k x hidden x dtype bytes (its tokens: "
+        "the micro-batch's, 1/t of them under sequence parallelism).",
+    )
 
     @model_validator(mode="after")
     def _backward_split_whole(self) -> "LayerCost":
@@ -173,6 +191,7 @@ V2_COST_FIELDS = tuple(
     name for name in LayerCost.model_fields
     if name.startswith(("tensor_parallel", "selective_")) or name in ("param_bytes", "sequence_parallel",
                                                                        "expert_param_bytes")
+    or name.startswith(("expert_", "shared_expert_"))
 )
 
 

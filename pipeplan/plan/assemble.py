@@ -181,7 +181,10 @@ def plan_effective_settings(plan: Plan) -> PlanSettings:
     par = plan.parallelism
     if par is None:
         return plan.settings
-    return plan.settings.model_copy(update={"zero_stage": par.zero_stage, "data_parallel": par.data})
+    update = {"zero_stage": par.zero_stage, "data_parallel": par.data}
+    if par.expert is not None:
+        update["expert_data_parallel"] = par.expert_data
+    return plan.settings.model_copy(update=update)
 
 
 def plan_recompute_modes(plan: Plan) -> tuple[str, ...]:

@@ -13,8 +13,11 @@ Terms, per micro-batch of one stage (``sums`` are its layers' profile entries ad
     transfer_ms     = (input-boundary bytes + output-boundary bytes) x ms_per_byte
     stage_time_ms   = compute_ms + recompute_ms + transfer_ms           (what the solvers minimise)
 
-    state_bytes     = static_bytes_per_param_byte x (param_bytes + tied_copy_param_bytes)
-                      (weights, grads, optimizer; the copies of tied weights the stage holds)
+    state_bytes     = static_bytes_per_param_byte x (param_bytes - expert_param_bytes
+                                                     + tied_copy_param_bytes)
+                      + expert_static_bytes_per_param_byte x expert_param_bytes
+                      (weights, grads, optimizer; the copies of tied weights the stage holds; the
+                      routed experts' state sharded over the expert-data-parallel group)
     kept_bytes      = per micro-batch in flight: activation_bytes, for "full" sum(input_bytes) (each
                       layer's input, from which it is recomputed), for "selective"
                       sum(selective_activation_bytes)
@@ -330,6 +333,10 @@ class CostModel:
     """Under selective recomputation, the largest one layer's rebuilt attention core for one
     micro-batch (layers are recomputed one at a time, just before their backward): the model's
     largest ``activation_bytes - selective_activation_bytes``, a bound for every stage."""
+    expert_static_bytes_per_param_byte: float | None = None
+    """The routed experts' training state per byte of their parameters: ZeRO and Megatron's
+    distributed optimizer shard it over the expert-data-parallel group (``t x d / (E x ETP)``
+    ranks), not over ``d``. None: the same as ``static_bytes_per_param_byte``."""
 
     def __post_init__(self):
         for name in ("bandwidth_bytes_per_s", "static_bytes_per_param_byte", "action_overhead_ms",
@@ -337,6 +344,9 @@ class CostModel:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
                 raise ValueError(f"CostModel.{name} = {value!r} must be a number >= 0")
+        expert = self.expert_static_bytes_per_param_byte
+        if expert is not None and (not isinstance(expert, (int, float)) or math.isnan(expert) or expert < 0):
+            raise ValueError(f"CostModel.expert_static_bytes_per_param_byte = {expert!r} must be a number >= 0")
         if self.bandwidth_bytes_per_s == 0:
             raise ValueError("CostModel.bandwidth_bytes_per_s must be > 0 (inf ignores transfers)")
 
@@ -348,13 +358,22 @@ class CostModel:
         working = 0.0
         if graph is not None and graph.selective_known and graph.num_layers:
             working = float(max(0.0, (graph.activation_bytes - graph.selective_activation_bytes).max()))
+        # The training state's conventions and ZeRO's sharding over d: docs/cluster-model.md.
+        static = state_bytes_per_param_byte(settings.optimizer, dtype_bytes, settings.zero_stage or 0,
+                                            settings.data_parallel or 1)
+        expert = None
+        expert_data = getattr(settings, "expert_data_parallel", None)
+        if expert_data is not None:
+            # The experts' state is sharded over their own data-parallel group (d x t / (E x ETP)).
+            expert = state_bytes_per_param_byte(settings.optimizer, dtype_bytes, settings.zero_stage or 0,
+                                                expert_data)
+            expert = None if expert == static else expert
         return cls(
             bandwidth_bytes_per_s=math.inf if bandwidth is None else float(bandwidth),
-            # The training state's conventions and ZeRO's sharding over d: docs/cluster-model.md.
-            static_bytes_per_param_byte=state_bytes_per_param_byte(
-                settings.optimizer, dtype_bytes, settings.zero_stage or 0, settings.data_parallel or 1),
+            static_bytes_per_param_byte=static,
             action_overhead_ms=float(settings.action_overhead_ms or 0.0),
             selective_working_bytes=working,
+            expert_static_bytes_per_param_byte=expert,
         )
 
     @property
@@ -400,7 +419,12 @@ class CostModel:
         copies it holds (a stage with a later user of a tied weight, not its first, keeps a copy
         that it updates itself, its gradient summed with the first's: pipeplan run's tied sync,
         Megatron's embedding group)."""
-        return self.static_bytes_per_param_byte * (sums.param_bytes + sums.tied_copy_param_bytes)
+        own = self.static_bytes_per_param_byte * (sums.param_bytes + sums.tied_copy_param_bytes)
+        expert = self.expert_static_bytes_per_param_byte
+        if expert is None:
+            return own
+        # The routed experts' share, at its own sharding (expert-data-parallel group).
+        return own + (expert - self.static_bytes_per_param_byte) * sums.expert_param_bytes
 
     def kept_bytes(self, sums: LayerSums, in_bytes, mode: str):
         """The recompute rule, memory: what a stage keeps per micro-batch in flight (for full

@@ -21,7 +21,7 @@ __all__ = ["LAYER_ARRAYS", "LayerGraph", "build_layer_graph", "is_chain", "reord
 #: them, so a new per-layer quantity is one field here and one line in :func:`build_layer_graph`.
 LAYER_ARRAYS = ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms", "param_bytes",
                 "activation_bytes", "output_bytes", "selective_activation_bytes", "selective_recompute_ms",
-                "input_bytes")
+                "input_bytes", "expert_param_bytes")
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,11 @@ class LayerGraph:
     """Bytes of the layer's inputs per micro-batch: its predecessors' outputs (0 for a layer that
     reads only the data batch). What full recomputation keeps of the layer: each layer is
     recomputed from its own input. Default: from the edges and ``output_bytes``."""
+    expert_param_bytes: np.ndarray | None = None
+    """Of ``param_bytes``, the routed experts' (one rank's: the profile's ``expert_param_bytes``,
+    which a cluster view divides by the expert-parallel degree). Their training state is sharded
+    over the expert-data-parallel group, not the data-parallel one
+    (:attr:`pipeplan.plan.costmodel.CostModel.expert_static_bytes_per_param_byte`). Default: 0."""
     tied_weights: tuple[tuple[int, tuple[int, ...], float], ...] = ()
     """The profile's tied weights (``Profile.tied_weights``) as ``(first, others, param_bytes)``
     in layer positions: the first layer's ``param_bytes`` counts the weight; a stage that holds
@@ -80,6 +85,8 @@ class LayerGraph:
             object.__setattr__(self, "selective_activation_bytes", self.activation_bytes.copy())
         if self.selective_recompute_ms is None:
             object.__setattr__(self, "selective_recompute_ms", np.zeros_like(self.forward_ms))
+        if self.expert_param_bytes is None:
+            object.__setattr__(self, "expert_param_bytes", np.zeros_like(self.param_bytes))
 
     @property
     def num_layers(self) -> int:
@@ -166,6 +173,8 @@ def build_layer_graph(profile, microbatch_size: int) -> LayerGraph:
         if selective else None,
         selective_recompute_ms=np.array([c.selective_recompute_ms for c in costs], dtype=float) if selective else None,
         selective_known=selective,
+        expert_param_bytes=np.array([layer.expert_param_bytes or 0 for layer in profile.layers], dtype=float)
+        if any(layer.expert_param_bytes for layer in profile.layers) else None,
         tied_weights=tuple((index[tie.layers[0]], tuple(sorted({index[name] for name in tie.layers[1:]} - {index[tie.layers[0]]})),
                             float(tie.param_bytes)) for tie in (profile.tied_weights or ())),
     )

@@ -283,6 +283,8 @@ def _brute_degrees(n, g, units, heads, tdeg):
             for p in range(1, n + 1):
                 if d * t * p != n or g % t or p > units or any(h % t for h in heads):
                     continue
+                if (t * d) % g and g % (t * d):  # a pipeline rank's t x d GPUs would start mid-node
+                    continue
                 if tdeg is not None and t not in tdeg:
                     continue
                 out.append(Degrees(d, t, p))

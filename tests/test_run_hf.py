@@ -429,7 +429,7 @@ def test_units_stages_pass_tuples_of_contiguous_tensors_between_them():
     # The U-Net's first stage ends inside its tuples of cropped skips: what it sends is flat and
     # contiguous (gloo sends no other), and the next stage regroups it into the tuple its first
     # unit takes; the two stages together compute the whole model's output.
-    from pipeplan.profile import load_bundle, make_microbatch
+    from pipeplan.profile.loading import load_bundle, make_microbatch
     from pipeplan.run.stages import build_rank_stages
 
     stages = [["down1", "down2"], ["mid", "up2", "up1", "out"]]

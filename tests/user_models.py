@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeplan.profile import InputSpec
+from pipeplan.profile.registry import InputSpec
 
 
 class _Down(nn.Module):

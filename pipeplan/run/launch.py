@@ -400,8 +400,8 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
         raise BadInputError("run: no plan given")
     if not isinstance(steps, int) or steps < 2:
         raise BadInputError(f"--steps: {steps!r} must be an integer >= 2 (the first step is a warm-up)")
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
-        raise BadInputError(f"--threads: {threads!r} must be a positive integer")
+    if threads is not None and (not isinstance(threads, int) or not 1 <= threads <= 1024):
+        raise BadInputError(f"--threads: {threads!r} must be an integer from 1 to 1024")
     _check_run_options(timeout_s=timeout_s, job_timeout_s=job_timeout_s, nnodes=nnodes, nproc_per_node=nproc_per_node,
                        device=device, seq_len=seq_len, lr=lr, verify_tolerance=verify_tolerance,
                        alone_repeats=alone_repeats, model_options=model_options)
@@ -416,6 +416,9 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
                 f"--nnodes {nnodes} does not divide the plan's {num_ranks} ranks; give --nproc-per-node"
             )
         nproc_per_node = num_ranks // nnodes
+    if nproc_per_node * nnodes != num_ranks:
+        raise BadInputError(f"--nproc-per-node {nproc_per_node} x --nnodes {nnodes} is not the plan's {num_ranks} "
+                            f"ranks (d x p)")
     profiles = list(profile) if isinstance(profile, (list, tuple)) else [profile] * len(plans)
     if len(profiles) != len(plans):
         raise BadInputError(f"run: {len(plans)} plans but {len(profiles)} profiles; give one profile per plan")

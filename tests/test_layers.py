@@ -145,3 +145,29 @@ def test_cli_defaults_are_the_request_defaults(command):
             assert default == expected, (command, option, model.__name__)
             compared += 1
     assert compared >= 8
+
+
+def _function_lengths():
+    """(module, function, lines of code, whether it says why it is long) for every function."""
+    for name, path in MODULES.items():
+        source = path.read_text()
+        lines = source.split("\n")
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            first = node.body[0]
+            docstring = isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant)
+            start = first.end_lineno if docstring else first.lineno - 1
+            body = [line for line in lines[start:node.end_lineno] if line.strip() and not line.strip().startswith("#")]
+            reason = any("Function length" in line for line in lines[node.lineno - 1:node.end_lineno])
+            yield name, node.name, len(body), reason
+
+
+def test_no_module_over_600_lines():
+    long = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    assert {name: n for name, n in long.items() if n > 600} == {}
+
+
+def test_no_function_over_about_80_lines_without_a_reason():
+    """Docstrings, blank lines and comments aside; a longer one says why ("Function length: ...")."""
+    assert [(m, f, n) for m, f, n, reason in _function_lengths() if n > 85 and not reason] == []

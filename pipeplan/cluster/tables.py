@@ -35,6 +35,8 @@ def cluster_table(specs: list[ClusterSpec], title: str = "cluster presets") -> T
 
 def cluster_plan_tables(plan):
     """``show`` for a cluster plan: the layout, the iteration's parts, memory per GPU by part."""
+    # Function length (about 80 lines): one row per named part of the iteration and of memory, in
+    # the order `show` prints them; the rows are the list.
     from rich.console import Group
 
     par, p = plan.parallelism, plan.predicted

@@ -295,6 +295,9 @@ def megatron_layout_of(config: LauncherConfig) -> Layout:
         Stages in virtual-stage-major order (entry ``vstage * p + rank``); ``problems`` lists what
         current Megatron-LM refuses at start-up and what older versions silently dropped.
     """
+    # Function length (about 125 lines): megatron-core's own layout rules transcribed in its order
+    # (layout string or even split, first/last stage adjustments, virtual stages), so that each
+    # branch can be read against the Megatron source it mirrors.
     s = config.settings
     path, p, L = config.path, config.pipeline_degree, config.num_layers
     units = ["embedding"] + [f"decoder.{i}" for i in range(L)] + ["loss"]

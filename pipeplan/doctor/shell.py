@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from pipeplan.doctor.shell_arith import ansi_c, ansi_c_end, based, eval_int, literal
 from pipeplan.errors import BadInputError
+from pipeplan.doctor.shell_lex import array_closed, closing_brace, outside_quotes, statements
 
 __all__ = ["ShellScript", "read_script", "split_words"]
 
@@ -126,7 +127,7 @@ class _Reader:
             self.script.unresolved.append(text[i:j + 1])
             return "", j + 1
         if text.startswith("${", i):
-            end = _closing_brace(text, i)
+            end = closing_brace(text, i)
             if end < 0:
                 self.error("unterminated ${")
             body = text[i + 2:end]
@@ -275,15 +276,15 @@ class _Reader:
                 i += 1
                 line = line[:-1] + " " + lines[i]
             if re.match(r"^\s*(export\s+|local\s+|declare\s+(-a\s+)?)?[A-Za-z_][A-Za-z0-9_]*\+?=\(", line):
-                while not _array_closed(line) and i + 1 < len(lines):
+                while not array_closed(line) and i + 1 < len(lines):
                     i += 1
                     line += "\n" + lines[i]
-                if not _array_closed(line):
+                if not array_closed(line):
                     self.line = start
                     self.error("array assignment '(' is never closed")
             yield start, line
             i += 1
-            heredoc = _HEREDOC.search(_outside_quotes(line))
+            heredoc = _HEREDOC.search(outside_quotes(line))
             if heredoc:
                 # The body is the command's input, not script: skip it to the delimiter line.
                 word, strip_tabs = heredoc.group(2), "<<-" in heredoc.group(0)
@@ -295,7 +296,7 @@ class _Reader:
         depth = 0  # blocks (if, for, while, case, { }) open around the statement
         for number, line in self.logical_lines():
             self.line = number
-            for statement, conditional in _statements(line):
+            for statement, conditional in statements(line):
                 words = statement.split()
                 # The first word opens or closes a block; a { or } anywhere (`name() {`) does too.
                 for word in words[:1] + [w for w in words[1:] if w in ("{", "}")]:
@@ -460,95 +461,6 @@ def _unquote(reader: _Reader, word: str) -> str:
     return "".join(out)
 
 
-def _outside_quotes(line: str) -> str:
-    """``line`` with quoted text blanked (to find ``<<WORD`` only where bash sees it)."""
-    out, quote = [], None
-    for c in line:
-        if quote:
-            out.append(" ")
-            if c == quote:
-                quote = None
-        elif c in "'\"":
-            quote = c
-            out.append(" ")
-        else:
-            out.append(c)
-    return "".join(out)
-
-
-def _array_closed(text: str) -> bool:
-    depth, quote, i = 0, None, 0
-    while i < len(text):
-        c = text[i]
-        if quote:
-            if c == quote:
-                quote = None
-        elif c in "'\"":
-            quote = c
-        elif c == "#" and (i == 0 or text[i - 1] in " \t\n"):
-            end = text.find("\n", i)
-            if end < 0:
-                break
-            i = end
-            continue
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-            if depth == 0:
-                return True
-        i += 1
-    return False
-
-
-def _statements(line: str):
-    """Split a logical line at ; && || | outside quotes and brackets.
-
-    Returns (statement, conditional) pairs: conditional when it follows ``&&``, ``||`` or ``|``
-    (so it may not run, or runs in a subshell: an ``exit`` there does not end the script).
-    """
-    parts, current, quote, depth, i = [], [], None, 0, 0
-    after: list[bool] = [False]
-    while i < len(line):
-        c = line[i]
-        if quote:
-            current.append(c)
-            if c == "\\" and quote in ('"', "$'") and i + 1 < len(line):
-                current.append(line[i + 1])
-                i += 2
-                continue
-            if c == quote[-1]:
-                quote = None
-        elif c in "'\"":
-            quote = "$'" if c == "'" and i and line[i - 1] == "$" else c  # $'...' takes \' inside
-            current.append(c)
-        elif c == "\\" and i + 1 < len(line):
-            current.append(line[i:i + 2])
-            i += 2
-            continue
-        elif c in "({":
-            depth += 1
-            current.append(c)
-        elif c in ")}":
-            depth = max(0, depth - 1)
-            current.append(c)
-        elif c == "#" and not depth and (i == 0 or line[i - 1] in " \t"):
-            break
-        elif not depth and (c == ";" or line.startswith("&&", i) or line.startswith("||", i) or c == "|"):
-            parts.append("".join(current))
-            after.append(c != ";")
-            current = []
-            i += 2 if line.startswith(("&&", "||"), i) else 1
-            continue
-        else:
-            current.append(c)
-        i += 1
-    if quote:
-        raise BadInputError(f"unterminated {quote} quote in: {line.strip()[:80]}")
-    parts.append("".join(current))
-    return list(zip(parts, after))
-
-
 def read_script(path: str, text: str, variables: dict[str, str] | None = None) -> ShellScript:
     """Evaluate a launch script's assignments and expand its commands (never running them).
 
@@ -587,22 +499,3 @@ def split_words(path: str, text: str) -> list[str]:
     for _, command in script.commands:
         words += command
     return words
-
-
-def _closing_brace(text: str, start: int) -> int:
-    """Index of the ``}`` closing the ``${`` at ``start`` (nested ``${...}`` inside), or -1."""
-    depth, i = 0, start
-    while i < len(text):
-        if text.startswith("${", i):
-            depth += 1
-            i += 2
-            continue
-        if text[i] == "\\":
-            i += 2
-            continue
-        if text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    return -1

@@ -243,6 +243,8 @@ def _scalar_lookup(problem: PartitionProblem, cut_bytes):
 
 
 def _balance(problem: PartitionProblem, partition: Partition, placement: list[int]) -> Partition | None:
+    # Function length (about 80 lines): one local search loop (single moves, then pair moves) over
+    # one shared state; split further, the state would travel through every call.
     n, k = problem.graph.num_layers, problem.num_stages
     if max(placement) + 1 == k:
         return None

@@ -180,6 +180,11 @@ def profile_model(
     >>> [layer.name for layer in prof.layers]
     ['embed', 'blocks.0', 'norm', 'head']
     """
+    # Function length (about 280 lines): one measurement session. The built model, the device and its
+    # allocator state, the timers and the progress display are shared by every step (build, each
+    # size's unit timing, the whole-model check, the builder check, the profile's record), and the
+    # steps are already the helpers of profile/measure.py, capture.py and memory.py; the session
+    # as a class of its own is the next cut.
     started = time.perf_counter()
     sizes = parse_microbatch_sizes(microbatch_sizes)
     for name, value, low in (("--repeats", repeats, 1), ("--warmup", warmup, 0), ("--seed", seed, 0)):

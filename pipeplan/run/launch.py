@@ -395,6 +395,9 @@ def run_plans(plans: Sequence[Any], *, model: Optional[str] = None, profile: Any
         The launcher got SIGTERM or SIGHUP; torchrun's process group was ended and the temporary
         folder removed first.
     """
+    # Function length (about 110 lines): the torchrun job's lifecycle in order (options checked,
+    # config written, launch, the watchdog, collect, clean up); each phase shares the job's temp
+    # folder and process handles.
     plans = list(plans)
     if not plans:
         raise BadInputError("run: no plan given")

@@ -68,8 +68,9 @@ from pipeplan.facts.schedules import SPLIT_BACKWARD_SCHEDULES, TORCH_SCHEDULE_CL
 from pipeplan.profile.loading import load_bundle, make_microbatch
 from pipeplan.run.gradsync import DataParallelGrads, ReplicaGroups, TiedGrads, replica_share
 from pipeplan.run.stages import build_rank_stages, stage_builder
+from pipeplan.run.optimizers import build_optimizer, optimizer_state_bytes
 
-__all__ = ["main", "run_rank", "build_optimizer", "optimizer_state_bytes", "measure_link", "RESULT_FILE",
+__all__ = ["main", "run_rank", "measure_link", "RESULT_FILE",
            "error_file"]
 
 #: The file, in ``out_dir``, with every rank's results (a JSON list, by rank).
@@ -209,6 +210,10 @@ def run_rank(config: dict[str, Any]) -> list[dict[str, Any]]:
 def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, world_size: int, device: Any,
              backend: str) -> dict[str, Any]:
     """Build this rank's stages of ``plan``, run its steps, return the measurements."""
+    # Function length (about 250 lines): one rank's run of one plan, in the order torch needs it
+    # (process groups, stages, schedule, optimizer, the timed steps, verify, the result); every step
+    # reads the same live torch objects, and the steps that stand alone are already helpers
+    # (run/timing.py, gradsync.py, verify.py, optimizers.py).
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
@@ -495,40 +500,6 @@ def _run_one(plan_index: int, plan: Any, config: dict[str, Any], rank: int, worl
         "tied_weights": built.tied,
         "verify": verified,
     }
-
-
-def build_optimizer(params: list, name: str, lr: float, *, shard_group: Any = None) -> Any:
-    """The plan's optimizer over ``params``: ``adam`` and ``adam-fp32-grads`` (the same update; the
-    names differ in the memory they count), ``sgd`` with momentum 0.9, or None for ``none``.
-
-    With ``shard_group`` (ZeRO 1 over the data group), torch's ``ZeroRedundancyOptimizer``: each
-    replica keeps the optimizer state of its share of the parameters, updates them, and
-    broadcasts them to the others; the update is the same as unsharded.
-    """
-    import torch
-
-    if name in ("adam", "adam-fp32-grads"):
-        optimizer_class, options = torch.optim.Adam, {"lr": lr}
-    elif name == "sgd":
-        optimizer_class, options = torch.optim.SGD, {"lr": lr, "momentum": 0.9}
-    else:
-        return None
-    if shard_group is None:
-        return optimizer_class(params, **options)
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=shard_group, **options)
-
-
-def optimizer_state_bytes(optimizer: Any) -> Optional[int]:
-    """Bytes of the tensors this rank's optimizer keeps (its share, under ZeRO 1), or None."""
-    import torch
-
-    if optimizer is None:
-        return None
-    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps its share's optimizer
-    return sum(value.numel() * value.element_size() for state in local.state.values()
-               for value in state.values() if torch.is_tensor(value))
 
 
 def _global_loss(step_losses: list, data_group: Any, data: int) -> Any:

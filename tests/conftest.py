@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+import cli_checks
 from pipeplan.importers.pipedream import PROFILED_BATCH
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,3 +44,17 @@ def make_profile_dict(n_layers=6, sizes=(1, 2), edges=None, forward_ms=None, par
     if edges is not None:
         data["edges"] = edges
     return data
+
+
+# A small profile and its plan, written through the CLI (tests/cli_checks.py; the hardening tests).
+@pytest.fixture
+def profile_file(tmp_path):
+    return cli_checks.write(tmp_path, make_profile_dict(n_layers=6), "profile.json")
+
+
+@pytest.fixture
+def plan_file(tmp_path, profile_file):
+    out = tmp_path / "plan.json"
+    result = cli_checks.invoke("plan", profile_file, "--stages", 2, "--global-batch", 8, "--schedule", "1f1b", "-o", out, "-q")
+    assert result.exit_code == 0, result.stderr
+    return out

@@ -9,49 +9,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
+from cli_checks import invoke, one_line_error, write
 from conftest import make_profile_dict
 from doctor_profiles import llama3_8b, write_profile
-from pipeplan.cli import app
 from pipeplan.errors import BadInputError
 
-runner = CliRunner()
 DOCTOR = Path(__file__).parent / "data" / "doctor"
-
-
-def write(tmp_path, data, name="p.json"):
-    path = tmp_path / name
-    path.write_text(data if isinstance(data, str) else json.dumps(data))
-    return path
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def one_line_error(result, code=2, *needles):
-    """The result failed with ``code``, one line on stderr, no traceback, naming every needle."""
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr and "internal error" not in result.stderr, result.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
-
-
-@pytest.fixture
-def profile_file(tmp_path):
-    return write(tmp_path, make_profile_dict(n_layers=6), "profile.json")
-
-
-@pytest.fixture
-def plan_file(tmp_path, profile_file):
-    out = tmp_path / "plan.json"
-    result = invoke("plan", profile_file, "--stages", 2, "--global-batch", 8, "--schedule", "1f1b", "-o", out, "-q")
-    assert result.exit_code == 0, result.stderr
-    return out
 
 
 # ---------------------------------------------------------------- outputs

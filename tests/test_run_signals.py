@@ -178,10 +178,13 @@ def _gone_within(tmp_path: Path, seconds: float) -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
-def test_kill_9_of_the_launcher_leaves_no_process_and_no_temp_folder(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGQUIT, signal.SIGUSR1])
+def test_kill_9_of_the_launcher_leaves_no_process_and_no_temp_folder(tmp_path, signum):
+    """SIGKILL, and the signals whose default action ends Python without its handlers (SIGQUIT,
+    SIGUSR1): the launcher runs no code of its own; its watchdog sees the pipe close."""
     proc = _start_run(tmp_path, "--steps", "100000", "--timeout", "30", "-q")
     _worker_pid(tmp_path / "tmp", 1)
-    proc.kill()  # SIGKILL: the launcher runs no code; its watchdog sees the pipe close
+    proc.send_signal(signum)
     proc.communicate(timeout=30)
     _gone_within(tmp_path, 15)
 

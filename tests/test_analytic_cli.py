@@ -7,19 +7,13 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
 
 from conftest import REPO, make_profile_dict
-from pipeplan.cli import app
+from cli_checks import invoke
 from pipeplan.errors import BadInputError
 from pipeplan.formats.io import load_profile
 from pipeplan.formats.profile import Profile
 
-runner = CliRunner()
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def write_config(tmp_path, data, name="config.json"):

@@ -14,7 +14,6 @@ import sys
 from types import SimpleNamespace as NS
 
 import pytest
-from typer.testing import CliRunner
 
 from pipeplan.analytic import analytic_profile, get_gpu
 from pipeplan.analytic.api import model_parameter_counts
@@ -22,20 +21,15 @@ from pipeplan.analytic.collectives import unit_collectives
 from pipeplan.analytic.configs import shipped_config_dir
 from pipeplan.analytic.families import load_model_config
 from pipeplan.analytic.flops import Shape, unit_work
-from pipeplan.cli import app
+from cli_checks import invoke
 from pipeplan.errors import BadInputError
 from pipeplan.export.common import tied_weight_notes
 from pipeplan.formats.io import load_profile
 
 from conftest import REPO, make_profile_dict
 
-runner = CliRunner()
 
 MOE_MODELS = ["deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "mixtral-8x7b"]
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)

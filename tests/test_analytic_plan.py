@@ -5,24 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
 from conftest import REPO
 from pipeplan.analytic import analytic_profile, get_gpu
-from pipeplan.cli import app
+from cli_checks import invoke
 from pipeplan.formats.io import load_plan, write_json_atomic
 from pipeplan.plan import plan_simulation
 
-runner = CliRunner()
 
 #: A GPT-3-style model trained without flash attention, where the attention core's s^2 tensors
 #: are most of the activations (Korthikanti et al. 2022): selective recomputation pays.
 GPT = {"model_type": "gpt2", "n_layer": 8, "n_embd": 1024, "n_head": 16, "n_positions": 2048,
        "vocab_size": 32000}
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")

@@ -7,22 +7,11 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
 
 from conftest import REPO, make_profile_dict, pipedream_path
+from cli_checks import invoke, write
 from pipeplan.cli import app
 
-runner = CliRunner()
-
-
-def write(tmp_path, data, name="p.json"):
-    path = tmp_path / name
-    path.write_text(data if isinstance(data, str) else json.dumps(data))
-    return path
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def test_plan_writes_a_valid_plan_and_is_byte_identical(tmp_path):

@@ -123,6 +123,12 @@ def schedule_space(settings: PlanSettings, num_layers: int) -> list[tuple[str, i
         if settings.schedule != "auto" and settings.schedule not in runs:
             raise BadInputError(f"--schedule: {settings.launcher} runs {', '.join(runs)}, not {settings.schedule}")
         schedules = tuple(s for s in schedules if s in runs)
+    if p == 1 and settings.schedule == "auto" and settings.virtual_stages in (None, 1):
+        # One pipeline rank runs no pipeline schedule: its micro-batches run one after another,
+        # one in flight (1F1B's single rank). More stages on that rank would only carve the
+        # model into recompute pieces that no launcher runs at p = 1 (Megatron and torchtitan
+        # build one model chunk there), so they are not offered.
+        return [("1f1b", 1)]
     space = []
     for schedule in schedules:
         allowed = valid_virtual_stages(schedule)

@@ -151,6 +151,11 @@ def test_view_imbalance_scales_the_busiest_ranks_experts(moe_profile):
                                                   + 2 * a2a)
     # The routed experts are part of the unit's forward: the profile's share is below the whole.
     assert 0 < cost.expert_forward_ms < cost.forward_ms
+    # The busiest rank keeps f times the routed tensors: the k token copies (mlp_input, 2 k s b h)
+    # and the SwiGLU's 3 k s b f (docs/cluster-model.md), 16-bit.
+    s, b, h, k, inner = 1024, 2, 512, 2, 1024
+    assert cost.expert_activation_bytes == 2 * (k * s * b * h + 3 * k * s * b * inner)
+    assert got.activation_bytes == cost.activation_bytes + math.ceil((f - 1) * cost.expert_activation_bytes)
 
 
 def test_expert_tensor_parallel_shards_the_experts_at_t(moe_profile):

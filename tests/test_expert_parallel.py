@@ -27,6 +27,10 @@ from pipeplan.facts.training_state import state_bytes_per_param_byte, state_memo
 from pipeplan.formats.cluster import Link
 from pipeplan.formats.io import dump_model, load_plan
 from pipeplan.plan.costmodel import CostModel, LayerSums
+from pipeplan.errors import BadInputError
+from pipeplan.plan.assemble import plan_simulation
+from pipeplan.run.launch import check_parallelism
+from pipeplan.run.plans import simulate_plan
 
 DGX = PRESETS["dgx-h100"]
 
@@ -261,6 +265,24 @@ def test_plan_fixed_expert_parallel_memory_and_parts(moe_profile, tmp_path):
     assert shown.exit_code == 0
     for text in ("expert dispatch", "routed experts", "expert combine", "experts E=4"):
         assert text in shown.output
+
+
+def test_run_refuses_an_ep_plan_and_the_replay_holds_one_gpus_experts(moe_profile, tmp_path):
+    """pipeplan run builds every expert on every rank, so it refuses E > 1 (exit 2 naming the field);
+    the run report's replay of such a plan simulates the plan's own per-GPU stages (1/E of the
+    experts, the all-to-alls), not the whole-model profile."""
+    profile, path = moe_profile
+    out = tmp_path / "plan.json"
+    assert _plan(path, "--expert-parallel", "4", "--data-parallel", "8", "--tensor-parallel", "1",
+                 "--zero", "1", "-o", str(out)).exit_code == 0
+    plan = load_plan(out)
+    with pytest.raises(BadInputError, match="parallelism.expert: E=4"):
+        check_parallelism(plan, str(out))
+    replay = simulate_plan(plan, profile)
+    assert replay.iteration_ms == pytest.approx(plan_simulation(plan).iteration_ms)
+    whole = simulate_plan(plan.model_copy(update={"parallelism": None}), profile)
+    # The whole-model replay would hold 4x the experts and miss the all-to-alls.
+    assert whole.iteration_ms != pytest.approx(replay.iteration_ms)
 
 
 def test_plan_searches_expert_parallel_and_replans_the_same(moe_profile, tmp_path):

@@ -457,3 +457,52 @@ def test_torchtitan_export_of_an_ep_plan_is_torchtitans(moe_profile, tmp_path):
     config, dims, _ = torchtitan_accepts(tmp_path, text, plan.parallelism.num_gpus)
     assert (dims.ep, dims.etp, dims.tp) == (4, 1, 2)
     assert config.parallelism.expert_parallel_degree == plan.parallelism.expert
+
+
+def test_deepspeed_export_of_an_ep_plan_builds_deepspeeds_moe_layer(moe_profile, tmp_path):
+    """The DeepSpeed export's 'moe' entry is DeepSpeed-MoE's own layer arguments: its MoE layer
+    built with them holds the plan's experts per GPU (num_experts / E)."""
+    pytest.importorskip("deepspeed")
+    import torch
+    from deepspeed.moe.layer import MoE
+
+    from pipeplan.export import export_plan
+
+    profile, path = moe_profile
+    out = tmp_path / "plan.json"
+    assert _plan(path, "--expert-parallel", "4", "--data-parallel", "8", "--tensor-parallel", "1",
+                 "--launcher", "deepspeed", "--zero", "1", "-o", str(out)).exit_code == 0
+    plan = load_plan(out)
+    exported = json.loads(export_plan(plan, profile, "deepspeed")[".json"])
+    moe = exported["moe"]
+    assert moe == {"num_experts": 8, "ep_size": 4, "k": 2, "enable_expert_tensor_parallelism": False}
+    layer = MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), **moe)
+    assert (layer.num_local_experts, layer.ep_size) == (2, 4)
+    assert any("ep_size=4" in note for note in exported["pipeplan"]["notes"])
+
+
+def test_doctor_reads_the_expert_degree_of_torchtitan_and_deepspeed(moe_profile, tmp_path):
+    """torchtitan's parallelism.expert_parallel_degree and DeepSpeed-MoE's ep_size (--ep-size) are
+    read, and doctor's cluster costing says how many experts each GPU holds."""
+    from pipeplan.doctor.deepspeed import parse_deepspeed
+    from pipeplan.doctor.torchtitan import parse_torchtitan
+    from pipeplan.export import export_plan
+
+    profile, path = moe_profile
+    out = tmp_path / "plan.json"
+    assert _plan(path, "--expert-parallel", "4", "--data-parallel", "8", "--tensor-parallel", "2",
+                 "--launcher", "torchtitan", "-o", str(out)).exit_code == 0
+    toml = tmp_path / "job.toml"
+    # The export has no [model] table (the user's own); torchtitan's MoE model, the profile's 4 blocks.
+    toml.write_text(export_plan(load_plan(out), profile, "torchtitan")[".toml"] + '\n[model]\nname = "deepseek_v3"\n')
+    config = parse_torchtitan(str(toml), toml.read_text(), num_layers=4, validate_with_torchtitan=False)
+    assert config.expert_degree == 4
+    result = CliRunner().invoke(app, ["doctor", "torchtitan", str(toml), "--profile", str(path), "--cluster",
+                                      "dgx-h100", "--same-layout"])
+    assert "experts: parallelism.expert_parallel_degree = 4: each GPU holds 2 of the 8 experts" in result.output, \
+        result.output
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4}))
+    assert parse_deepspeed(str(ds), ds.read_text(), num_stages=2, world_size=16, ep_size=8).expert_degree == 8
+    with pytest.raises(BadInputError, match="--ep-size: 0 must be at least 1"):
+        parse_deepspeed(str(ds), ds.read_text(), num_stages=2, ep_size=0)

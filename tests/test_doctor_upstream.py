@@ -90,3 +90,24 @@ def test_8b_fix_makes_exactly_the_change_its_finding_states(profiles, tmp_path):
     parse_torchtitan(str(fixed), fixed.read_text())  # runs torchtitan's ConfigManager where it imports
     again = _doctor(fixed, profiles["llama3-8b"], 8)
     assert "as fast as pipeplan's best plan" in again.output, again.output
+
+
+@pytest.fixture(scope="module")
+def gpt3_profile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt3") / "gpt3-175b.json"
+    path.write_text(dump_model(analytic_profile("gpt3-175b", get_gpu("a100-80gb"), seq_len=2048, microbatch_sizes=(1,),
+                                                tensor_parallel=(8,))))
+    return path
+
+
+def test_megatron_175b_as_written_is_refused_at_start_up_and_read_as_written(gpt3_profile):
+    """8 processes for t x p = 128: Megatron refuses to start, so doctor says error (exit 1); the
+    script's --fp16 is noticed; without --sequence-parallel the header does not claim it."""
+    path, _ = _file("megatron_core_v0.16.1_train_gpt3_175b_distributed.sh")
+    result = CliRunner().invoke(app, ["doctor", "megatron", str(path), "--profile", str(gpt3_profile), "--cluster",
+                                      "dgx-a100", "--same-layout"])
+    assert result.exit_code == 1, result.output
+    assert "error: [world-size]" in result.output and "world_size (8) is not divisible by 128" in result.output
+    assert "[precision] fp16" in result.output
+    header = result.output.splitlines()[1]
+    assert header.startswith("on dgx-a100:") and "sequence parallel" not in header, header

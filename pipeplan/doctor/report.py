@@ -46,7 +46,9 @@ def _summary(result: Diagnosis) -> list[str]:
     if result.plan is not None and result.plan.parallelism is not None:
         par, plan = result.plan.parallelism, result.plan
         lines.append(f"on {plan.settings.cluster.name}: {par.num_gpus} GPUs as d={par.data} x t={par.tensor} x "
-                     f"p={par.pipeline}, ZeRO {par.zero_stage}" + (", sequence parallel" if par.sequence_parallel else "")
+                     f"p={par.pipeline}, ZeRO {par.zero_stage}"
+                     # What the config runs (its --sequence-parallel), not the profile's costing.
+                     + (", sequence parallel" if c.sequence_parallel and par.tensor > 1 else "")
                      + f", optimizer {plan.settings.optimizer}, cap {format_bytes(result.cluster_cost.cap_bytes)} per GPU")
         lines.append(f"predicted: {parts_text(plan)}; {plan.predicted.samples_per_second:.6g} samples/s")
     elif result.plan is not None:

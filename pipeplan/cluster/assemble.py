@@ -206,7 +206,7 @@ def _fast_link(cluster, num_gpus: int) -> tuple[str, str]:
         return "the intra-node link", ""
     segment = cluster.domain_gpus_for(num_gpus)
     return ("NVLink (inside an NVLink domain)",
-            f", {segment} GPUs per NVLink domain segment (domain {cluster.nvlink_domain_gpus})")
+            f"; NVLink domains of {cluster.nvlink_domain_gpus}, this job's in segments of {segment} GPUs")
 
 
 def _sequence_parallel(profile) -> bool:

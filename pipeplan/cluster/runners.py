@@ -122,11 +122,11 @@ def compare_search(search, text: str, layout_trials: Callable) -> Compare:
         raise BadInputError(f"{where}: zero={zero} but --zero {settings.zero_stage} fixes it")
     if zero not in (None, 1) and (settings.launcher == "megatron" or (settings.launcher == "deepspeed" and p > 1)):
         raise BadInputError(f"{where}: zero={zero}: --launcher {settings.launcher} runs ZeRO 1 here")
-    if expert is not None and not expert_choices(profile, settings.model_copy(update={"expert_parallel": expert}),
-                                                 d, t):
-        raise BadInputError(f"{where}: e={expert} does not divide d={d} and the number of experts"
-                            if getattr(profile, "experts", None) is not None else
-                            f"{where}: e={expert}: the profile has no experts")
+    if expert not in (None, 1) and getattr(profile, "experts", None) is None:
+        raise BadInputError(f"{where}: e={expert}: the profile has no experts (a dense model plans e=1)")
+    if expert is not None and expert not in expert_choices(
+            profile, settings.model_copy(update={"expert_parallel": expert}), d, t):
+        raise BadInputError(f"{where}: e={expert} does not divide d={d} and the number of experts")
     try:
         degrees = parallel_degrees(settings.num_gpus, cluster.gpus_per_node, len(profile.layers), head_counts(profile),
                                    tensor_degrees(profile), data=d, tensor=t, pipeline=p)

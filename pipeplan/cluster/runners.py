@@ -37,19 +37,22 @@ def _layouts(trials, best) -> dict:
 def informative_layouts(trials, best, limit: int) -> list[tuple[str, list]]:
     """Up to ``limit`` layouts other than the winner's, each with why it is listed, and its trials.
 
-    In this order, each the layout with the least lower bound of its kind (a planned trial's
-    bound is its time; layouts whose every trial is over the memory last): the largest tensor
-    degree; pure data parallelism (t = p = 1, where the rules allow it); each other tensor degree,
-    largest first; no pipeline (p = 1); then the least bounds left. One layout is listed once.
+    In this order, each the layout of its kind that the search's seed estimate ranks first (a
+    planned trial's is its time; layouts whose every trial is over the memory last): the largest
+    tensor degree; pure data parallelism (t = p = 1, where the rules allow it); each other tensor
+    degree but the winner's, largest first; no pipeline (p = 1); then the best estimates left.
+    One layout is listed once.
 
     Examples
     --------
     >>> from types import SimpleNamespace as N
     >>> def trial(d, t, p, ms):
-    ...     return N(key=(d, t, p, 1), tensor=t, pipeline=p, status="pruned", lower_bound_ms=ms)
-    >>> trials = [trial(4, 2, 1, 10.0), trial(8, 1, 1, 30.0), trial(2, 2, 2, 12.0), trial(1, 8, 1, 40.0)]
-    >>> [(label, group[0].key[:3]) for label, group in informative_layouts(trials, trials[0], 3)]
-    [('largest t (t=8)', (1, 8, 1)), ('pure data parallel', (8, 1, 1)), ('least bound at t=2', (2, 2, 2))]
+    ...     return N(key=(d, t, p, 1), tensor=t, pipeline=p, status="pruned", lower_bound_ms=ms,
+    ...              extras={"estimate_ms": ms})
+    >>> trials = [trial(4, 4, 1, 10.0), trial(16, 1, 1, 30.0), trial(4, 2, 2, 12.0), trial(2, 8, 1, 40.0),
+    ...           trial(8, 2, 1, 11.0), trial(2, 4, 2, 9.0)]
+    >>> [(label, group[0].key[:3]) for label, group in informative_layouts(trials, trials[0], 4)]
+    [('t=8 (the largest t)', (2, 8, 1)), ('pure data parallel', (16, 1, 1)), ('t=2', (8, 2, 1)), ('next best estimate', (2, 4, 2))]
     """
     by_key = _layouts(trials, best)
 
@@ -60,9 +63,10 @@ def informative_layouts(trials, best, limit: int) -> list[tuple[str, list]]:
 
     ranked = sorted(by_key, key=rank)
     tensors = sorted({key[1] for key in ranked}, reverse=True)
-    kinds = [(f"t={tensors[0]} (the largest t)" if tensors else "", lambda k: k[1] == tensors[0]),
-             ("pure data parallel", lambda k: k[1] == 1 and k[2] == 1)]
-    kinds += [(f"t={t}", lambda k, t=t: k[1] == t) for t in tensors[1:]]
+    kinds = [(f"t={tensors[0]} (the largest t)", lambda k: k[1] == tensors[0])] if tensors else []
+    kinds += [("pure data parallel", lambda k: k[1] == 1 and k[2] == 1)]
+    # The winner answers for its own tensor degree.
+    kinds += [(f"t={t}", lambda k, t=t: k[1] == t) for t in tensors[1:] if t != best.tensor]
     kinds += [("p=1 (no pipeline)", lambda k: k[2] == 1)]
     chosen: dict = {}
     for label, wanted in kinds:

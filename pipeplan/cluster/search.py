@@ -60,7 +60,7 @@ SEED_TRIALS = 3
 
 #: Runner-up layouts planned in full after the search (runners.informative_layouts chooses them);
 #: each costs about one layout's pipeline search, mostly from the search's cache.
-RUNNER_UP_LAYOUTS = 6
+RUNNER_UP_LAYOUTS = 5
 
 
 @dataclass

@@ -52,7 +52,7 @@ def _same_plan(alternative, plan):
 def test_labelled_runners_up_are_each_layouts_own_plan(searched, monkeypatch):
     labelled = [a for a in searched.alternatives if a.label is not None]
     assert 2 <= len(labelled) <= search_module.RUNNER_UP_LAYOUTS
-    assert {a.label for a in labelled} >= {"pure data parallel", "t=1 (the largest t)"}
+    assert {a.label.split(";")[0] for a in labelled} >= {"pure data parallel", "t=1 (the largest t)"}
     # At least one of them the search itself had cut by its bound: planning it again is what
     # makes the row a time.
     calls = []
@@ -71,6 +71,37 @@ def test_labelled_runners_up_are_each_layouts_own_plan(searched, monkeypatch):
         _same_plan(alternative, _alone(alternative))
         gap = alternative.iteration_ms - searched.predicted.iteration_ms
         assert f"slower by {gap:.1f} ms" in alternative.reason
+
+
+def test_tensor_degree_rows_and_their_proof_against_every_layout_alone():
+    """Llama 3 8B on 16 H100s, t = 1, 2, 8: one row per tensor degree but the winner's, each its
+    layout's own plan; "proven best of its kind" holds against planning every layout of the kind
+    alone, and "not ruled out" counts the layouts whose bound is below the row's time."""
+    from pipeplan.analytic.api import analytic_profile
+    from pipeplan.facts.gpus import get_gpu
+
+    profile = analytic_profile("llama3-8b", get_gpu("h100-sxm"), seq_len=2048, dtype="bf16",
+                               microbatch_sizes=[1, 2], tensor_parallel=[1, 2, 8])
+    settings = PlanSettings(num_gpus=16, cluster=PRESETS["dgx-h100"], global_batch=32, schedule="1f1b",
+                            recompute="auto", memory_cap_bytes=40 * 2**30)
+
+    def plan(**kw):
+        return search_module.plan_cluster(profile, settings.model_copy(update=kw), profile_sha256="test")
+
+    searched = plan()
+    alone = {(a.data, a.tensor, a.pipeline): plan(data_parallel=a.data, tensor_parallel=a.tensor, stages=a.pipeline)
+             for a in searched.alternatives}
+    labelled = {a.label.split(";")[0]: a for a in searched.alternatives if a.label is not None}
+    winner_t = searched.parallelism.tensor
+    assert {f"t={t}" for t in (1, 2) if t != winner_t} | {"t=8 (the largest t)"} <= set(labelled)
+    for label, row in labelled.items():
+        _same_plan(row, alone[(row.data, row.tensor, row.pipeline)])
+        if not label.startswith("t="):
+            continue
+        kind = [p.predicted.iteration_ms for (d, t, p_), p in alone.items() if t == row.tensor]
+        if row.label.endswith("proven best of its kind"):
+            assert row.iteration_ms == pytest.approx(min(kind), rel=1e-12)
+    assert any(";" in a.label for a in labelled.values())
 
 
 def test_unlabelled_rows_keep_their_bounds(searched):

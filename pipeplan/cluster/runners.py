@@ -22,7 +22,7 @@ from pipeplan.cluster.space import candidates, parallel_degrees
 from pipeplan.errors import BadInputError
 from pipeplan.requests import parse_compare
 
-__all__ = ["informative_layouts", "Compare", "compare_search"]
+__all__ = ["informative_layouts", "kind_label", "Compare", "compare_search"]
 
 
 def _layouts(trials, best) -> dict:
@@ -51,7 +51,7 @@ def informative_layouts(trials, best, limit: int) -> list[tuple[str, list]]:
     ...              extras={"estimate_ms": ms})
     >>> trials = [trial(4, 4, 1, 10.0), trial(16, 1, 1, 30.0), trial(4, 2, 2, 12.0), trial(2, 8, 1, 40.0),
     ...           trial(8, 2, 1, 11.0), trial(2, 4, 2, 9.0)]
-    >>> [(label, group[0].key[:3]) for label, group in informative_layouts(trials, trials[0], 4)]
+    >>> [(label, group[0].key[:3]) for label, group, _ in informative_layouts(trials, trials[0], 4)]
     [('t=8 (the largest t)', (2, 8, 1)), ('pure data parallel', (16, 1, 1)), ('t=2', (8, 2, 1)), ('next best estimate', (2, 4, 2))]
     """
     by_key = _layouts(trials, best)
@@ -72,12 +72,38 @@ def informative_layouts(trials, best, limit: int) -> list[tuple[str, list]]:
     for label, wanted in kinds:
         key = next((k for k in ranked if wanted(k) and k not in chosen), None)
         if key is not None and len(chosen) < limit:
-            chosen[key] = label
+            chosen[key] = (label, [by_key[k] for k in ranked if wanted(k) and k != key])
     for key in ranked:
         if len(chosen) >= limit:
             break
-        chosen.setdefault(key, "next best estimate")
-    return [(label, by_key[key]) for key, label in chosen.items()]
+        chosen.setdefault(key, ("next best estimate", []))
+    return [(label, by_key[key], rivals) for key, (label, rivals) in chosen.items()]
+
+
+def kind_label(label: str, found, rivals) -> str:
+    """``label`` with whether the row is proven the best of its kind: every other layout of the
+    kind planned slower or bounded at or above its time (after the runners-up were planned), or
+    how many are not ruled out (their bound below its time); ``label`` as it is for a row of a
+    kind of one layout, or with no plan.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace as N
+    >>> found = N(status="planned", parts=N(iteration_ms=10.0))
+    >>> kind_label("t=8", found, [[N(status="pruned", lower_bound_ms=9.0)], [N(status="infeasible")]])
+    't=8; 1 more of its kind not ruled out'
+    >>> kind_label("t=8", found, [[N(status="pruned", lower_bound_ms=11.0)]])
+    't=8; proven best of its kind'
+    """
+    if found is None or not rivals:
+        return label
+    ms = found.parts.iteration_ms
+    open_ = sum(1 for group in rivals if any(
+        (t.parts.iteration_ms if t.status == "planned" else t.lower_bound_ms) < ms
+        for t in group if t.status in ("planned", "pruned", "new")))
+    if not open_:
+        return f"{label}; proven best of its kind"
+    return f"{label}; {open_} more of its kind not ruled out"
 
 
 @dataclass

@@ -33,7 +33,7 @@ from pipeplan.cluster.iteration import iteration_parts, pipeline_lower_bound_ms
 from pipeplan.cluster.memory import plannable_bytes, zero3_gathered_bytes
 from pipeplan.cluster.placement import Layout
 from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, tensor_degrees
-from pipeplan.cluster.runners import compare_search, informative_layouts
+from pipeplan.cluster.runners import compare_search, informative_layouts, kind_label
 from pipeplan.cluster.space import batch_divisor_note, candidates, parallel_degrees
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.facts.schedules import valid_virtual_stages
@@ -192,8 +192,9 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
                                                   needs))
     # The runners-up worth a row (runners.informative_layouts), each planned exactly, and the
     # --compare layouts; all inside the search's planning cache, so most of their work is shared.
-    runners = [(label, group, _exact_best(search, group, unbounded))
-               for label, group in informative_layouts(trials, best, RUNNER_UP_LAYOUTS)]
+    runners = [(label, group, _exact_best(search, group, unbounded), rivals)
+               for label, group, rivals in informative_layouts(trials, best, RUNNER_UP_LAYOUTS)]
+    runners = [(kind_label(label, found, rivals), group, found) for label, group, found, rivals in runners]
     compared = [(compare.text, _exact_best(compare.search, compare.trials, unbounded if compare.unbounded is None else compare.unbounded),
                  compare.trials) for compare in search.compares]
     plan = assemble_cluster_plan(best, trials, profile, settings, search.views[best.view_key], cluster,

@@ -31,6 +31,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeplan.errors import BadInputError, format_validation_error
+from pipeplan.facts.launchers import DEFAULT_OPTIMIZER, launcher_optimizer
 from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.formats.limits import PositiveCount
 from pipeplan.formats.plan import PlanSettings, effective_cap_bytes
@@ -140,8 +141,8 @@ class _Request(BaseModel):
         if self.optimizer == "auto":
             # Resolved here, so the plan file records what the launcher keeps.
             fields.pop("optimizer", None)
-            if self.launcher == "megatron":
-                fields["optimizer"] = "adam-fp32-grads"
+            if launcher_optimizer(self.launcher) != DEFAULT_OPTIMIZER:
+                fields["optimizer"] = launcher_optimizer(self.launcher)
         try:
             return PlanSettings(**fields)
         except ValidationError as exc:

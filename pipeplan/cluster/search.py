@@ -36,6 +36,7 @@ from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, 
 from pipeplan.cluster.runners import compare_search, informative_layouts, kind_label
 from pipeplan.cluster.space import batch_divisor_note, candidates, parallel_degrees
 from pipeplan.errors import BadInputError, InfeasibleError
+from pipeplan.facts.launchers import launcher_zero_stages
 from pipeplan.facts.schedules import valid_virtual_stages
 from pipeplan.facts.training_state import optimizer_step_ms, state_bytes_per_param_byte, training_state
 from pipeplan.formats.plan import Plan, PlanSettings
@@ -103,14 +104,11 @@ def _zero_stages(settings: PlanSettings, d: int, p: int) -> list[int]:
     # reduce-scatter plus an all-gather) and holds less; it pays one more call's fixed latency per
     # iteration (8.4 us on the presets), which the search gives up for a third fewer candidates:
     # --zero 0 plans ZeRO 0.
-    if d == 1:
-        return [0]
-    # A plan for a launcher holds only what that launcher shards: Megatron-LM's distributed optimizer
-    # keeps the whole gradient buffer (ZeRO 1 memory) and has no ZeRO 3; DeepSpeed's PipelineEngine
-    # asserts ZeRO < 2 under pipeline parallelism (the exports refuse the rest).
-    if settings.launcher == "megatron" or (settings.launcher == "deepspeed" and p > 1):
-        return [1]
-    return [1, 2, 3]
+    # A plan for a launcher holds only what that launcher shards (pipeplan.facts.launchers):
+    # Megatron-LM's distributed optimizer keeps the whole gradient buffer (ZeRO 1 memory) and has no
+    # ZeRO 3; DeepSpeed's PipelineEngine asserts ZeRO < 2 under pipeline parallelism; torchtitan's
+    # FSDP has no optimizer-only sharding (the exports refuse or re-express the rest).
+    return list(launcher_zero_stages(settings.launcher, d, p))
 
 
 def _families(settings: PlanSettings, view_has_selective: bool) -> list[tuple[str, str]]:

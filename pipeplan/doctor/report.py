@@ -67,9 +67,11 @@ def _summary(result: Diagnosis) -> list[str]:
                      + (f" (ZeRO {b.parallelism.zero_stage})" if b.parallelism is not None else ""))
     if result.best_any is not None:
         b, par = result.best_any, result.best_any.parallelism
+        shape = (f"{b.schedule}, v = {b.virtual_stages}, {b.num_microbatches} micro-batches" if par.pipeline > 1
+                 else f"no pipeline, {b.num_microbatches} batches")
         lines.append(f"best plan for the same {par.num_gpus} GPUs: d={par.data} x t={par.tensor} x p={par.pipeline}, "
-                     f"ZeRO {par.zero_stage}, {b.schedule}, v = {b.virtual_stages}, {b.num_microbatches} "
-                     f"micro-batches of {b.microbatch_size} per replica, predicted {b.predicted.iteration_ms:.6g} ms")
+                     f"ZeRO {par.zero_stage}, {shape} of {b.microbatch_size} per replica, predicted "
+                     f"{b.predicted.iteration_ms:.6g} ms")
     return lines
 
 

@@ -38,6 +38,7 @@ _TYPES = {
     ("parallelism", "tensor_parallel_degree"): int,
     ("parallelism", "context_parallel_degree"): int,
     ("parallelism", "expert_parallel_degree"): int,
+    ("parallelism", "fsdp_reshard_after_forward"): str,
     ("parallelism", "expert_tensor_parallel_degree"): int,
     ("parallelism", "data_parallel_replicate_degree"): int,
     ("parallelism", "data_parallel_shard_degree"): int,
@@ -175,7 +176,10 @@ def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
                             f"parallelism.pipeline_parallel_microbatch_size ({mbs}) must be at least 1")
     model_name = _get(path, data, "model", "name", "llama3")
     flavor = _get(path, data, "model", "flavor", "debugmodel")
-    layers = num_layers if num_layers is not None else model_layer_count(model_name, flavor)
+    # No [model] table: a fragment to merge into the user's job (pipeplan's own export is one),
+    # whose model is the profile's, not torchtitan's default debug model.
+    known = "model" in data
+    layers = num_layers if num_layers is not None else (model_layer_count(model_name, flavor) if known else None)
     replicate = par("data_parallel_replicate_degree", 1)
     shard = par("data_parallel_shard_degree", -1)
     if shard == -1 and world_size and world_size % (replicate * t * p * cp) == 0:
@@ -215,9 +219,25 @@ def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
         microbatch_size=mbs, num_microbatches=microbatches,
         tensor_degree=t, data_degree=d, context_degree=cp, expert_degree=ep, num_layers=layers,
         recompute={"full": "full", "selective": "selective", "memory_budget": "selective"}.get(mode, "none"),
-        sharded_optimizer=shard != 1, zero_stage=3 if d and shard > 1 else 0,
+        sharded_optimizer=shard != 1, zero_stage=_zero_stage(path, data, shard, p),
         sequence_parallel=t > 1, settings=settings,
     )
+
+
+def _zero_stage(path: str, data: dict, shard: int, p: int) -> int:
+    """The ZeRO stage whose memory torchtitan's FSDP keeps (pipeplan.facts.launchers): "always"
+    reshards the weights after forward (ZeRO 3); "never" keeps them whole, and the gradients whole
+    until the step under a pipeline (ZeRO 1) or reduce-scattered per micro-batch (ZeRO 2);
+    "default" is "always" without a pipeline and "never" with one (parallelize.py)."""
+    if shard <= 1:
+        return 0
+    policy = _get(path, data, "parallelism", "fsdp_reshard_after_forward", "default")
+    if policy not in ("default", "always", "never"):
+        raise BadInputError(f"{path}: parallelism.fsdp_reshard_after_forward: {policy!r} is not one of default, "
+                            f"always, never")
+    if policy == "always" or (policy == "default" and p == 1):
+        return 3
+    return 1 if p > 1 else 2
 
 
 def _accumulation_steps(path: str, data: dict, local: int, d: int | None) -> int:

@@ -175,7 +175,8 @@ def profile(
     model: str = typer.Argument(..., metavar="MODEL", help="Built-in (gpt2-tiny, gpt2, llama-tiny, bert-tiny, convnet-tiny, ...), module:callable, or hf:MODEL_TYPE (transformers, no weights: hf:gpt2, hf:llama, hf:bert, hf:vit, ...); with --analytic: a HF config.json or a shipped config (llama3-8b, ...).", show_default=False),
     microbatch_sizes: str = typer.Option("1,2,4", "--microbatch-sizes", help="Micro-batch sizes to measure, e.g. 1,2,4,8."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (language models); default 128, with --analytic the model's pre-training context."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default fp32; bf16 with --analytic)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default fp32; bf16 with --analytic): the parameters' and activations' type."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="With --analytic: how the GEMMs run, bf16 (default), fp8 (current scaling), mxfp8 or nvfp4 (docs/analytic.md, 'Precision')."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda or cpu (default: cuda when available)."),
     repeats: int = typer.Option(5, "--repeats", help="Timed runs per unit and size (medians)."),
     warmup: int = typer.Option(2, "--warmup", help="Untimed runs first."),
@@ -200,7 +201,7 @@ def profile(
     result = make_profile(
         model, output, analytic=analytic, microbatch_sizes=microbatch_sizes, seq_len=seq_len, dtype=dtype,
         gpu=gpu, gpu_spec=gpu_spec, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-        flash_attention=flash_attention, device=device, repeats=repeats, warmup=warmup, threads=threads,
+        flash_attention=flash_attention, precision=precision, device=device, repeats=repeats, warmup=warmup, threads=threads,
         options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}, units=units, seed=seed,
         config=config, split_backward=split_backward, progress=True)
     rich_console().print(analytic_summary_table(result) if analytic else summary_table(result))

@@ -71,7 +71,8 @@ def _request(kind, **fields):
 
 
 def _plan_request(stages, global_batch, microbatch_size, memory_cap, optimizer, bandwidth, schedule,
-                  virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None, **cluster_options):
+                  virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None, fp8_param_gather=None,
+                  **cluster_options):
     """The request ``plan`` (and ``compare``) options make: a :class:`ClusterRequest` with
     ``--gpus``, else a :class:`PipelineRequest`."""
     if optimizer not in ("adam", "adam-fp32-grads", "sgd", "none"):
@@ -94,6 +95,7 @@ def _plan_request(stages, global_batch, microbatch_size, memory_cap, optimizer, 
         solver=solver,
         action_overhead_ms=action_overhead_ms,
         launcher=launcher,
+        **({"fp8_param_gather": True} if fp8_param_gather else {}),
     )
     cluster = _cluster_options(**cluster_options)
     if cluster:
@@ -244,6 +246,7 @@ def plan(
     expert_parallel: Optional[int] = typer.Option(None, "--expert-parallel", help="With --gpus, a mixture-of-experts profile: fix the expert-parallel degree E (divides d and the experts); default: search."),
     expert_tensor_parallel: Optional[int] = typer.Option(None, "--expert-tensor-parallel", help="With --gpus: the experts' tensor-parallel degree (divides t; default 1)."),
     expert_imbalance: Optional[float] = typer.Option(None, "--expert-imbalance", help="With --gpus: the busiest rank's routed tokens over the balanced share (>= 1; default 1)."),
+    fp8_param_gather: Optional[bool] = typer.Option(None, "--fp8-param-gather", help="A profile made with --precision: keep the weights quantized (Megatron-LM's --fp8-param-gather; docs/cost-model.md)."),
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
     refuse_overwriting_input(output, profile)
@@ -252,7 +255,8 @@ def plan(
                             action_overhead_ms, launcher=launcher, num_gpus=gpus, cluster=cluster,
                             data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero=zero,
                             data_parallel_overlap=data_parallel_overlap, expert_parallel=expert_parallel,
-                            expert_tensor_parallel=expert_tensor_parallel, expert_imbalance=expert_imbalance)
+                            expert_tensor_parallel=expert_tensor_parallel, expert_imbalance=expert_imbalance,
+                            fp8_param_gather=fp8_param_gather)
     if layers_per_stage is not None:
         request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
     with reporting(terminal_progress(quiet)):

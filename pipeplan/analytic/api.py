@@ -135,6 +135,8 @@ def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, 
         selective_recompute_ms=_round(parts_ms(work.attention_core, peak, bw, efficiency)),
     )
     fields.update(_expert_fields(cfg, kind, index, shape, work, peak, bw, efficiency, quantized))
+    if shape.quantized_bytes is not None:
+        fields.update(_cast_fields(cfg, kind, index, work, peak, bw, efficiency))
     if t > 1:
         traffic = unit_collectives(cfg, kind, shape)
         experts = unit_expert_param_count(cfg, kind, t, index)
@@ -161,6 +163,20 @@ _SHARED_PARTS = frozenset({"shared_gate_proj", "shared_up_proj", "shared_down_pr
 def _part_owner(name: str) -> str:
     """The GEMM a ``--precision`` cast belongs to (``gate_proj_quantize`` -> ``gate_proj``)."""
     return name.removesuffix("_grad_quantize").removesuffix("_quantize")
+
+
+def _cast_fields(cfg: ModelConfig, kind: str, index: int, work, peak: float, bw: float,
+                 efficiency: EfficiencyModel) -> dict:
+    """A quantized precision's casts of the unit (``*_quantize`` parts), less the routed and shared
+    experts' (in their own parts): the named part ``quantize_ms`` of the iteration."""
+    experts = _ROUTED_PARTS | _SHARED_PARTS if kind in ("block", "mtp") and cfg.is_moe_layer(index) else frozenset()
+
+    def casts(parts):
+        return parts_ms([p for p in parts if p.name.endswith("_quantize") and _part_owner(p.name) not in experts],
+                        peak, bw, efficiency)
+
+    return dict(quantize_forward_ms=_round(casts(work.forward)),
+                quantize_backward_ms=_round(casts(work.backward_input + work.backward_weight)))
 
 
 def _expert_fields(cfg: ModelConfig, kind: str, index: int, shape: Shape, work, peak: float, bw: float,

@@ -151,6 +151,12 @@ class LayerCost(_Strict):
         default=None, description="Of forward_ms, the shared experts' MLP every token passes through.")
     shared_expert_backward_ms: Optional[NonNegativeMs] = Field(
         default=None, description="Of backward_ms, the shared experts' part.")
+    quantize_forward_ms: Optional[NonNegativeMs] = Field(
+        default=None,
+        description="Of forward_ms, a quantized precision's casts (the GEMMs' inputs to fp8/mxfp8/nvfp4) outside "
+        "the routed and shared experts' parts. Absent: no quantized GEMMs (the profile's precision).")
+    quantize_backward_ms: Optional[NonNegativeMs] = Field(
+        default=None, description="Of backward_ms, the casts of the output gradients (as quantize_forward_ms).")
     expert_dispatch_bytes: Optional[NonNegativeBytes] = Field(
         default=None,
         description="Bytes one rank sends to the experts per micro-batch and pass in one dispatch "
@@ -195,7 +201,7 @@ V2_COST_FIELDS = tuple(
     name for name in LayerCost.model_fields
     if name.startswith(("tensor_parallel", "selective_")) or name in ("param_bytes", "sequence_parallel",
                                                                        "expert_param_bytes")
-    or name.startswith(("expert_", "shared_expert_"))
+    or name.startswith(("expert_", "shared_expert_", "quantize_"))
 )
 
 

@@ -15,7 +15,7 @@ import math
 from typing import Optional
 
 from pipeplan.errors import BadInputError
-from pipeplan.facts.training_state import StateMemory, state_memory, training_state
+from pipeplan.facts.training_state import StateMemory, precision_of, state_memory, training_state
 from pipeplan.formats.plan import Plan, PlanProfileRef, PlanSettings, PlanStage, Predicted, RankSummary, SolverInfo
 from pipeplan.plan.costmodel import CostModel
 from pipeplan.plan.memory import stage_in_flight
@@ -210,7 +210,7 @@ def stage_state_memory(plan: Plan, stage: PlanStage, dtype_bytes: int) -> StateM
     optimizer, ZeRO stage and data-parallel degree: what the cost model's static term counts,
     split as ZeRO shards it (:func:`pipeplan.facts.training_state.state_memory`)."""
     settings = plan_effective_settings(plan)
-    return state_memory(stage.param_bytes / dtype_bytes, training_state(settings.optimizer, dtype_bytes),
+    return state_memory(stage.param_bytes / dtype_bytes, training_state(settings.optimizer, dtype_bytes, *precision_of(settings)),
                         settings.zero_stage or 0, settings.data_parallel or 1)
 
 

@@ -317,9 +317,18 @@ def with_profile_defaults(profile, settings: PlanSettings) -> PlanSettings:
       else the measured default for the device and backend the profile was measured on
       (:mod:`pipeplan.plan.runnable`: 1.0 ms on cpu/gloo).
 
+    - ``precision``: the profile's (how its GEMMs ran; it sets the quantized weight copies the
+      training state holds: :func:`pipeplan.facts.training_state.training_state`).
+
     A plan records the settings after this, so re-planning from a plan file is reproducible.
     """
     update = {}
+    precision = getattr(profile, "precision", None)
+    if settings.precision != precision:
+        update["precision"] = precision
+    if settings.fp8_param_gather and precision is None:
+        raise BadInputError("--fp8-param-gather: the profile's GEMMs run in its dtype; it needs a profile made "
+                            "with --precision fp8, mxfp8 or nvfp4")
     if settings.global_batch is None:
         update["global_batch"] = DEFAULT_GLOBAL_BATCH_PER_MICROBATCH * max(profile.microbatch_sizes)
     measured_ms = (profile.measurement or {}).get("action_overhead_ms")

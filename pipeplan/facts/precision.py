@@ -53,7 +53,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["Precision", "PRECISIONS", "get_precision", "precision_or_default"]
+from pipeplan.errors import BadInputError
+
+__all__ = ["Precision", "PRECISIONS", "get_precision", "precision_or_default", "plan_precision"]
 
 
 @dataclass(frozen=True)
@@ -105,3 +107,18 @@ def get_precision(name: str) -> Precision:
 def precision_or_default(name: Optional[str]) -> Precision:
     """``None`` (a profile or plan without a precision: everything in the training dtype) is bf16's."""
     return PRECISIONS["bf16" if name is None else name]
+
+
+def plan_precision(profile_precision: Optional[str], fp8_param_gather: Optional[bool]) -> Optional[str]:
+    """The precision a plan records: its profile's (how the profile's GEMMs ran sets the quantized
+    weight copies the training state holds: :func:`pipeplan.facts.training_state.training_state`).
+
+    Raises
+    ------
+    BadInputError
+        ``--fp8-param-gather`` with a profile whose GEMMs run in its dtype.
+    """
+    if fp8_param_gather and profile_precision is None:
+        raise BadInputError("--fp8-param-gather: the profile's GEMMs run in its dtype; it needs a profile made "
+                            "with --precision fp8, mxfp8 or nvfp4")
+    return profile_precision

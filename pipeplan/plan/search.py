@@ -45,6 +45,7 @@ import math
 import time
 
 from pipeplan.errors import BadInputError, InfeasibleError
+from pipeplan.facts.precision import plan_precision
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.plan.assemble import plan_from_partition
 from pipeplan.plan.ranks import (balance_ranks, balanced_note, busy_lower_bound_ms, rank_end_lower_bounds_ms,
@@ -315,20 +316,13 @@ def with_profile_defaults(profile, settings: PlanSettings) -> PlanSettings:
     - ``action_overhead_ms``: the schedule's own time per action that a calibrated profile
       carries from its run (``measurement.action_overhead_ms``, written by ``pipeplan calibrate``),
       else the measured default for the device and backend the profile was measured on
-      (:mod:`pipeplan.plan.runnable`: 1.0 ms on cpu/gloo).
-
-    - ``precision``: the profile's (how its GEMMs ran; it sets the quantized weight copies the
-      training state holds: :func:`pipeplan.facts.training_state.training_state`).
+      (:mod:`pipeplan.plan.runnable`: 1.0 ms on cpu/gloo);
+    - ``precision``: the profile's (:func:`pipeplan.facts.precision.plan_precision`).
 
     A plan records the settings after this, so re-planning from a plan file is reproducible.
     """
-    update = {}
-    precision = getattr(profile, "precision", None)
-    if settings.precision != precision:
-        update["precision"] = precision
-    if settings.fp8_param_gather and precision is None:
-        raise BadInputError("--fp8-param-gather: the profile's GEMMs run in its dtype; it needs a profile made "
-                            "with --precision fp8, mxfp8 or nvfp4")
+    precision = plan_precision(getattr(profile, "precision", None), settings.fp8_param_gather)
+    update = {} if settings.precision == precision else {"precision": precision}
     if settings.global_batch is None:
         update["global_batch"] = DEFAULT_GLOBAL_BATCH_PER_MICROBATCH * max(profile.microbatch_sizes)
     measured_ms = (profile.measurement or {}).get("action_overhead_ms")

@@ -117,7 +117,7 @@ def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, 
            efficiency: EfficiencyModel, precision: str = "bf16") -> LayerCost:
     peak, bw = gpu.flops_for(dtype), gpu.hbm_bytes_per_s
     # --precision's peak for the quantized GEMMs (docs/analytic.md, "Precision").
-    quantized = gpu.flops_for(get_precision(precision).peak, "--precision") if shape.quantized_bytes else None
+    quantized = gpu.peak_flops[get_precision(precision).peak] if shape.quantized_bytes else None
     work = unit_work(cfg, kind, index, shape)
     forward = parts_ms(work.forward, peak, bw, efficiency, quantized)
     b_input = parts_ms(work.backward_input, peak, bw, efficiency, quantized)
@@ -269,8 +269,9 @@ def analytic_profile(
         raise BadInputError(f"--precision {precision}: quantized GEMMs keep 16-bit parameters and activations; "
                             f"give --dtype bf16 (not {dtype})")
     gpu.flops_for(dtype)
-    if recipe.quantized:
-        gpu.flops_for(recipe.peak, "--precision")
+    if recipe.quantized and recipe.peak not in gpu.peak_flops:
+        raise BadInputError(f"--precision: {gpu.name} has no peak for {recipe.peak}; it lists "
+                            f"{', '.join(sorted(gpu.peak_flops))}")
     seq = default_seq_len(cfg) if seq_len is None else seq_len
     if seq <= 0:
         raise BadInputError(f"--seq-len: {seq} must be positive")

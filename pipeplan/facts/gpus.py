@@ -27,13 +27,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeplan.errors import BadInputError
 
-__all__ = ["GpuSpec", "GPUS", "get_gpu", "gpu_rows", "PEAK_KEYS"]
+__all__ = ["GpuSpec", "GPUS", "PRECISIONS", "get_gpu", "gpu_rows"]
 
 _GIB = 2**30
 
-#: The dtypes and precisions a spec's ``peak_flops`` may list (``mxfp8`` and ``nvfp4``: the
-#: block-scaled formats of Blackwell's tensor cores; pipeplan.facts.precision).
-PEAK_KEYS = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4")
+#: The precisions ``peak_flops`` may name, widest first.
+PRECISIONS = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4")
 
 
 class GpuSpec(BaseModel):
@@ -46,7 +45,7 @@ class GpuSpec(BaseModel):
     memory_bytes: int = Field(gt=0, description="HBM capacity.")
     hbm_bytes_per_s: float = Field(gt=0, description="Peak HBM bandwidth.")
     link_bytes_per_s: float = Field(gt=0, description="Intra-node link bandwidth per direction.")
-    peak_flops: dict[str, float] = Field(description="Dense peak FLOP/s per dtype or precision (fp32, tf32, bf16, fp16, fp8, mxfp8, nvfp4).")
+    peak_flops: dict[str, float] = Field(description="Dense peak FLOP/s per dtype (fp32, tf32, bf16, fp16, fp8).")
     source: str = Field(default="", description="Where the figures come from.")
 
     @field_validator("peak_flops")
@@ -55,18 +54,17 @@ class GpuSpec(BaseModel):
         if not value:
             raise ValueError("give at least one dtype, e.g. bf16 = 989.4e12")
         for dtype, flops in value.items():
-            if dtype not in PEAK_KEYS:
-                raise ValueError(f"{dtype!r} is not one of {', '.join(PEAK_KEYS)}")
+            if dtype not in PRECISIONS:
+                raise ValueError(f"{dtype!r} is not one of {', '.join(PRECISIONS)}")
             if not flops > 0:
                 raise ValueError(f"{dtype}: {flops!r} must be positive")
         return value
 
-    def flops_for(self, dtype: str, option: str = "--dtype") -> float:
-        """Peak dense FLOP/s for a training dtype (or a ``--precision``); BadInputError naming the
-        GPU if not listed."""
+    def flops_for(self, dtype: str) -> float:
+        """Peak dense FLOP/s for a training dtype; BadInputError naming the GPU if not listed."""
         if dtype not in self.peak_flops:
             raise BadInputError(
-                f"{option}: {self.name} has no peak for {dtype}; it lists {', '.join(sorted(self.peak_flops))}"
+                f"--dtype: {self.name} has no peak for {dtype}; it lists {', '.join(sorted(self.peak_flops))}"
             )
         return self.peak_flops[dtype]
 
@@ -98,13 +96,11 @@ GPUS: dict[str, GpuSpec] = {s.name: s for s in (
     _spec("gh200", "NVIDIA GH200 Grace Hopper (96GB HBM3)", 96, 4.0e12, 450e9,
           _HOPPER,
           "NVIDIA GH200 Grace Hopper Superchip data sheet (96 GB HBM3)"),
-    # NVIDIA DGX B200 / HGX B200 data sheet, per GPU: FP4 18 PF*, FP8 9 PF* and FP16/BF16 4.5 PF*
-    # (* sparse; dense half), TF32 2.2 PF*, FP32 75 TF, 180 GB HBM3e (1,440 GB per 8 GPUs) at 8 TB/s
-    # (64 TB/s per 8), fifth-generation NVLink 1.8 TB/s. MXFP8 runs at the FP8 rate, NVFP4 at FP4's
-    # (NVIDIA Blackwell architecture technical brief: block-scaled formats at the format's rate).
+    # NVIDIA DGX B200 / HGX B200 data sheet, per GPU: FP8 9 PF* and FP16/BF16 4.5 PF* (* sparse; dense
+    # half), TF32 2.2 PF*, FP32 75 TF, 180 GB HBM3e (1,440 GB per 8 GPUs) at 8 TB/s (64 TB/s per 8),
+    # fifth-generation NVLink 1.8 TB/s.
     _spec("b200", "NVIDIA B200 (HGX/DGX B200)", 180, 8.0e12, 900e9,
-          {"fp64": 37e12, "fp32": 75e12, "tf32": 1.1e15, "bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15,
-           "mxfp8": 4.5e15, "nvfp4": 9e15},
+          {"fp64": 37e12, "fp32": 75e12, "tf32": 1.1e15, "bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15},
           "NVIDIA DGX B200 and HGX B200 data sheets, per GPU (dense = half the sparsity figures)"),
     # NVIDIA A100 Tensor Core GPU data sheet (A100 40GB SXM): FP32 19.5 TF, TF32 156 TF, BF16/FP16
     # 312 TF (dense), 1,555 GB/s HBM2, NVLink 600 GB/s.

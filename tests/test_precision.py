@@ -289,3 +289,16 @@ def test_doctor_reads_torchtitans_float8_converter(tmp_path):
     assert torchtitan_precision({"model": {"converters": "quantize.linear.mx"}}) == ("mxfp8", False)
     assert torchtitan_precision({"model": {"converters": 3}, "quantize": []}) == (None, False)
     assert json.dumps(torchtitan_precision({})) == "[null, false]"
+
+
+def test_pipeline_plans_count_the_copies_and_show_names_every_part(tmp_path, profiles):
+    from pipeplan.plan.costmodel import CostModel
+
+    settings = PlanSettings(stages=2, optimizer="adam", precision="fp8")
+    assert CostModel.from_settings(settings, 2).static_bytes_per_param_byte == (16 + 4) / 2
+    gathered = settings.model_copy(update={"fp8_param_gather": True})
+    assert CostModel.from_settings(gathered, 2).static_bytes_per_param_byte == 16 / 2
+    _, path = _cluster_plan(tmp_path, profiles["fp8"], zero_stage=1)
+    shown = invoke("show", path)
+    assert shown.exit_code == 0, shown.output
+    assert "fp8 copies" in shown.output and "fp8 casts" in shown.output and "fp8 GEMMs" in shown.output

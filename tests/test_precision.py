@@ -295,7 +295,7 @@ def test_pipeline_plans_count_the_copies_and_show_names_every_part(tmp_path, pro
     from pipeplan.plan.costmodel import CostModel
 
     settings = PlanSettings(stages=2, optimizer="adam", precision="fp8")
-    assert CostModel.from_settings(settings, 2).static_bytes_per_param_byte == (16 + 4) / 2
+    assert CostModel.from_settings(settings, 2).static_bytes_per_param_byte == (16 + 2) / 2  # + the fp8 copy and its transpose
     gathered = settings.model_copy(update={"fp8_param_gather": True})
     assert CostModel.from_settings(gathered, 2).static_bytes_per_param_byte == 16 / 2
     _, path = _cluster_plan(tmp_path, profiles["fp8"], zero_stage=1)

@@ -36,7 +36,7 @@ adds Transformer Engine's quantized weight copies, a part of their own
                               column-wise one); the step writes q instead of w and the
                               transpose: + 2 q
 
-so fp8 adds 4 bytes per parameter to ``adam``'s 16 without the gather, 0 with it (1 + 1 for 2).
+so fp8 adds 2 bytes per parameter to ``adam``'s 16 without the gather (18), none with it (1 + 1 for the 2).
 They are counted on every parameter (the embedding and the output head, which stay bf16 and keep
 no copies, are counted as if they did: an overestimate of ``2 q`` per parameter of theirs without
 the gather, none with it). ZeRO 3 shards them as the weights.

@@ -38,6 +38,8 @@ _TYPES = {
     ("parallelism", "pipeline_parallel_degree"): int,
     ("parallelism", "tensor_parallel_degree"): int,
     ("parallelism", "context_parallel_degree"): int,
+    ("parallelism", "expert_parallel_degree"): int,
+    ("parallelism", "expert_tensor_parallel_degree"): int,
     ("parallelism", "data_parallel_replicate_degree"): int,
     ("parallelism", "data_parallel_shard_degree"): int,
     ("parallelism", "pipeline_parallel_microbatch_size"): int,
@@ -179,8 +181,9 @@ def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
     p = par("pipeline_parallel_degree", 1)
     t = par("tensor_parallel_degree", 1)
     cp = par("context_parallel_degree", 1)
+    ep = par("expert_parallel_degree", 1)
     for key, value in (("pipeline_parallel_degree", p), ("tensor_parallel_degree", t),
-                       ("context_parallel_degree", cp)):
+                       ("context_parallel_degree", cp), ("expert_parallel_degree", ep)):
         if value < 1:
             raise BadInputError(f"{path}: parallelism.{key}: {value} must be at least 1")
     name = par("pipeline_parallel_schedule", "1F1B")
@@ -227,7 +230,7 @@ def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
     return LauncherConfig(
         launcher="torchtitan", path=path, pipeline_degree=p, virtual_stages=v, schedule=schedule,
         microbatch_size=mbs, num_microbatches=local // mbs if local % mbs == 0 else None,
-        tensor_degree=t, data_degree=d, context_degree=cp, num_layers=layers,
+        tensor_degree=t, data_degree=d, context_degree=cp, expert_degree=ep, num_layers=layers,
         recompute={"full": "full", "selective": "selective", "memory_budget": "selective"}.get(mode, "none"),
         sharded_optimizer=shard != 1, zero_stage=3 if d and shard > 1 else 0,
         sequence_parallel=t > 1, settings=settings, precision=precision, quantized_params=quantized,

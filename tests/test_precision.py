@@ -302,3 +302,14 @@ def test_pipeline_plans_count_the_copies_and_show_names_every_part(tmp_path, pro
     shown = invoke("show", path)
     assert shown.exit_code == 0, shown.output
     assert "fp8 copies" in shown.output and "fp8 casts" in shown.output and "fp8 GEMMs" in shown.output
+
+
+def test_doctor_torchtitan_reads_the_exported_float8_settings(tmp_path, profiles):
+    from pipeplan.doctor.torchtitan import parse_torchtitan
+
+    plan, _ = _cluster_plan(tmp_path, profiles["fp8"], zero_stage=3, fp8_param_gather=True)
+    text = export_plan(plan, None, "torchtitan")[".toml"]
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    config = parse_torchtitan(str(path), text, num_layers=32, world_size=8)
+    assert (config.precision, config.quantized_params, config.zero_stage) == ("fp8", True, 3)

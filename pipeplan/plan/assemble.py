@@ -15,6 +15,7 @@ import math
 from typing import Optional
 
 from pipeplan.errors import BadInputError
+from pipeplan.facts.precision import plan_precision
 from pipeplan.facts.training_state import StateMemory, precision_of, state_memory, training_state
 from pipeplan.formats.plan import Plan, PlanProfileRef, PlanSettings, PlanStage, Predicted, RankSummary, SolverInfo
 from pipeplan.plan.costmodel import CostModel
@@ -25,7 +26,7 @@ from pipeplan.plan.simulate import Simulation, StageCost, simulate
 from pipeplan.quantities import format_bytes
 
 __all__ = ["plan_from_partition", "plan_given_split", "plan_stage_costs", "plan_simulation", "plan_effective_settings",
-           "plan_recompute_modes", "plan_cost_model", "stage_state_memory"]
+           "plan_recompute_modes", "plan_cost_model", "stage_state_memory", "precision_update"]
 
 
 def plan_from_partition(profile, settings, problem: PartitionProblem, partition: Partition, *, schedule: str,
@@ -203,6 +204,13 @@ def plan_cost_model(plan: Plan, dtype_bytes: int, graph=None, *,
     if bandwidth_bytes_per_s is not None:
         settings = settings.model_copy(update={"bandwidth_bytes_per_s": bandwidth_bytes_per_s})
     return CostModel.from_settings(settings, dtype_bytes, graph)
+
+
+def precision_update(profile, settings) -> dict:
+    """``{"precision": the profile's}`` where ``settings`` do not record it yet, else ``{}``
+    (:func:`pipeplan.facts.precision.plan_precision`: what a plan records, and its checks)."""
+    precision = plan_precision(getattr(profile, "precision", None), settings.fp8_param_gather)
+    return {} if settings.precision == precision else {"precision": precision}
 
 
 def stage_state_memory(plan: Plan, stage: PlanStage, dtype_bytes: int) -> StateMemory:

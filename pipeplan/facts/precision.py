@@ -42,9 +42,9 @@ Memory, as Transformer Engine keeps it (per parameter of a quantized GEMM's weig
   (``adam-fp32-grads``: Megatron-LM's fp32 gradient reduce; ``adam``: ``--grad-reduce-in-bf16``).
 
 Time: a quantized GEMM runs at the GPU's peak for the precision (``peak_flops[precision]`` in the
-GPU table) times the same GEMM efficiency as bf16 (large FP8 cuBLASLt GEMMs reach about the same
-share of the FP8 peak as bf16 GEMMs of theirs: NVIDIA Transformer Engine's FP8 GEMM benchmarks),
-and moves quantized operands; its input and output gradient are cast first (memory-bound: read
+GPU table) times the same GEMM efficiency as bf16 -- an assumption, not a measurement: no FP8
+GEMM was timed for this work (no GPU was lent to it), and ``pipeplan calibrate`` fits the one
+``gemm`` figure -- and moves quantized operands; its input and output gradient are cast first (memory-bound: read
 the dtype, write row-wise and column-wise quantized copies).
 """
 

@@ -313,3 +313,13 @@ def test_doctor_torchtitan_reads_the_exported_float8_settings(tmp_path, profiles
     path.write_text(text)
     config = parse_torchtitan(str(path), text, num_layers=32, world_size=8)
     assert (config.precision, config.quantized_params, config.zero_stage) == ("fp8", True, 3)
+
+
+def test_calibrate_keeps_the_precision_and_recovers_the_efficiency(tmp_path, profiles):
+    from pipeplan.analytic.calibrate import calibrate_analytic_files
+
+    out = tmp_path / "calibrated.json"
+    rebuilt, report = calibrate_analytic_files(profiles["fp8"], profiles["fp8"], out)
+    assert rebuilt.precision == "fp8"
+    assert report["efficiency"]["gemm"] == pytest.approx(DEFAULT_EFFICIENCY.gemm, rel=0.03)
+    assert report["rms_log_error_after"] < 0.01

@@ -15,7 +15,9 @@ GEMMs of the transformer blocks run. Each recipe, and its source:
 - ``nvfp4``: NVFP4 (E2M1, 4 bits, one E4M3 scale byte per 16 elements: NVIDIA, "Pretraining
   Large Language Models with NVFP4", 2025, section 2; Transformer Engine's ``NVFP4BlockScaling``,
   Megatron-LM's ``--fp4-format e2m1 --fp4-recipe nvfp4``; Blackwell only): ``0.5 + 1/16`` bytes
-  per element.
+  per element. Not counted: the recipe's random Hadamard transforms of the weight gradient's
+  inputs and the stochastic rounding of the gradients (section 4 of the paper), extra
+  memory-bound passes of the casts' size.
 
 What runs quantized: the linear layers Transformer Engine builds in Megatron-LM's transformer
 blocks (query/key/value, output projection, the MLP's or the experts' up and down projections,

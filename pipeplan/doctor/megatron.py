@@ -44,7 +44,7 @@ _CHOICE_FLAGS = {
 _STR_FLAGS = ("--pipeline-model-parallel-layout",)
 _BOOL_FLAGS = (
     "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
-    "--use-distributed-optimizer", "--sequence-parallel", "--recompute-activations",
+    "--use-distributed-optimizer", "--sequence-parallel", "--recompute-activations", "--fp16", "--bf16",
     "--fp8-param-gather", "--fp4-param-gather", "--grad-reduce-in-bf16",
 )
 _MULTI_FLAGS = {"--rampup-batch-size": 3}

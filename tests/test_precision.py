@@ -28,6 +28,8 @@ from pipeplan.formats.plan import PlanSettings
 from pipeplan.requests import ClusterRequest
 
 DATA = Path(__file__).parent / "data" / "doctor"
+#: NVIDIA's examples/llama/train_llama3_8b_h100_fp8.sh as published (tests/data/doctor/upstream/ORIGIN.md).
+FP8_SCRIPT = DATA / "upstream" / "megatron_core_v0.16.1_train_llama3_8b_h100_fp8.sh"
 H100 = get_gpu("h100-sxm")
 # B200's data sheet peaks for the block-scaled formats (MXFP8 at FP8's rate, NVFP4 at FP4's 9 PF dense);
 # the GPU table gains them with the systems work, so the test states them.
@@ -249,21 +251,21 @@ def _doctor(script, profile):
 
 
 def test_doctor_reads_nvidias_fp8_llama3_8b_script_without_a_false_over_memory(profiles):
-    result, text, _ = _doctor(DATA / "megatron_llama3_8b_h100_fp8.sh", profiles["fp8"])
+    result, text, _ = _doctor(FP8_SCRIPT, profiles["fp8"])
     c = result.config
     assert (c.precision, c.quantized_params, c.gradient_reduce_dtype, c.data_degree) == ("fp8", True, "bf16", 8)
     assert result.plan.settings.optimizer == "adam" and result.plan.settings.fp8_param_gather
     assert result.exit_code == 0 and "over-memory" not in text and "[precision]" not in text, text
     assert "quantized copies" in text and "fp8 casts" in text
     # The same script against a bf16 profile: said, not silently costed as bf16.
-    result, text, _ = _doctor(DATA / "megatron_llama3_8b_h100_fp8.sh", profiles["bf16"])
+    result, text, _ = _doctor(FP8_SCRIPT, profiles["bf16"])
     assert any(f.code == "precision" and f.severity == "warning" for f in result.findings), text
 
 
 @pytest.mark.parametrize("extra,precision", [("--fp8-recipe tensorwise", "fp8"), ("--fp8-recipe mxfp8", "mxfp8"),
                                              ("--fp8-recipe blockwise", "fp8")])
 def test_doctor_reads_the_fp8_recipe(tmp_path, profiles, extra, precision):
-    script = (DATA / "megatron_llama3_8b_h100_fp8.sh").read_text().replace(
+    script = (FP8_SCRIPT).read_text().replace(
         '"--fp8-format hybrid"', f'"--fp8-format hybrid" "{extra}"')
     path = tmp_path / "s.sh"
     path.write_text(script)
@@ -272,7 +274,7 @@ def test_doctor_reads_the_fp8_recipe(tmp_path, profiles, extra, precision):
 
 
 def test_doctor_refuses_a_recipe_megatron_refuses(tmp_path, profiles):
-    script = (DATA / "megatron_llama3_8b_h100_fp8.sh").read_text().replace('"--fp8-format hybrid"',
+    script = (FP8_SCRIPT).read_text().replace('"--fp8-format hybrid"',
                                                                          '"--fp8-format e5m2"')
     path = tmp_path / "bad.sh"
     path.write_text(script)

@@ -31,10 +31,7 @@ DATA = Path(__file__).parent / "data" / "doctor"
 #: NVIDIA's examples/llama/train_llama3_8b_h100_fp8.sh as published (tests/data/doctor/upstream/ORIGIN.md).
 FP8_SCRIPT = DATA / "upstream" / "megatron_core_v0.16.1_train_llama3_8b_h100_fp8.sh"
 H100 = get_gpu("h100-sxm")
-# B200's data sheet peaks for the block-scaled formats (MXFP8 at FP8's rate, NVFP4 at FP4's 9 PF dense);
-# the GPU table gains them with the systems work, so the test states them.
-B200 = get_gpu("b200").model_copy(update={"peak_flops": {**get_gpu("b200").peak_flops, "mxfp8": 4.5e15,
-                                                         "nvfp4": 9e15}})
+B200 = get_gpu("b200")
 T, H, F = 8192, 4096, 14336  # Llama 3 8B at one sample of 8192 tokens
 
 

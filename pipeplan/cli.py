@@ -116,7 +116,7 @@ def _counts(text: str) -> list[int]:
 
 def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_parallel=None, zero=None,
                      data_parallel_overlap=None, expert_parallel=None, expert_tensor_parallel=None,
-                     expert_imbalance=None):
+                     expert_imbalance=None, compare=None):
     """The cluster options of ``pipeplan plan`` (docs/cluster-model.md); empty without --gpus."""
     if num_gpus is None:
         given = [name for name, value in (("--cluster", cluster), ("--data-parallel", data_parallel),
@@ -124,7 +124,8 @@ def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_par
                                           ("--data-parallel-overlap", data_parallel_overlap),
                                           ("--expert-parallel", expert_parallel),
                                           ("--expert-tensor-parallel", expert_tensor_parallel),
-                                          ("--expert-imbalance", expert_imbalance)) if value is not None]
+                                          ("--expert-imbalance", expert_imbalance),
+                                          ("--compare", compare or None)) if value is not None]
         if given:
             raise BadInputError(f"{given[0]}: needs --gpus (the cluster's GPU count)")
         return {}
@@ -134,7 +135,8 @@ def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_par
             "tensor_parallel": tensor_parallel, "zero_stage": zero, "data_parallel_overlap": data_parallel_overlap,
             **{name: value for name, value in (("expert_parallel", expert_parallel),
                                                ("expert_tensor_parallel", expert_tensor_parallel),
-                                               ("expert_imbalance", expert_imbalance)) if value is not None}}
+                                               ("expert_imbalance", expert_imbalance),
+                                               ("compare", list(compare or ()) or None)) if value is not None}}
 
 
 _PROFILE_ARG = typer.Argument(..., help="Profile JSON file.", show_default=False)
@@ -247,6 +249,7 @@ def plan(
     expert_tensor_parallel: Optional[int] = typer.Option(None, "--expert-tensor-parallel", help="With --gpus: the experts' tensor-parallel degree (divides t; default 1)."),
     expert_imbalance: Optional[float] = typer.Option(None, "--expert-imbalance", help="With --gpus: the busiest rank's routed tokens over the balanced share (>= 1; default 1)."),
     fp8_param_gather: Optional[bool] = typer.Option(None, "--fp8-param-gather", help="A profile made with --precision: keep the weights quantized (Megatron-LM's --fp8-param-gather; docs/cost-model.md)."),
+    compare: Optional[list[str]] = typer.Option(None, "--compare", help="With --gpus (repeatable): also plan this layout in full and record it beside the winner, e.g. d=64,t=8,p=1 (optional zero=.., mbs=.., e=..)."),
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
     refuse_overwriting_input(output, profile)
@@ -256,7 +259,7 @@ def plan(
                             data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero=zero,
                             data_parallel_overlap=data_parallel_overlap, expert_parallel=expert_parallel,
                             expert_tensor_parallel=expert_tensor_parallel, expert_imbalance=expert_imbalance,
-                            fp8_param_gather=fp8_param_gather)
+                            fp8_param_gather=fp8_param_gather, compare=compare)
     if layers_per_stage is not None:
         request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
     with reporting(terminal_progress(quiet)):

@@ -111,3 +111,34 @@ def test_megatron_175b_as_written_is_refused_at_start_up_and_read_as_written(gpt
     assert "[precision] fp16" in result.output
     header = result.output.splitlines()[1]
     assert header.startswith("on dgx-a100:") and "sequence parallel" not in header, header
+
+
+def test_doctor_reads_pipeplans_own_megatron_export_and_a_script_that_sources_it(profiles, tmp_path):
+    """README's way to launch a plan: `source plan.sh && torchrun ... "${PIPEPLAN_MEGATRON_ARGS[@]}"`.
+    doctor reads the export alone (its flags array) and a script sourcing it (read beside the
+    script, never run), and the export says the profile's precision (--bf16)."""
+    from pipeplan.doctor.megatron import parse_megatron
+
+    runner = CliRunner()
+    plan, export = tmp_path / "plan.json", tmp_path / "plan.sh"
+    assert runner.invoke(app, ["plan", str(profiles["llama3-8b"]), "--gpus", "16", "--cluster", "dgx-a100",
+                               "--global-batch", "64", "--launcher", "megatron", "-q", "-o", str(plan)]).exit_code == 0
+    assert runner.invoke(app, ["export", str(plan), "--format", "megatron", "--profile", str(profiles["llama3-8b"]),
+                               "-o", str(export)]).exit_code == 0
+    assert "--bf16" in export.read_text()
+    script = tmp_path / "run.sh"
+    script.write_text('#!/bin/bash\nsource plan.sh && torchrun --nproc-per-node 8 --nnodes 2 pretrain_gpt.py '
+                      '"${PIPEPLAN_MEGATRON_ARGS[@]}" --hidden-size 4096\n')
+    alone = parse_megatron(str(export), export.read_text(), world_size=16)
+    sourced = parse_megatron(str(script), script.read_text())
+    for config in (alone, sourced):
+        assert (config.num_layers, config.microbatch_size) == (32, 1) and "--bf16" in config.settings
+    assert sourced.settings["world size"] == "16"
+    result = runner.invoke(app, ["doctor", "megatron", str(script), "--profile", str(profiles["llama3-8b"]),
+                                 "--cluster", "dgx-a100", "--same-layout"])
+    assert "no command with" not in result.output and "[precision]" not in result.output, result.output
+    # A script that sources itself is refused by name, not read forever.
+    loop = tmp_path / "loop.sh"
+    loop.write_text("source loop.sh\n")
+    with pytest.raises(Exception, match="sources itself"):
+        parse_megatron(str(loop), loop.read_text())

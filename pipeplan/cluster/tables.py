@@ -126,15 +126,52 @@ def cluster_plan_tables(plan):
                       format_bytes(r.peak_memory_bytes + reserve), format_bytes(cap) if cap else "none")
     parts = [summary, placement, stages, ranks]
     if plan.alternatives:
-        alt = Table(title="runners-up: the best plan of each layout")
-        for column in ("schedule", "v", "micro-batch", "recompute", "iteration ms", "why it lost"):
-            alt.add_column(column)
-        for a in plan.alternatives[:12]:
-            alt.add_row(a.schedule, str(a.virtual_stages), str(a.microbatch_size), a.recompute,
-                        _iteration_text(a), a.reason)
-        parts.append(alt)
+        parts.extend(_runner_up_tables(plan))
+    if plan.comparisons:
+        parts.append(_layout_table("compared layouts (--compare), each planned in full", plan.comparisons,
+                                   p.iteration_ms, "asked as"))
     parts.extend(f"note: {note}" for note in plan.notes)
     return Group(*parts)
+
+
+#: Layouts the search did not plan in full that ``show`` lists after the runners-up planned in full.
+SHOWN_BOUND_ROWS = 4
+
+
+def _runner_up_tables(plan) -> list:
+    """The runners-up planned in full (a label says why each is listed), then the first few of the
+    layouts cut by their bound, and how many more there are."""
+    labelled = [a for a in plan.alternatives if a.label is not None]
+    rest = [a for a in plan.alternatives if a.label is None]
+    out = []
+    if labelled:
+        out.append(_layout_table("runners-up planned in full: each layout's own best plan", labelled,
+                                 plan.predicted.iteration_ms, "listed as"))
+    if rest:
+        title = ("other layouts: the best of each" if labelled else "runners-up: the best plan of each layout")
+        out.append(_layout_table(title, rest[:SHOWN_BOUND_ROWS] if labelled else rest[:12],
+                                 plan.predicted.iteration_ms, None))
+        hidden = len(rest) - (SHOWN_BOUND_ROWS if labelled else 12)
+        if hidden > 0:
+            out.append(f"... and {hidden} more layouts (the plan file's alternatives list each; --compare plans one in full)")
+    return out
+
+
+def _layout_table(title: str, alternatives, winner_ms: float, label_column) -> Table:
+    """One row per layout: its plan's choices, time, gap to the winner, MFU, memory, and why."""
+    table = Table(title=title)
+    columns = ["layout", "schedule", "v", "micro-batch", "recompute", "iteration ms", "vs winner", "MFU",
+               "peak memory", "why it lost"]
+    for column in ([label_column] if label_column else []) + columns:
+        table.add_column(column, justify="right" if column in ("iteration ms", "vs winner", "MFU") else "left")
+    for a in alternatives:
+        layout, _, why = a.reason.partition(": ")
+        gap = "-" if a.iteration_ms is None or not winner_ms else f"{a.iteration_ms / winner_ms - 1:+.1%}"
+        table.add_row(*([a.label] if label_column else []), layout, a.schedule, str(a.virtual_stages),
+                      str(a.microbatch_size), a.recompute, _iteration_text(a), gap,
+                      "-" if a.model_flops_utilization is None else f"{a.model_flops_utilization:.1%}",
+                      "-" if a.peak_memory_bytes is None else format_bytes(a.peak_memory_bytes), why or a.reason)
+    return table
 
 
 def _iteration_text(alternative) -> str:

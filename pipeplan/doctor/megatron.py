@@ -77,6 +77,11 @@ def _launch_command(script) -> tuple[list[str], list[str]]:
                for w in words):
             best = words
     if best is None:
+        # pipeplan's own Megatron export (or a file like it) defines the flags as an array for
+        # the user's command and runs nothing: read the array that holds them.
+        for name, words in script.arrays.items():
+            if any(w in ("--num-layers", "--pipeline-model-parallel-size") for w in words):
+                return [], list(words)
         return [], []
     for i, word in enumerate(best):
         if word.endswith(".py"):

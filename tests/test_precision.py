@@ -322,3 +322,16 @@ def test_calibrate_keeps_the_precision_and_recovers_the_efficiency(tmp_path, pro
     assert rebuilt.precision == "fp8"
     assert report["efficiency"]["gemm"] == pytest.approx(DEFAULT_EFFICIENCY.gemm, rel=0.03)
     assert report["rms_log_error_after"] < 0.01
+
+
+def test_doctor_reads_the_megatron_export_back_as_planned(tmp_path, profiles):
+    from pipeplan.formats.io import load_profile
+
+    plan, _ = _cluster_plan(tmp_path, profiles["fp8"], zero_stage=1, fp8_param_gather=True)
+    script = tmp_path / "plan.sh"
+    script.write_text(export_plan(plan, load_profile(profiles["fp8"]), "megatron")[".sh"])
+    settings = PlanSettings(stages=1, global_batch=1, optimizer="adam")
+    result, _, _ = doctor_file("megatron", script, profiles["fp8"], settings,
+                               options=DoctorOptions(cluster="dgx-h100", search_layouts=False, world_size=8))
+    assert (result.config.precision, result.config.quantized_params) == ("fp8", True)
+    assert result.plan.predicted.iteration_ms == pytest.approx(plan.predicted.iteration_ms, rel=1e-9)

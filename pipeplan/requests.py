@@ -120,6 +120,7 @@ class _Request(BaseModel):
     action_overhead_ms: _FIELDS["action_overhead_ms"].annotation = _FIELDS["action_overhead_ms"]
     launcher: _FIELDS["launcher"].annotation = _FIELDS["launcher"]
     layers_per_stage: _FIELDS["layers_per_stage"].annotation = _FIELDS["layers_per_stage"]
+    fp8_param_gather: _FIELDS["fp8_param_gather"].annotation = _FIELDS["fp8_param_gather"]
 
     @classmethod
     def make(cls, where: str = "request", **fields: Any):

@@ -44,6 +44,7 @@ def _gib(n: float) -> str:
 
 def _memory_text(r) -> str:
     experts = f" + experts {_gib(r.expert_bytes)}" if r.expert_bytes else ""
+    experts += f" + quantized weight copies {_gib(r.quantized_weight_bytes)}" if r.quantized_weight_bytes else ""
     return (f"weights {_gib(r.weight_bytes)} + gradients {_gib(r.gradient_bytes)} + optimizer "
             f"{_gib(r.optimizer_bytes)}{experts} + activations {_gib(r.activation_bytes)} + reserve "
             f"{_gib(r.reserve_bytes)} GiB")

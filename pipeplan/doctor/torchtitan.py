@@ -18,7 +18,8 @@ from pipeplan.doctor.config import LauncherConfig, Layout, LayoutStage, Problem
 from pipeplan.errors import BadInputError
 from pipeplan.formats.reading import load_toml as load_limited_toml
 
-__all__ = ["parse_torchtitan", "torchtitan_layout_of", "load_toml", "TORCHTITAN_SCHEDULES", "llm_fqns_per_stage",
+__all__ = ["torchtitan_precision",
+           "parse_torchtitan", "torchtitan_layout_of", "load_toml", "TORCHTITAN_SCHEDULES", "llm_fqns_per_stage",
            "model_layer_count"]
 
 #: torchtitan schedule name (torch's ``get_schedule_class`` names) to pipeplan's.
@@ -57,6 +58,30 @@ _TYPES = {
     ("model", "name"): str,
     ("model", "flavor"): str,
 }
+
+
+def _table(data, *keys) -> dict:
+    """A nested TOML table (``[quantize.linear.float8]``), or {} where a level is absent or not a table."""
+    for key in keys:
+        data = data.get(key) if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else {}
+
+
+def torchtitan_precision(data: dict) -> tuple[str | None, bool]:
+    """``(precision, quantized weights)`` of a job config's model converters (torchao):
+    ``quantize.linear.float8`` (0.1: ``float8``) is fp8, with
+    ``enable_fsdp_float8_all_gather`` its weights gathered in fp8; ``quantize.linear.mx`` (``mx``)
+    mxfp8; neither: the dtype (None)."""
+    converters = _table(data, "model").get("converters") or []
+    if isinstance(converters, str):
+        converters = [c.strip() for c in converters.split(",")]
+    names = {c for c in converters if isinstance(c, str)} if isinstance(converters, list) else set()
+    if names & {"quantize.linear.float8", "float8"}:
+        float8 = _table(data, "quantize", "linear", "float8") or _table(data, "float8")
+        return "fp8", float8.get("enable_fsdp_float8_all_gather") is True
+    if names & {"quantize.linear.mx", "mx"}:
+        return "mxfp8", False
+    return None, False
 
 
 def load_toml(path: str, text: str) -> dict:
@@ -214,13 +239,14 @@ def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
         if value is not None:
             settings[f"{section}.{key}"] = repr(value) if isinstance(value, list) else str(value)
     settings["parallelism.pipeline_parallel_schedule"] = name
+    precision, quantized = torchtitan_precision(data)
     return LauncherConfig(
         launcher="torchtitan", path=path, pipeline_degree=p, virtual_stages=v, schedule=schedule,
         microbatch_size=mbs, num_microbatches=microbatches,
         tensor_degree=t, data_degree=d, context_degree=cp, expert_degree=ep, num_layers=layers,
         recompute={"full": "full", "selective": "selective", "memory_budget": "selective"}.get(mode, "none"),
         sharded_optimizer=shard != 1, zero_stage=_zero_stage(path, data, shard, p),
-        sequence_parallel=t > 1, settings=settings,
+        sequence_parallel=t > 1, settings=settings, precision=precision, quantized_params=quantized,
     )
 
 

@@ -336,6 +336,10 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
     precision = {"bf16": "--bf16", "fp16": "--fp16"}.get(getattr(profile, "dtype", None))
     if precision:
         flags.append((precision, None))
+    if precision == "--bf16" and plan.settings.optimizer == "adam":
+        # The plan keeps 16-bit gradients; Megatron-LM keeps fp32 main gradients for bf16 unless
+        # told (megatron/training/arguments.py: accumulate_allreduce_grads_in_fp32).
+        flags.append(("--grad-reduce-in-bf16", None))
     lines.append("PIPEPLAN_MEGATRON_ARGS=(")
     lines += [f"    {flag}" + ("" if value is None else f" {shlex.quote(value)}") for flag, value in flags]
     lines.append(")")

@@ -245,7 +245,7 @@ def plan(
     zero: Optional[int] = typer.Option(None, "--zero", help="With --gpus: fix the ZeRO stage (0-3); default: search."),
     data_parallel_overlap: Optional[float] = typer.Option(None, "--data-parallel-overlap", help="With --gpus: share of the gradient sync hidden behind compute (default 0)."),
     layers_per_stage: Optional[str] = typer.Option(None, "--layers-per-stage", help="Fix the split: units per stage in profile order, e.g. 5,7,7,7 (virtual stages in order); needs a named --schedule."),
-    expert_parallel: Optional[int] = typer.Option(None, "--expert-parallel", help="With --gpus, a mixture-of-experts profile: fix the expert-parallel degree E (divides d and the experts); default: search."),
+    expert_parallel: Optional[int] = typer.Option(None, "--expert-parallel", help="With --gpus, a mixture-of-experts profile: fix the expert-parallel degree E (E x ETP divides t x d; E divides the experts); default: search."),
     expert_tensor_parallel: Optional[int] = typer.Option(None, "--expert-tensor-parallel", help="With --gpus: the experts' tensor-parallel degree (divides t; default 1)."),
     expert_imbalance: Optional[float] = typer.Option(None, "--expert-imbalance", help="With --gpus: the busiest rank's routed tokens over the balanced share (>= 1; default 1)."),
     fp8_param_gather: Optional[bool] = typer.Option(None, "--fp8-param-gather", help="A profile made with --precision: keep the weights quantized (Megatron-LM's --fp8-param-gather; docs/cost-model.md)."),

@@ -193,12 +193,16 @@ class ClusterRequest(_Request):
     @model_validator(mode="after")
     def _expert_rules(self) -> "ClusterRequest":
         # (BadInputError, not ValueError: pydantic passes it through, naming the CLI's options.)
-        # Megatron-core carves the expert-parallel groups out of each stage's data-parallel ranks
-        # (parallel_state: E x ETP x EDP x PP = world, the dense layers' d ranks per t shard).
+        # Megatron-core lays the expert layers' ranks out afresh over each stage's t x d GPUs
+        # (parallel_state: ETP x E x EDP x PP = world; MoE parallel folding), so E x ETP divides t x d.
         e = self.expert_parallel
-        if e is not None and self.data_parallel is not None and self.data_parallel % e:
-            raise BadInputError(f"--expert-parallel: {e} does not divide --data-parallel {self.data_parallel} "
-                                f"(expert-parallel groups are carved out of the data-parallel ranks of a stage)")
+        etp_fixed = self.expert_tensor_parallel or 1
+        if e is not None and self.data_parallel is not None and self.tensor_parallel is not None \
+                and (self.tensor_parallel * self.data_parallel) % (e * etp_fixed):
+            raise BadInputError(f"--expert-parallel: {e} x --expert-tensor-parallel {etp_fixed} does not divide "
+                                f"--tensor-parallel {self.tensor_parallel} x --data-parallel {self.data_parallel} "
+                                f"(the expert layers' ranks are laid out over each stage's t x d GPUs: "
+                                f"ETP x E x EDP = t x d)")
         if e is not None and self.num_gpus % e:
             raise BadInputError(f"--expert-parallel: {e} does not divide --gpus {self.num_gpus}")
         etp = self.expert_tensor_parallel

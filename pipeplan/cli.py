@@ -383,7 +383,7 @@ def doctor(
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Cluster preset (pipeplan cluster) or TOML file: cost the layout at its real d x t x p, ZeRO stage and sequence parallelism."),
     search_layouts: bool = typer.Option(True, "--search-layouts/--same-layout", help="With --cluster: also search every d x t x p of the same GPUs for the best plan (slower)."),
     world_size: Optional[int] = typer.Option(None, "--world-size", "--gpus", help="GPUs in the job (default: what the config says)."),
-    var: Optional[list[str]] = typer.Option(None, "--var", help="Megatron: NAME=VALUE for a variable the script reads but does not set (repeatable)."),
+    var: Optional[list[str]] = typer.Option(None, "--var", help="Megatron: NAME=VALUE for a variable the script reads but does not set; torchtitan: a command-line override SECTION.KEY=VALUE (repeatable)."),
     num_stages: Optional[int] = typer.Option(None, "--num-stages", help="DeepSpeed: PipelineModule num_stages."),
     partition_method: Optional[str] = typer.Option(None, "--partition-method", help="DeepSpeed: uniform, parameters (default) or type:REGEX."),
     parts: Optional[str] = typer.Option(None, "--parts", "--layers-per-part", help="DeepSpeed: stage boundaries, e.g. 0,20,40,60,83."),

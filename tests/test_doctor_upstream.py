@@ -165,3 +165,55 @@ def test_plan_for_a_launcher_then_export_then_doctor_finds_no_error_and_no_gap(p
     assert "0 error(s), 0 warning(s)" in result.output and "as fast as pipeplan's best plan" in result.output
     predicted = float(result.output.split("predicted: ")[1].split(" ms")[0])
     assert predicted == pytest.approx(load_plan(plan).predicted.iteration_ms, rel=1e-6)
+
+
+REGISTRY = '''
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Parallelism:
+    data_parallel_shard_degree: int = -1
+    tensor_parallel_degree: int = 8
+    pipeline_parallel_degree: int = 2
+    pipeline_parallel_microbatch_size: int = 2
+
+
+@dataclass
+class Training:
+    local_batch_size: int = 8
+    seq_len: int = 8192
+
+
+@dataclass
+class Job:
+    model: dict = field(default_factory=lambda: {"name": "llama3", "flavor": "70B"})
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: dict = field(default_factory=lambda: {"mode": "full"})
+
+
+def llama3_70b():
+    return Job()
+'''
+
+
+def test_doctor_reads_a_python_config_registry_and_command_line_overrides(profiles, tmp_path, monkeypatch):
+    """torchtitan's main branch: jobs are Python functions (`doctor torchtitan module:function`,
+    imported from the current directory as torchtitan does); any job takes overrides
+    (`--var parallelism.pipeline_parallel_degree=2`, torchtitan's `--parallelism....=2`), which
+    torchtitan's own ConfigManager checks on a TOML job."""
+    (tmp_path / "my_jobs_for_doctor.py").write_text(REGISTRY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = _doctor("my_jobs_for_doctor:llama3_70b", profiles["llama3-70b"], 64)
+    assert "my_jobs_for_doctor:llama3_70b: torchtitan, 2 pipeline ranks" in result.output, result.output
+    assert "4 micro-batches of 2" in result.output
+    path, _ = _file("torchtitan_v0.2.2_llama3_70b.toml")
+    result = _doctor(path, profiles["llama3-70b"], 64, "--var", "parallelism.pipeline_parallel_degree=2",
+                     "--var", "--parallelism.pipeline_parallel_microbatch_size=4")
+    assert "torchtitan, 2 pipeline ranks" in result.output and "2 micro-batches of 4" in result.output, result.output
+    bad = _doctor(path, profiles["llama3-70b"], 64, "--var", "parallelism.no_such_key=1")
+    assert bad.exit_code == 2 and "no_such_key" in bad.output, bad.output
+    missing = _doctor("no_such_module_here:job", profiles["llama3-70b"], 64)
+    assert missing.exit_code == 2 and "cannot import no_such_module_here" in missing.output

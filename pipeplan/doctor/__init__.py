@@ -22,6 +22,7 @@ from pipeplan.doctor.diagnose import diagnose
 from pipeplan.doctor.findings import Diagnosis, Finding
 from pydantic import ValidationError
 
+from pipeplan.doctor.torchtitan_inputs import apply_overrides, is_registry_spec, registry_job
 from pipeplan.errors import BadInputError
 from pipeplan.doctor.deepspeed import deepspeed_layout_of, parse_deepspeed
 from pipeplan.doctor.report import junit_text, render
@@ -68,6 +69,24 @@ class DoctorOptions:
     """``--optimizer auto``: the launcher's own gradient dtype (Megatron's ``--grad-reduce-in-bf16``: adam)."""
 
 
+def _read_torchtitan(path: str, profile, options: DoctorOptions) -> tuple[LauncherConfig, Layout]:
+    """A TOML job config, or a Python registry's ``module:function``, with ``--var`` overrides."""
+    overrides = [f"{name}={value}" for name, value in options.variables]
+    if is_registry_spec(path):
+        text, data = None, registry_job(path)
+    else:
+        text, data = read_input_text(path, "TOML"), None
+    blocks = sum(layer.kind == "block" for layer in profile.layers)
+    config = parse_torchtitan(path, text, world_size=options.world_size, data=data, overrides=overrides)
+    if config.num_layers is None:
+        config = parse_torchtitan(path, text, num_layers=blocks, validate_with_torchtitan=False,
+                                  world_size=options.world_size, data=data, overrides=overrides)
+    units, _ = unit_positions("torchtitan", profile, config.num_layers)
+    job = apply_overrides(path, load_toml(path, text) if data is None else data, overrides)
+    raw = job.get("parallelism", {}).get("module_fqns_per_model_part")
+    return config, torchtitan_layout_of(config, units, raw)
+
+
 def read_config(launcher: str, path: str | Path, profile, options: DoctorOptions = DoctorOptions()
                 ) -> tuple[LauncherConfig, Layout]:
     """Parse a launcher file and build the layout the launcher would build.
@@ -81,19 +100,12 @@ def read_config(launcher: str, path: str | Path, profile, options: DoctorOptions
     if launcher not in LAUNCHERS:
         raise BadInputError(f"doctor: launcher {launcher!r} is not one of {', '.join(LAUNCHERS)}")
     path = str(path)
-    text = read_input_text(path, {"megatron": "launch script", "torchtitan": "TOML"}.get(launcher, "JSON"))
+    if launcher == "torchtitan":
+        return _read_torchtitan(path, profile, options)
+    text = read_input_text(path, {"megatron": "launch script"}.get(launcher, "JSON"))
     if launcher == "megatron":
         config = parse_megatron(path, text, variables=dict(options.variables), world_size=options.world_size)
         return config, megatron_layout_of(config)
-    if launcher == "torchtitan":
-        blocks = sum(layer.kind == "block" for layer in profile.layers)
-        config = parse_torchtitan(path, text, world_size=options.world_size)
-        if config.num_layers is None:
-            config = parse_torchtitan(path, text, num_layers=blocks, validate_with_torchtitan=False,
-                                      world_size=options.world_size)
-        units, _ = unit_positions("torchtitan", profile, config.num_layers)
-        raw = load_toml(path, text).get("parallelism", {}).get("module_fqns_per_model_part")
-        return config, torchtitan_layout_of(config, units, raw)
 
     config = parse_deepspeed(path, text, num_stages=options.num_stages, partition_method=options.partition_method,
                              parts=list(options.parts) if options.parts else None,
@@ -217,8 +229,10 @@ def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: 
         raise BadInputError("--fix: give -o FILE for the fixed config")
     pairs = []
     for item in variables:
-        name, sep, value = item.partition("=")
-        if not sep or not name.isidentifier():
+        name, sep, value = item.removeprefix("--").partition("=")
+        # torchtitan's overrides are dotted (parallelism.tensor_parallel_degree=8).
+        dotted = launcher == "torchtitan" and all(part.isidentifier() for part in name.split("."))
+        if not sep or not (name.isidentifier() or dotted):
             raise BadInputError(f"--var: {item!r} is not NAME=VALUE")
         pairs.append((name, value))
     boundaries = None

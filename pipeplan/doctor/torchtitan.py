@@ -13,8 +13,10 @@ have are silently ignored by torchtitan (empty stages); doctor flags them.
 from __future__ import annotations
 
 import math
+import re
 
 from pipeplan.doctor.config import LauncherConfig, Layout, LayoutStage, Problem
+from pipeplan.doctor.torchtitan_inputs import apply_overrides
 from pipeplan.errors import BadInputError
 from pipeplan.formats.reading import load_toml as load_limited_toml
 
@@ -110,7 +112,7 @@ def _get(path: str, data: dict, section: str, key: str, default=None):
     return value
 
 
-def _check_with_torchtitan(path: str) -> None:
+def _check_with_torchtitan(path: str, overrides=()) -> None:
     """torchtitan's own ConfigManager on the file, where it imports (it refuses unknown keys)."""
     import importlib.util
     import sys
@@ -131,16 +133,22 @@ def _check_with_torchtitan(path: str) -> None:
     import contextlib
     import io
 
+    said = io.StringIO()
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            ConfigManager().parse_args(["--job.config_file", path])
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            ConfigManager().parse_args(["--job.config_file", path,
+                                        *(f"--{o.removeprefix('--')}" for o in overrides)])
     except ValueError as exc:
         first = str(exc).splitlines()[0]
         if "Invalid field names" in first and "pipeline_parallel_split_points" in first and first.count("'") == 2:
             return  # the one key torchtitan 0.2 dropped; doctor reads it and says so
         raise BadInputError(f"{path}: torchtitan's ConfigManager refuses it: {first}") from None
     except SystemExit:
-        raise BadInputError(f"{path}: torchtitan's ConfigManager refuses it (tyro exited)") from None
+        # tyro prints a box; keep its words (e.g. "Unrecognized options: --parallelism.x").
+        words = " ".join(re.sub(r"\x1b\[[0-9;]*m|[│╭╮╰╯─┃━┏┓┗┛]", " ", said.getvalue()).split())
+        found = re.search(r"(Unrecognized (?:options|arguments): \S+)", words) or re.search(r"(error: .{0,160})", words)
+        raise BadInputError(f"{path}: torchtitan's ConfigManager refuses it"
+                            + (f": {found.group(1).strip()[:200]}" if found else " (tyro exited)")) from None
 
 
 def model_layer_count(name: str, flavor: str) -> int | None:
@@ -150,8 +158,9 @@ def model_layer_count(name: str, flavor: str) -> int | None:
     return None
 
 
-def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
-                     validate_with_torchtitan: bool = True, world_size: int | None = None) -> LauncherConfig:
+def parse_torchtitan(path: str, text: str | None, *, num_layers: int | None = None,
+                     validate_with_torchtitan: bool = True, world_size: int | None = None,
+                     data: dict | None = None, overrides=()) -> LauncherConfig:
     """Read torchtitan's pipeline settings from a TOML job config.
 
     Parameters
@@ -166,6 +175,11 @@ def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
     world_size : int, optional
         GPUs in the job (torchrun's ``NGPU``): fills in ``data_parallel_shard_degree = -1``
         ("the rest"), as torchtitan's ``ParallelDims`` does.
+    data : dict, optional
+        The job config already read (a Python registry's, :mod:`pipeplan.doctor.torchtitan_inputs`)
+        instead of ``text``.
+    overrides : sequence of str
+        Command-line overrides ``section.key=value``, applied after the job config.
 
     Raises
     ------
@@ -173,11 +187,12 @@ def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
         Invalid TOML, a key of the wrong type, an unknown schedule, or a file torchtitan's
         ConfigManager refuses; each names the file and the key.
     """
-    data = load_toml(path, text)
+    from_file = data is None
+    data = apply_overrides(path, load_toml(path, text) if from_file else data, overrides)
     for (section, key) in _TYPES:
         _get(path, data, section, key)
-    if validate_with_torchtitan:
-        _check_with_torchtitan(path)
+    if validate_with_torchtitan and from_file:
+        _check_with_torchtitan(path, overrides)
     par = lambda key, default=None: _get(path, data, "parallelism", key, default)  # noqa: E731
     p = par("pipeline_parallel_degree", 1)
     t = par("tensor_parallel_degree", 1)

@@ -30,6 +30,7 @@ from pipeplan.formats.io import (check_output_target, file_sha256, load_profile,
                                  write_files_atomic)
 from pipeplan.formats.plan import PlanSettings
 from pipeplan.quantities import parse_bandwidth, parse_bytes
+from pipeplan.facts.launchers import DEFAULT_OPTIMIZER, launcher_optimizer
 from pipeplan.facts.training_state import OPTIMIZERS
 from pipeplan.cluster.presets import resolve_cluster
 from pipeplan.doctor.fix import fix_config
@@ -220,7 +221,7 @@ def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: 
     if optimizer == "auto":
         # Megatron-LM keeps fp32 main gradients in 16-bit training (--accumulate-allreduce-grads-in-fp32)
         # unless the script says --grad-reduce-in-bf16 (launcher_precision).
-        optimizer = "adam-fp32-grads" if launcher == "megatron" else "adam"
+        optimizer = launcher_optimizer(launcher) if launcher in LAUNCHERS else DEFAULT_OPTIMIZER
     if optimizer not in OPTIMIZERS:
         raise BadInputError(f"--optimizer: {optimizer!r} is not one of auto, {', '.join(OPTIMIZERS)}")
     if tensor_degree < 1:

@@ -20,6 +20,7 @@ from pipeplan.errors import BadInputError
 from pipeplan.formats.limits import MAX_TIMELINE_WIDTH, check_option_range
 from pipeplan.quantities import parse_bandwidth, parse_bytes
 from pipeplan.requests import ClusterRequest, PipelineRequest
+from pipeplan.plan.recompute import parse_recompute_modules
 from pipeplan.formats.io import load_plan, refuse_overwriting_input, write_text_atomic
 from pipeplan.api import compare_splits, import_profile, make_profile, plan_profile, validate_file
 from pipeplan.profile import summary_table
@@ -243,6 +244,7 @@ def plan(
     expert_parallel: Optional[int] = typer.Option(None, "--expert-parallel", help="With --gpus, a mixture-of-experts profile: fix the expert-parallel degree E (divides d and the experts); default: search."),
     expert_tensor_parallel: Optional[int] = typer.Option(None, "--expert-tensor-parallel", help="With --gpus: the experts' tensor-parallel degree (divides t; default 1)."),
     expert_imbalance: Optional[float] = typer.Option(None, "--expert-imbalance", help="With --gpus: the busiest rank's routed tokens over the balanced share (>= 1; default 1)."),
+    recompute_modules: Optional[str] = typer.Option(None, "--recompute-modules", help="What selective recomputation recomputes, Megatron's module names, e.g. layernorm,moe_act (core_attn, layernorm, mlp, moe_act, moe, shared_experts, mla_up_proj); default: the attention core."),
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
     refuse_overwriting_input(output, profile)
@@ -254,6 +256,8 @@ def plan(
                             expert_tensor_parallel=expert_tensor_parallel, expert_imbalance=expert_imbalance)
     if layers_per_stage is not None:
         request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
+    if recompute_modules is not None:
+        request = request.model_copy(update={"recompute_modules": parse_recompute_modules(recompute_modules)})
     with reporting(terminal_progress(quiet)):
         result = plan_profile(profile, request, output, record_time=record_time)
     if not quiet:

@@ -71,6 +71,7 @@ class _Request(BaseModel):
     action_overhead_ms: _FIELDS["action_overhead_ms"].annotation = _FIELDS["action_overhead_ms"]
     launcher: _FIELDS["launcher"].annotation = _FIELDS["launcher"]
     layers_per_stage: _FIELDS["layers_per_stage"].annotation = _FIELDS["layers_per_stage"]
+    recompute_modules: _FIELDS["recompute_modules"].annotation = _FIELDS["recompute_modules"]
 
     @classmethod
     def make(cls, where: str = "request", **fields: Any):

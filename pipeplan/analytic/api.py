@@ -14,6 +14,7 @@ from pipeplan.analytic.flops import Shape, model_flops_per_token, unit_work
 from pipeplan.facts.gpus import GpuSpec
 from pipeplan.formats.gpu import resolve_gpu
 from pipeplan.analytic.memory import unit_activation_bytes, unit_output_bytes
+from pipeplan.analytic.recompute import unit_selective_modules
 from pipeplan.analytic.shapes import (check_tensor_parallel, tied_table_count, unit_active_param_count,
                                       unit_expert_param_count, unit_param_count)
 from pipeplan.errors import BadInputError
@@ -132,6 +133,10 @@ def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, 
         selective_recompute_ms=_round(parts_ms(work.attention_core, peak, bw, efficiency)),
     )
     fields.update(_expert_fields(cfg, kind, index, shape, work, peak, bw, efficiency))
+    modules = unit_selective_modules(cfg, kind, index, shape, work.forward,
+                                     lambda parts: parts_ms(parts, peak, bw, efficiency))
+    if modules is not None:
+        fields["selective_modules"] = modules
     if t > 1:
         traffic = unit_collectives(cfg, kind, shape)
         experts = unit_expert_param_count(cfg, kind, t, index)

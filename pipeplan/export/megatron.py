@@ -165,7 +165,7 @@ def megatron_layout(plan: Plan, profile) -> tuple[str, int, list[str]]:
     return layout, pattern.count("t"), notes
 
 
-def _recompute_flags(plan: Plan, notes: list[str]) -> list[tuple[str, str | None]]:
+def _recompute_flags(plan: Plan, notes: list[str]) -> list[tuple[str, str | tuple[str, ...] | None]]:
     recompute = recompute_of(plan)
     if recompute.mode == "none":
         return []
@@ -173,7 +173,10 @@ def _recompute_flags(plan: Plan, notes: list[str]) -> list[tuple[str, str | None
         if recompute.mixed:
             notes.append(f"the plan recomputes the attention core on stages {list(recompute.stages)}; "
                          "Megatron-LM applies --recompute-granularity selective to every layer")
-        return [("--recompute-granularity", "selective")]
+        modules = plan.settings.recompute_modules
+        # Megatron's default modules are ["core_attn"], what a plan without them costs.
+        return [("--recompute-granularity", "selective")] + (
+            [("--recompute-modules", tuple(modules))] if modules else [])  # nargs="*": one word each
     if recompute.mixed:
         notes.append(f"the plan recomputes stages {list(recompute.stages)} only; Megatron-LM applies full "
                      "recomputation to every rank, so it recomputes more than planned (slower, never more memory)")
@@ -317,6 +320,8 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
         # The sequence the plan's costs and memory were profiled at (Megatron-LM has no default).
         flags.append(("--seq-length", str(profile.sequence_length)))
     lines.append("PIPEPLAN_MEGATRON_ARGS=(")
-    lines += [f"    {flag}" + ("" if value is None else f" {shlex.quote(value)}") for flag, value in flags]
+    lines += [f"    {flag}" + ("" if value is None else " " + " ".join(shlex.quote(v) for v in
+                                                         ((value,) if isinstance(value, str) else value)))
+              for flag, value in flags]
     lines.append(")")
     return "\n".join(lines) + "\n"

@@ -57,6 +57,7 @@ from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.memo import memoised, planning_cache
 from pipeplan.plan.memory import stage_in_flight
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, build_problem, stage_costs
+from pipeplan.plan.recompute import uniform_recompute, uniform_recompute_sets
 from pipeplan.facts.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
                                      stage_ranks, valid_virtual_stages)
 from pipeplan.plan.simulate import simulate
@@ -207,6 +208,8 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
         binding = free is not None and base.bottleneck_ms > free.bottleneck_ms * (1 + CAP_TOLERANCE)
         if not binding:
             return [(none, base)]
+    if uniform_recompute(settings.launcher):  # Megatron: one recomputation on every stage, no prefixes
+        return [(r, base if r == none else solve(r)) for r in uniform_recompute_sets(num_stages, graph.selective_known)]
     modes = ("selective", "full") if graph.selective_known else ("full",)
     out = {none: base}
     for mode in modes:

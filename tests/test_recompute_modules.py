@@ -1,0 +1,165 @@
+"""Recomputation as the launchers run it: Megatron's selective modules (analytic parts, planner,
+show, export through megatron-core's TransformerConfig, doctor) and one recomputation on every
+stage under --launcher megatron (docs/cost-model.md, "Recomputation as the launchers run it")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeplan.analytic import analytic_profile
+from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY as EFF
+from pipeplan.analytic.families import load_model_config
+from pipeplan.api import plan_any
+from pipeplan.doctor.megatron import parse_megatron
+from pipeplan.errors import BadInputError
+from pipeplan.export import export_plan
+from pipeplan.formats.gpu import resolve_gpu
+from pipeplan.formats.profile import LayerCost, Profile
+from pipeplan.plan.recompute import check_recompute_modules, with_selective_modules
+from pipeplan.requests import PipelineRequest
+from pipeplan.show import plan_tables
+
+SEQ, B = 1024, 1
+
+
+@pytest.fixture(scope="module")
+def oss():
+    cfg = load_model_config("gpt-oss-120b")
+    gpu = resolve_gpu("b200", None)
+    return cfg, gpu, analytic_profile(cfg, gpu, seq_len=SEQ, microbatch_sizes=(B,))
+
+
+def _memory_ms(bytes_moved, gpu):
+    # efficiency.part_ms of a memory-bound part: bytes / (HBM x memory efficiency) + kernel latency.
+    return 1e3 * bytes_moved / (gpu.hbm_bytes_per_s * EFF.memory) + EFF.kernel_latency_us / 1e3
+
+
+def test_analytic_module_parts_are_the_hand_computation(oss):
+    cfg, gpu, profile = oss
+    block = profile.layers[1].cost_at(B)
+    modules = block.selective_modules
+    tokens, h, e = SEQ * B, cfg.hidden_size, 2
+    assert set(modules) == {"core_attn", "layernorm", "moe_act", "moe"}  # GPT-OSS: no shared experts, no MLA
+    # layernorm: the input norm's output (the QKV GEMM's input), s b h x 2 bytes; it reruns both norms,
+    # each a read and a write of s b h.
+    assert modules["layernorm"].saved_bytes == e * tokens * h
+    assert modules["layernorm"].recompute_ms == pytest.approx(2 * _memory_ms(e * tokens * h * 2, gpu), abs=2e-6)
+    # moe_act: the SwiGLU's output for each token's k expert copies (the down projection's input);
+    # it reruns the activation, which reads the gate and up outputs and writes the product (3 passes).
+    inner = tokens * cfg.experts_per_token * cfg.expert_width
+    assert modules["moe_act"].saved_bytes == e * inner
+    assert modules["moe_act"].recompute_ms == pytest.approx(_memory_ms(e * inner * 3, gpu), abs=2e-6)
+    # core_attn is what the profile's own selective fields give (to the byte's rounding).
+    assert abs(modules["core_attn"].saved_bytes - (block.activation_bytes - block.selective_activation_bytes)) <= 1
+    assert modules["core_attn"].recompute_ms == pytest.approx(block.selective_recompute_ms, abs=1e-6)
+    # Units that are no block offer none.
+    assert profile.layers[0].cost_at(B).selective_modules is None
+
+
+def test_rewritten_profile_costs_the_chosen_modules(oss):
+    _, _, profile = oss
+    chosen = with_selective_modules(profile, ["moe_act", "layernorm"])
+    for old, new in zip(profile.layers, chosen.layers):
+        c, n = old.cost_at(B), new.cost_at(B)
+        given = c.selective_modules or {}
+        freed = sum(given[m].saved_bytes for m in ("layernorm", "moe_act") if m in given)
+        assert n.selective_activation_bytes == c.activation_bytes - freed
+        assert n.selective_recompute_ms == pytest.approx(sum(given[m].recompute_ms for m in ("layernorm", "moe_act")
+                                                             if m in given), abs=1e-6)
+        assert (n.forward_ms, n.activation_bytes) == (c.forward_ms, c.activation_bytes)
+
+
+def test_plan_stages_list_the_modules_and_they_add_up(oss):
+    _, _, profile = oss
+    base = dict(stages=2, global_batch=4, microbatch_size=B, schedule="1f1b", optimizer="adam-fp32-grads")
+    none = plan_any(profile, PipelineRequest(**base, recompute="none"), profile_sha256="0" * 64)
+    plan = plan_any(profile, PipelineRequest(**base, recompute="selective", recompute_modules=["layernorm", "moe_act"],
+                                             layers_per_stage=[len(s.layers) for s in none.stages]),
+                    profile_sha256="0" * 64)
+    assert plan.settings.recompute_modules == ["layernorm", "moe_act"]
+    for stage, plain in zip(plan.stages, none.stages):
+        parts = stage.recompute_modules
+        assert stage.recompute_granularity == "selective" and set(parts) == {"layernorm", "moe_act"}
+        assert stage.activation_bytes - sum(p.saved_bytes for p in parts.values()) == stage.selective_activation_bytes
+        assert stage.backward_ms - plain.backward_ms == pytest.approx(sum(p.recompute_ms for p in parts.values()),
+                                                                      abs=1e-5)
+    titles = [getattr(x, "title", None) for x in plan_tables(plan).renderables]
+    assert "selective recomputation by module (per micro-batch)" in titles
+    # Without the option the plan is the one pipeplan made before (no parts, no modules).
+    again = plan_any(profile, PipelineRequest(**base, recompute="none"), profile_sha256="0" * 64)
+    assert json.dumps(again.model_dump(mode="json")) == json.dumps(none.model_dump(mode="json"))
+    assert all(s.recompute_modules is None for s in none.stages) and none.settings.recompute_modules is None
+
+
+@pytest.mark.parametrize("modules,match", [
+    (["fancy"], "fancy is not one of"),
+    (["moe", "moe_act"], "moe already recomputes moe_act"),
+    (["layernorm", "layernorm"], "named twice"),
+])
+def test_bad_module_sets_are_refused(modules, match):
+    with pytest.raises(BadInputError, match=match):
+        check_recompute_modules(modules)
+
+
+def test_modules_a_profile_lacks_are_refused(oss):
+    cfg = load_model_config("llama3-8b")
+    dense = analytic_profile(cfg, resolve_gpu("h100-sxm", None), seq_len=256, microbatch_sizes=(1,))
+    with pytest.raises(BadInputError, match="no layer of the profile has moe_act"):
+        with_selective_modules(dense, ["moe_act"])
+    bare = Profile.model_validate({**dense.model_dump(), "layers": [
+        {**layer.model_dump(), "costs": [{**c.model_dump(), "selective_modules": None} for c in layer.costs]}
+        for layer in dense.layers]})
+    with pytest.raises(BadInputError, match="gives no selective_modules"):
+        with_selective_modules(bare, ["layernorm"])
+
+
+def test_a_module_cannot_free_more_than_the_layer_keeps():
+    with pytest.raises(ValueError, match="saved_bytes"):
+        LayerCost(microbatch_size=1, forward_ms=1, backward_ms=2, activation_bytes=10, output_bytes=1,
+                  selective_modules={"layernorm": {"saved_bytes": 11, "recompute_ms": 0.1}})
+
+
+def test_export_writes_the_modules_megatron_core_accepts(oss):
+    pytest.importorskip("torch")
+    try:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except ImportError:
+        pytest.skip("megatron-core not installed")
+    _, _, profile = oss
+    plan = plan_any(profile, PipelineRequest(stages=2, global_batch=4, microbatch_size=B, schedule="1f1b",
+                                             recompute="selective", recompute_modules=["moe_act", "layernorm"],
+                                             launcher="megatron"), profile_sha256="0" * 64)
+    text = export_plan(plan, profile, "megatron")[".sh"]
+    line = next(w for w in text.splitlines() if w.strip().startswith("--recompute-modules"))
+    modules = line.split()[1:]
+    assert modules == ["moe_act", "layernorm"] and "--recompute-granularity selective" in text
+    config = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=8, num_moe_experts=8,
+                               moe_grouped_gemm=True, recompute_granularity="selective", recompute_modules=modules)
+    assert config.recompute_modules == ["moe_act", "layernorm"]
+
+
+def test_doctor_reads_the_modules():
+    text = ("torchrun pretrain_gpt.py --num-layers 4 --micro-batch-size 1 --global-batch-size 8 "
+            "--recompute-granularity selective --recompute-modules layernorm moe_act --seq-length 128")
+    config = parse_megatron("x.sh", text)
+    assert config.recompute == "selective" and config.recompute_modules == ("moe_act", "layernorm")
+    with pytest.raises(BadInputError, match="x.sh: --recompute-modules: fancy"):
+        parse_megatron("x.sh", text.replace("moe_act", "fancy"))
+
+
+def test_megatron_plans_recompute_alike_on_every_stage():
+    # A cap that binds: the torch planner recomputes a prefix of stages, Megatron's one setting all or none.
+    profile = analytic_profile(load_model_config("llama3-8b"), resolve_gpu("h100-sxm", None), seq_len=4096,
+                               microbatch_sizes=(1,))
+    base = dict(stages=4, global_batch=16, microbatch_size=1, schedule="1f1b", optimizer="adam-fp32-grads")
+    free = plan_any(profile, PipelineRequest(**base, recompute="none"), profile_sha256="0" * 64)
+    cap = int(max(r.peak_memory_bytes for r in free.ranks) * 0.7)
+    torch_plan = plan_any(profile, PipelineRequest(**base, memory_cap_bytes=cap), profile_sha256="0" * 64)
+    megatron = plan_any(profile, PipelineRequest(**base, memory_cap_bytes=cap, launcher="megatron"),
+                        profile_sha256="0" * 64)
+    modes = {(s.recompute, s.recompute_granularity) for s in megatron.stages}
+    assert len(modes) == 1 and modes != {(False, None)}
+    assert len({(s.recompute, s.recompute_granularity) for s in torch_plan.stages}) > 1  # the prefix it may mix
+    assert megatron.predicted.iteration_ms >= torch_plan.predicted.iteration_ms

@@ -189,6 +189,11 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
     selective_known = all(c.selective_activation_bytes is not None for layer in profile.layers for c in layer.costs
                           if c.degree == 1)
     mode = {"full": "all", "selective": "selective"}.get(config.recompute, "none")
+    method, layers = config.settings.get("--recompute-method"), config.settings.get("--recompute-num-layers")
+    if mode == "all" and (method, layers) not in ((None, None), ("uniform", "1")):
+        result.notes.append(f"--recompute-method {method} --recompute-num-layers {layers}: costed as uniform 1 (every "
+                            f"layer recomputed, each keeping its input); block and larger uniform groups are not "
+                            f"costed yet")
     if mode == "selective" and not selective_known:
         mode = "none"
         result.notes.append("the profile has no selective-recomputation costs (selective_activation_bytes): "

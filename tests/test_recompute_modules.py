@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_checks import invoke, one_line_error
 
 from pipeplan.analytic import analytic_profile
 from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY as EFF
@@ -16,6 +17,7 @@ from pipeplan.doctor.megatron import parse_megatron
 from pipeplan.errors import BadInputError
 from pipeplan.export import export_plan
 from pipeplan.formats.gpu import resolve_gpu
+from pipeplan.formats.io import load_plan, load_profile
 from pipeplan.formats.profile import LayerCost, Profile
 from pipeplan.plan.recompute import check_recompute_modules, with_selective_modules
 from pipeplan.requests import PipelineRequest
@@ -163,3 +165,23 @@ def test_megatron_plans_recompute_alike_on_every_stage():
     assert len(modes) == 1 and modes != {(False, None)}
     assert len({(s.recompute, s.recompute_granularity) for s in torch_plan.stages}) > 1  # the prefix it may mix
     assert megatron.predicted.iteration_ms >= torch_plan.predicted.iteration_ms
+
+
+def test_cli_plans_the_modules_and_check_replans_them(tmp_path):
+    profile = tmp_path / "oss.json"
+    result = invoke("profile", "gpt-oss-120b", "--analytic", "--gpu", "b200", "--seq-len", "512",
+                    "--microbatch-sizes", "1", "-o", profile)
+    assert result.exit_code == 0, result.stderr
+    plan = tmp_path / "plan.json"
+    result = invoke("plan", profile, "--stages", "2", "--global-batch", "4", "--schedule", "1f1b",
+                    "--recompute", "selective", "--recompute-modules", "layernorm,moe_act", "-o", plan)
+    assert result.exit_code == 0, result.stderr
+    assert "selective recomputation by module" in result.stdout
+    written = load_plan(plan)
+    assert written.settings.recompute_modules == ["moe_act", "layernorm"]  # Megatron's order
+    assert all(set(s.recompute_modules) == {"moe_act", "layernorm"} for s in written.stages)
+    # Re-planned from its own settings (pipeplan check's path), byte for byte.
+    again = plan_any(load_profile(profile), written.settings, profile_sha256=written.profile.sha256)
+    assert again.model_dump_json() == written.model_dump_json()
+    one_line_error(invoke("plan", profile, "--stages", "2", "--recompute-modules", "layernorm,fancy"), 2,
+                   "--recompute-modules", "fancy")

@@ -244,6 +244,8 @@ def plan(
     expert_parallel: Optional[int] = typer.Option(None, "--expert-parallel", help="With --gpus, a mixture-of-experts profile: fix the expert-parallel degree E (divides d and the experts); default: search."),
     expert_tensor_parallel: Optional[int] = typer.Option(None, "--expert-tensor-parallel", help="With --gpus: the experts' tensor-parallel degree (divides t; default 1)."),
     expert_imbalance: Optional[float] = typer.Option(None, "--expert-imbalance", help="With --gpus: the busiest rank's routed tokens over the balanced share (>= 1; default 1)."),
+    recompute_method: Optional[str] = typer.Option(None, "--recompute-method", help="With --launcher megatron: how full recomputation runs, Megatron's flag: uniform (with --recompute-num-layers 1, the default) or block (the first N blocks of each stage recompute)."),
+    recompute_num_layers: Optional[int] = typer.Option(None, "--recompute-num-layers", help="N of --recompute-method (Megatron's flag)."),
     recompute_modules: Optional[str] = typer.Option(None, "--recompute-modules", help="What selective recomputation recomputes, Megatron's module names, e.g. layernorm,moe_act (core_attn, layernorm, mlp, moe_act, moe, shared_experts, mla_up_proj); default: the attention core."),
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
@@ -258,6 +260,12 @@ def plan(
         request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
     if recompute_modules is not None:
         request = request.model_copy(update={"recompute_modules": parse_recompute_modules(recompute_modules)})
+    if recompute_method is not None or recompute_num_layers is not None:
+        if recompute_method not in (None, "uniform", "block"):
+            raise BadInputError(f"--recompute-method: {recompute_method!r} is not one of uniform, block")
+        check_option_range("--recompute-num-layers", recompute_num_layers, 1, 100_000)
+        request = request.model_copy(update={"recompute_method": recompute_method,
+                                             "recompute_num_layers": recompute_num_layers})
     with reporting(terminal_progress(quiet)):
         result = plan_profile(profile, request, output, record_time=record_time)
     if not quiet:

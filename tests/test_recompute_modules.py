@@ -185,3 +185,76 @@ def test_cli_plans_the_modules_and_check_replans_them(tmp_path):
     assert again.model_dump_json() == written.model_dump_json()
     one_line_error(invoke("plan", profile, "--stages", "2", "--recompute-modules", "layernorm,fancy"), 2,
                    "--recompute-modules", "fancy")
+
+
+# ------------------------------------------------------------------ Megatron's block method
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return analytic_profile(load_model_config("llama3-8b"), resolve_gpu("h100-sxm", None), seq_len=4096,
+                            microbatch_sizes=(1,))
+
+
+MEGATRON = dict(stages=4, global_batch=16, microbatch_size=1, schedule="1f1b", optimizer="adam-fp32-grads",
+                launcher="megatron")
+
+
+@pytest.mark.parametrize("n", [1, 3, 9])
+def test_block_recomputes_the_first_n_blocks_of_each_stage(llama, n):
+    none = plan_any(llama, PipelineRequest(**MEGATRON, recompute="none"), profile_sha256="0" * 64)
+    split = [len(s.layers) for s in none.stages]
+    plan = plan_any(llama, PipelineRequest(**MEGATRON, recompute="all", recompute_method="block", recompute_num_layers=n,
+                                           layers_per_stage=split), profile_sha256="0" * 64)
+    layers = {layer.name: layer for layer in llama.layers}
+    previous = {layer.name: llama.layers[i - 1] if i else None for i, layer in enumerate(llama.layers)}
+    for stage, plain in zip(plan.stages, none.stages):
+        # Hand: Megatron's TransformerBlock checkpoints its first N layers; embedding, norm, head stay.
+        first = [name for name in stage.layers if layers[name].kind == "block"][:n]
+        forward = sum(layers[name].cost_at(1).forward_ms for name in first)
+        kept = (sum(layers[name].cost_at(1).activation_bytes for name in stage.layers)
+                - sum(layers[name].cost_at(1).activation_bytes for name in first)
+                + sum(previous[name].cost_at(1).output_bytes for name in first))
+        assert stage.recompute and stage.recompute_granularity is None
+        assert stage.backward_ms - plain.backward_ms == pytest.approx(forward, abs=1e-5)
+        assert stage.checkpoint_bytes == kept
+    # The chain DP costs the same split the same way (array sums against float sums).
+    searched = plan_any(llama, PipelineRequest(**MEGATRON, recompute="all", recompute_method="block",
+                                               recompute_num_layers=n), profile_sha256="0" * 64)
+    again = plan_any(llama, PipelineRequest(**MEGATRON, recompute="all", recompute_method="block", recompute_num_layers=n,
+                                            layers_per_stage=[len(s.layers) for s in searched.stages]),
+                     profile_sha256="0" * 64)
+    assert [s.peak_memory_bytes for s in searched.stages] == [s.peak_memory_bytes for s in again.stages]
+    assert searched.predicted.iteration_ms == pytest.approx(again.predicted.iteration_ms, rel=1e-9)
+
+
+def test_block_export_is_what_megatron_core_accepts(llama):
+    pytest.importorskip("torch")
+    try:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except ImportError:
+        pytest.skip("megatron-core not installed")
+    import torch
+
+    plan = plan_any(llama, PipelineRequest(**MEGATRON, recompute="all", recompute_method="block", recompute_num_layers=3),
+                    profile_sha256="0" * 64)
+    text = export_plan(plan, llama, "megatron")[".sh"]
+    words = text.split()
+    flag = {w: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--recompute")}
+    assert flag == {"--recompute-granularity": "full", "--recompute-method": "block", "--recompute-num-layers": "3"}
+    config = TransformerConfig(num_layers=32, hidden_size=64, num_attention_heads=8, pipeline_model_parallel_size=4,
+                               pipeline_dtype=torch.bfloat16, recompute_granularity="full", recompute_method="block",
+                               recompute_num_layers=3)
+    assert (config.recompute_method, config.recompute_num_layers) == ("block", 3)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(recompute_method="uniform", recompute_num_layers=2), "uniform groups of 2"),
+    (dict(recompute_method="block"), "give --recompute-num-layers"),
+    (dict(recompute_num_layers=2), "give --recompute-method"),
+    (dict(recompute_method="block", recompute_num_layers=2, launcher=None), "give --launcher megatron"),
+])
+def test_methods_not_costed_are_refused(llama, fields, match):
+    request = PipelineRequest(**{**MEGATRON, "recompute": "all", **fields})
+    with pytest.raises(BadInputError, match=match):
+        plan_any(llama, request, profile_sha256="0" * 64)

@@ -190,10 +190,12 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
                           if c.degree == 1)
     mode = {"full": "all", "selective": "selective"}.get(config.recompute, "none")
     method, layers = config.settings.get("--recompute-method"), config.settings.get("--recompute-num-layers")
-    if mode == "all" and (method, layers) not in ((None, None), ("uniform", "1")):
+    if mode == "all" and method == "block" and (layers or "").isdigit() and int(layers) > 0:
+        # Megatron's block method: the first N blocks of each model chunk recompute, as costed.
+        settings = settings.model_copy(update={"recompute_method": "block", "recompute_num_layers": int(layers)})
+    elif mode == "all" and (method, layers) not in ((None, None), ("uniform", "1")):
         result.notes.append(f"--recompute-method {method} --recompute-num-layers {layers}: costed as uniform 1 (every "
-                            f"layer recomputed, each keeping its input); block and larger uniform groups are not "
-                            f"costed yet")
+                            f"layer recomputed, each keeping its input); larger uniform groups are not costed yet")
     if mode == "selective" and not selective_known:
         mode = "none"
         result.notes.append("the profile has no selective-recomputation costs (selective_activation_bytes): "

@@ -180,6 +180,10 @@ def _recompute_flags(plan: Plan, notes: list[str]) -> list[tuple[str, str | tupl
     if recompute.mixed:
         notes.append(f"the plan recomputes stages {list(recompute.stages)} only; Megatron-LM applies full "
                      "recomputation to every rank, so it recomputes more than planned (slower, never more memory)")
+    if plan.settings.recompute_method == "block":
+        # the first N blocks of each stage (model chunk) recompute in full, as planned
+        return [("--recompute-granularity", "full"), ("--recompute-method", "block"),
+                ("--recompute-num-layers", str(plan.settings.recompute_num_layers))]
     # uniform, 1 layer per chunk: each layer keeps its input and rebuilds its activations alone
     return [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
             ("--recompute-num-layers", "1")]

@@ -214,6 +214,14 @@ class PlanSettings(_Strict):
                     "names (core_attn, layernorm, mlp, moe_act, moe, shared_experts, mla_up_proj), costed from "
                     "the profile's selective_modules; null: the attention core as the profile's "
                     "selective fields give it (Megatron's default, core_attn).")
+    recompute_method: Optional[Literal["uniform", "block"]] = Field(
+        default=None,
+        description="--recompute-method (with --launcher megatron): how full recomputation runs, as Megatron's "
+                    "flag: uniform (with recompute_num_layers 1: every layer rebuilt from its input, the default) "
+                    "or block (the first recompute_num_layers transformer blocks of each stage recompute in full, "
+                    "the rest keep everything); null: uniform 1.")
+    recompute_num_layers: Optional[PositiveCount] = Field(
+        default=None, description="--recompute-num-layers: N of recompute_method (Megatron's flag); null: 1.")
 
     def cap_bytes(self) -> float:
         """The per-GPU cap the request means: ``memory_cap_bytes``, else the cluster's (its spec or

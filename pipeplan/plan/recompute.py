@@ -26,7 +26,7 @@ from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import RecomputePart
 from pipeplan.formats.profile import RECOMPUTE_MODULES
 
-__all__ = ["parse_recompute_modules", "check_recompute_modules", "with_selective_modules",
+__all__ = ["full_mode", "block_layers", "check_full_method", "parse_recompute_modules", "check_recompute_modules", "with_selective_modules",
            "uniform_recompute", "uniform_recompute_sets", "selective_module_parts", "with_module_parts"]
 
 #: Modules whose recompute contains another's: Megatron's ``moe`` checkpoints the whole MoE layer,
@@ -97,22 +97,54 @@ def with_selective_modules(profile, modules):
     return profile.model_copy(update={"layers": layers})
 
 
+def check_full_method(settings) -> None:
+    """Megatron's ``--recompute-method`` / ``--recompute-num-layers`` as the planner costs them,
+    or a one-line :class:`BadInputError`: only for ``--launcher megatron``; ``uniform`` only with
+    1 layer per group (larger groups keep one input per group and rebuild the group at once:
+    not costed yet)."""
+    method, n = settings.recompute_method, settings.recompute_num_layers
+    if method is None and n is None:
+        return
+    if settings.launcher != "megatron":
+        raise BadInputError("--recompute-method, --recompute-num-layers: Megatron-LM's flags; give --launcher megatron")
+    if method is None:
+        raise BadInputError("--recompute-num-layers: give --recompute-method block or uniform with it")
+    if method == "uniform" and (n or 1) != 1:
+        raise BadInputError(f"--recompute-num-layers: uniform groups of {n} layers are not costed yet (each group "
+                            f"keeps one input and is rebuilt at once); use 1, or --recompute-method block")
+    if method == "block" and n is None:
+        raise BadInputError("--recompute-method block: give --recompute-num-layers N (blocks recomputed per stage)")
+    if method == "block" and settings.solver == "ilp":
+        raise BadInputError("--recompute-method block: costed by the chain DP only; leave --solver at auto or dp")
+
+
+def block_layers(settings) -> int:
+    """N of ``--recompute-method block`` (0 otherwise): the layer graph's ``recompute_block_layers``."""
+    return int(settings.recompute_num_layers or 0) if getattr(settings, "recompute_method", None) == "block" else 0
+
+
+def full_mode(settings) -> str:
+    """The recompute mode that full recomputation is under these settings: ``block`` for
+    Megatron's ``--recompute-method block``, else ``full`` (uniform, one layer at a time)."""
+    return "block" if block_layers(settings) else "full"
+
+
 def uniform_recompute(launcher) -> bool:
     """Whether the launcher applies one recomputation to every pipeline stage (Megatron-LM: one
     ``recompute_granularity`` for the model), so the planner may not mix them per stage."""
     return launcher == "megatron"
 
 
-def uniform_recompute_sets(num_stages: int, selective_known: bool) -> list[tuple[str, ...]]:
+def uniform_recompute_sets(num_stages: int, selective_known: bool, full: str = "full") -> list[tuple[str, ...]]:
     """The recompute sets a uniform launcher runs: none, selective (where the profile gives
-    it) and full, each on every stage.
+    it) and full (``full``: its mode, :func:`full_mode`), each on every stage.
 
     Examples
     --------
     >>> uniform_recompute_sets(2, True)
     [('none', 'none'), ('selective', 'selective'), ('full', 'full')]
     """
-    modes = ("none", "selective", "full") if selective_known else ("none", "full")
+    modes = ("none", "selective", full) if selective_known else ("none", full)
     return [(mode,) * num_stages for mode in modes]
 
 

@@ -57,7 +57,7 @@ from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.memo import memoised, planning_cache
 from pipeplan.plan.memory import stage_in_flight
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, build_problem, stage_costs
-from pipeplan.plan.recompute import uniform_recompute, uniform_recompute_sets
+from pipeplan.plan.recompute import block_layers, full_mode, uniform_recompute, uniform_recompute_sets
 from pipeplan.facts.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
                                      stage_ranks, valid_virtual_stages)
 from pipeplan.plan.simulate import simulate
@@ -185,7 +185,7 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
             return None
 
     if settings.recompute == "all":
-        everything = ("full",) * num_stages
+        everything = (full_mode(settings),) * num_stages
         return [(everything, solve(everything))]
     if settings.recompute == "selective":
         if not graph.selective_known:
@@ -209,7 +209,7 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
         if not binding:
             return [(none, base)]
     if uniform_recompute(settings.launcher):  # Megatron: one recomputation on every stage, no prefixes
-        return [(r, base if r == none else solve(r)) for r in uniform_recompute_sets(num_stages, graph.selective_known)]
+        return [(r, base if r == none else solve(r)) for r in uniform_recompute_sets(num_stages, graph.selective_known, full_mode(settings))]
     modes = ("selective", "full") if graph.selective_known else ("full",)
     out = {none: base}
     for mode in modes:
@@ -442,9 +442,9 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
     space = schedule_space(settings, n)
     sizes = candidate_microbatch_sizes(profile, settings)
     p, cap = settings.stages, float(settings.cap_bytes())
-    graphs = {b: memoised("layer_graph", (id(profile), b), (profile,), lambda b=b: build_layer_graph(profile, b))
+    graphs = {b: memoised("layer_graph", (id(profile), b, block_layers(settings)), (profile,),
+                          lambda b=b: build_layer_graph(profile, b, block_layers(settings)))
               for b in sizes}
-
     # A fixed one-stage-per-rank schedule without recomputation is a small search: solve each
     # micro-batch size's split exactly, so its choice is among exact optima.
     exact = len(space) == 1 and space[0][1] == 1 and settings.recompute == "none" and order_note is None

@@ -8,16 +8,19 @@ import json
 
 import pytest
 from cli_checks import invoke, one_line_error
+from doctor_profiles import decoder_profile, write_profile
 
 from pipeplan.analytic import analytic_profile
 from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY as EFF
 from pipeplan.analytic.families import load_model_config
 from pipeplan.api import plan_any
+from pipeplan.doctor import doctor_file
 from pipeplan.doctor.megatron import parse_megatron
 from pipeplan.errors import BadInputError
 from pipeplan.export import export_plan
 from pipeplan.formats.gpu import resolve_gpu
 from pipeplan.formats.io import load_plan, load_profile
+from pipeplan.formats.plan import PlanSettings
 from pipeplan.formats.profile import LayerCost, Profile
 from pipeplan.plan.recompute import check_recompute_modules, with_selective_modules
 from pipeplan.requests import PipelineRequest
@@ -258,3 +261,21 @@ def test_methods_not_costed_are_refused(llama, fields, match):
     request = PipelineRequest(**{**MEGATRON, "recompute": "all", **fields})
     with pytest.raises(BadInputError, match=match):
         plan_any(llama, request, profile_sha256="0" * 64)
+
+
+def test_doctor_costs_a_scripts_block_method(tmp_path):
+    profile = write_profile(decoder_profile(8, 512, 8, 512, 1000, sizes=(1,)), tmp_path / "profile.json")
+    script = tmp_path / "train.sh"
+    costed = {}
+    for method in ("uniform --recompute-num-layers 1", "block --recompute-num-layers 2"):
+        script.write_text("torchrun --nproc_per_node 2 pretrain_gpt.py --num-layers 8 --pipeline-model-parallel-size 2 "
+                          f"--micro-batch-size 1 --global-batch-size 8 --recompute-granularity full "
+                          f"--recompute-method {method}\n")
+        result, _, _ = doctor_file("megatron", script, profile, PlanSettings(stages=1, global_batch=1))
+        costed[method.split()[0]] = result.plan
+    block, uniform = costed["block"], costed["uniform"]
+    assert (block.settings.recompute_method, block.settings.recompute_num_layers) == ("block", 2)
+    assert uniform.settings.recompute_method is None
+    # Two of each stage's four blocks recompute: less extra backward, more kept, than every layer.
+    for b, u in zip(block.stages, uniform.stages):
+        assert b.backward_ms < u.backward_ms and b.checkpoint_bytes > u.checkpoint_bytes

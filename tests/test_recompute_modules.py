@@ -22,6 +22,8 @@ from pipeplan.formats.gpu import resolve_gpu
 from pipeplan.formats.io import load_plan, load_profile
 from pipeplan.formats.plan import PlanSettings
 from pipeplan.formats.profile import LayerCost, Profile
+from pipeplan.plan.costmodel import CostModel, layer_sums, prefix_sums
+from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.recompute import check_recompute_modules, with_selective_modules
 from pipeplan.requests import PipelineRequest
 from pipeplan.show import plan_tables
@@ -279,3 +281,24 @@ def test_doctor_costs_a_scripts_block_method(tmp_path):
     # Two of each stage's four blocks recompute: less extra backward, more kept, than every layer.
     for b, u in zip(block.stages, uniform.stages):
         assert b.backward_ms < u.backward_ms and b.checkpoint_bytes > u.checkpoint_bytes
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 40])
+def test_block_sums_agree_between_the_array_and_float_paths(llama, n):
+    # Every stage [lo, hi) of the chain: the DP's prefix-sum cut at the N-th block against the
+    # stage's own layers; the head (not a block) is never among the recomputed ones.
+    graph = build_layer_graph(llama, 1, n)
+    between = prefix_sums(graph)
+    cost = CostModel()
+    total = graph.num_layers
+    for lo in range(0, total, 3):
+        for hi in range(lo + 1, total + 1, 4):
+            exact, fast = layer_sums(graph, range(lo, hi)), between(lo, hi)
+            for mode in ("block",):
+                assert cost.recompute_ms(fast, mode) == pytest.approx(cost.recompute_ms(exact, mode), abs=1e-6)
+                assert cost.kept_bytes(fast, 0, mode) == pytest.approx(cost.kept_bytes(exact, 0, mode), abs=1)
+                assert cost.recompute_bytes(fast, mode) == cost.recompute_bytes(exact, mode)
+    head = [i for i, layer in enumerate(llama.layers) if layer.kind == "head"][0]
+    blocks = [i for i in range(head - 5, head + 1) if llama.layers[i].kind == "block"][:n]
+    assert cost.recompute_bytes(layer_sums(graph, range(head - 5, head + 1)), "block") == \
+        max(graph.activation_bytes[blocks])

@@ -69,6 +69,7 @@ from pipeplan.plan.simulate import StageCost
 __all__ = [
     "RECOMPUTE_MODES",
     "BLOCK_FIELDS",
+    "BLOCK_LARGEST",
     "recompute_mode",
     "LayerSums",
     "LARGEST",
@@ -96,6 +97,9 @@ RECOMPUTE_MODES = ("none", "selective", "full", "block")
 #: The sums over a stage's first N transformer blocks (``block`` mode), each of the named array.
 BLOCK_FIELDS = {"block_forward_ms": "forward_ms", "block_input_bytes": "input_bytes",
                 "block_activation_bytes": "activation_bytes"}
+#: The largest ``activation_bytes`` of a stage's first N transformer blocks: the ``block`` mode's
+#: working memory (one of them rebuilt at a time).
+BLOCK_LARGEST = "block_largest_activation_bytes"
 
 def recompute_mode(value: Any) -> str:
     """A stage's recompute mode from a mode name or a bool (True is ``"full"``).
@@ -130,7 +134,7 @@ class LayerSums:
     #: ``largest_activation_bytes``, the stage's largest single layer's ``activation_bytes`` (a
     #: maximum, not a sum: each solver forms it its own way).
     FIELDS: ClassVar[tuple[str, ...]] = (*LAYER_ARRAYS, "compute_ms", "largest_activation_bytes",
-                                         "tied_copy_param_bytes", *BLOCK_FIELDS)
+                                         "tied_copy_param_bytes", *BLOCK_FIELDS, BLOCK_LARGEST)
 
     __slots__ = ("_get", "_values")
 
@@ -184,8 +188,10 @@ def layer_sums(graph, layers) -> LayerSums:
         if name == TIED:
             held = set(index)
             return float(tied_copy_bytes(graph, lambda v: v in held))
-        if name in BLOCK_FIELDS:
+        if name in BLOCK_FIELDS or name == BLOCK_LARGEST:
             first = [v for v in sorted(index) if graph.block_mask[v]][:graph.recompute_block_layers]
+            if name == BLOCK_LARGEST:
+                return float(graph.activation_bytes[first].max()) if first else 0.0
             return float(getattr(graph, BLOCK_FIELDS[name])[first].sum())
         return float(getattr(graph, name)[index].sum())
 
@@ -207,16 +213,18 @@ def prefix_sums(graph):
             cache[name] = np.concatenate([zero, np.cumsum(getattr(graph, name))])
         return cache[name]
 
-    def largest(lo, hi):
+    def largest(lo, hi, key=LARGEST):
         # Range maximum of activation_bytes over lo .. hi - 1 from a sparse table: level k holds
         # the maximum of each run of 2^k layers; two overlapping runs cover any range. Empty: 0.
-        if LARGEST not in cache:
-            levels = [np.asarray(graph.activation_bytes, dtype=float)]
+        # (key BLOCK_LARGEST: of the transformer blocks' alone.)
+        if key not in cache:
+            values = graph.activation_bytes * (graph.block_mask if key == BLOCK_LARGEST else 1)
+            levels = [np.asarray(values, dtype=float)]
             while 2 ** len(levels) <= len(levels[0]):
                 half = 2 ** (len(levels) - 1)
                 levels.append(np.maximum(levels[-1][:-half], levels[-1][half:]))
-            cache[LARGEST] = levels
-        levels = cache[LARGEST]
+            cache[key] = levels
+        levels = cache[key]
         lo, hi = np.broadcast_arrays(np.asarray(lo), np.asarray(hi))
         width = np.maximum(hi - lo, 1)
         k = np.floor(np.log2(width)).astype(int)
@@ -239,6 +247,8 @@ def prefix_sums(graph):
     def get(lo, hi, name):
         if name == LARGEST:
             return largest(lo, hi)
+        if name == BLOCK_LARGEST:
+            return largest(lo, block_cut(lo, hi), BLOCK_LARGEST)
         if name in BLOCK_FIELDS:
             key = "block:" + name
             if key not in cache:
@@ -471,8 +481,10 @@ class CostModel:
         rebuilt from its kept input just before its backward and freed after it (Megatron's full
         recomputation and torch's per-layer checkpointing recompute one layer at a time): the
         stage's largest layer's. For selective: the model's largest layer's attention core."""
-        if mode in ("full", "block"):  # block: the stage's largest layer bounds its first N blocks'
+        if mode == "full":
             return sums.largest_activation_bytes
+        if mode == "block":  # the largest of the recomputed blocks
+            return sums.block_largest_activation_bytes
         if mode == "selective":
             return self.selective_working_bytes
         return 0.0

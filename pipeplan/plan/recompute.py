@@ -27,7 +27,7 @@ from pipeplan.formats.plan import RecomputePart
 from pipeplan.formats.profile import RECOMPUTE_MODULES
 
 __all__ = ["full_mode", "block_layers", "check_full_method", "parse_recompute_modules", "check_recompute_modules", "with_selective_modules",
-           "uniform_recompute", "uniform_recompute_sets", "selective_module_parts", "with_module_parts"]
+           "megatron_runs", "uniform_recompute", "uniform_recompute_sets", "selective_module_parts", "with_module_parts"]
 
 #: Modules whose recompute contains another's: Megatron's ``moe`` checkpoints the whole MoE layer,
 #: its activation and shared experts included, so naming both would count their bytes twice.
@@ -127,6 +127,13 @@ def full_mode(settings) -> str:
     """The recompute mode that full recomputation is under these settings: ``block`` for
     Megatron's ``--recompute-method block``, else ``full`` (uniform, one layer at a time)."""
     return "block" if block_layers(settings) else "full"
+
+
+def megatron_runs(settings, virtual_stages: int, recompute) -> bool:
+    """Whether Megatron runs the recompute set as costed: its block method counts the first N
+    blocks of each model chunk, and on one pipeline rank Megatron builds one chunk however many
+    stages the plan puts there, so block on ``p = 1`` with ``v > 1`` is not what it runs."""
+    return not ("block" in recompute and settings.stages == 1 and virtual_stages > 1)
 
 
 def uniform_recompute(launcher) -> bool:

@@ -57,7 +57,7 @@ from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.memo import memoised, planning_cache
 from pipeplan.plan.memory import stage_in_flight
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, build_problem, stage_costs
-from pipeplan.plan.recompute import block_layers, full_mode, uniform_recompute, uniform_recompute_sets
+from pipeplan.plan.recompute import block_layers, full_mode, megatron_runs, uniform_recompute, uniform_recompute_sets
 from pipeplan.facts.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
                                      stage_ranks, valid_virtual_stages)
 from pipeplan.plan.simulate import simulate
@@ -174,7 +174,6 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
     num_stages = len(in_flight)
     none = ("none",) * num_stages
     cap = float(settings.cap_bytes())
-
     def solve(recompute):
         problem = build_problem(profile, graph, settings, in_flight, recompute)
         if not exact:
@@ -186,7 +185,7 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
 
     if settings.recompute == "all":
         everything = (full_mode(settings),) * num_stages
-        return [(everything, solve(everything))]
+        return [(everything, solve(everything) if megatron_runs(settings, v, everything) else None)]
     if settings.recompute == "selective":
         if not graph.selective_known:
             raise BadInputError(
@@ -208,8 +207,9 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
         binding = free is not None and base.bottleneck_ms > free.bottleneck_ms * (1 + CAP_TOLERANCE)
         if not binding:
             return [(none, base)]
-    if uniform_recompute(settings.launcher):  # Megatron: one recomputation on every stage, no prefixes
-        return [(r, base if r == none else solve(r)) for r in uniform_recompute_sets(num_stages, graph.selective_known, full_mode(settings))]
+    if uniform_recompute(settings.launcher):  # Megatron: one recomputation on every stage
+        return [(r, base if r == none else solve(r) if megatron_runs(settings, v, r) else None)
+                for r in uniform_recompute_sets(num_stages, graph.selective_known, full_mode(settings))]
     modes = ("selective", "full") if graph.selective_known else ("full",)
     out = {none: base}
     for mode in modes:

@@ -302,3 +302,20 @@ def test_block_sums_agree_between_the_array_and_float_paths(llama, n):
     blocks = [i for i in range(head - 5, head + 1) if llama.layers[i].kind == "block"][:n]
     assert cost.recompute_bytes(layer_sums(graph, range(head - 5, head + 1)), "block") == \
         max(graph.activation_bytes[blocks])
+
+
+def test_doctor_costs_a_scripts_modules(oss, tmp_path):
+    _, _, profile = oss
+    path = write_profile(profile, tmp_path / "oss.json")
+    script = tmp_path / "train.sh"
+    kept = {}
+    for modules in ("", "--recompute-modules layernorm moe_act"):
+        script.write_text("torchrun --nproc_per_node 2 pretrain_gpt.py --num-layers 36 --pipeline-model-parallel-size 2 "
+                          f"--micro-batch-size 1 --global-batch-size 8 --recompute-granularity selective {modules}\n")
+        result, _, _ = doctor_file("megatron", script, path, PlanSettings(stages=1, global_batch=1))
+        kept[modules] = result.plan
+    default, chosen = kept[""], kept["--recompute-modules layernorm moe_act"]
+    assert default.settings.recompute_modules is None and chosen.settings.recompute_modules == ["moe_act", "layernorm"]
+    # The attention core with flash attention frees only its statistics; the two modules free more.
+    for d, c in zip(default.stages, chosen.stages):
+        assert c.selective_activation_bytes < d.selective_activation_bytes

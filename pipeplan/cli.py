@@ -115,7 +115,7 @@ def _counts(text: str) -> list[int]:
 
 def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_parallel=None, zero=None,
                      data_parallel_overlap=None, expert_parallel=None, expert_tensor_parallel=None,
-                     expert_imbalance=None):
+                     expert_imbalance=None, compare=None):
     """The cluster options of ``pipeplan plan`` (docs/cluster-model.md); empty without --gpus."""
     if num_gpus is None:
         given = [name for name, value in (("--cluster", cluster), ("--data-parallel", data_parallel),
@@ -123,7 +123,8 @@ def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_par
                                           ("--data-parallel-overlap", data_parallel_overlap),
                                           ("--expert-parallel", expert_parallel),
                                           ("--expert-tensor-parallel", expert_tensor_parallel),
-                                          ("--expert-imbalance", expert_imbalance)) if value is not None]
+                                          ("--expert-imbalance", expert_imbalance),
+                                          ("--compare", compare or None)) if value is not None]
         if given:
             raise BadInputError(f"{given[0]}: needs --gpus (the cluster's GPU count)")
         return {}
@@ -133,7 +134,8 @@ def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_par
             "tensor_parallel": tensor_parallel, "zero_stage": zero, "data_parallel_overlap": data_parallel_overlap,
             **{name: value for name, value in (("expert_parallel", expert_parallel),
                                                ("expert_tensor_parallel", expert_tensor_parallel),
-                                               ("expert_imbalance", expert_imbalance)) if value is not None}}
+                                               ("expert_imbalance", expert_imbalance),
+                                               ("compare", list(compare or ()) or None)) if value is not None}}
 
 
 _PROFILE_ARG = typer.Argument(..., help="Profile JSON file.", show_default=False)
@@ -244,6 +246,7 @@ def plan(
     expert_parallel: Optional[int] = typer.Option(None, "--expert-parallel", help="With --gpus, a mixture-of-experts profile: fix the expert-parallel degree E (divides d and the experts); default: search."),
     expert_tensor_parallel: Optional[int] = typer.Option(None, "--expert-tensor-parallel", help="With --gpus: the experts' tensor-parallel degree (divides t; default 1)."),
     expert_imbalance: Optional[float] = typer.Option(None, "--expert-imbalance", help="With --gpus: the busiest rank's routed tokens over the balanced share (>= 1; default 1)."),
+    compare: Optional[list[str]] = typer.Option(None, "--compare", help="With --gpus (repeatable): also plan this layout in full and record it beside the winner, e.g. d=64,t=8,p=1 (optional zero=.., mbs=.., e=..)."),
     recompute_method: Optional[str] = typer.Option(None, "--recompute-method", help="With --launcher megatron: how full recomputation runs, Megatron's flag: uniform (with --recompute-num-layers 1, the default) or block (the first N blocks of each stage recompute)."),
     recompute_num_layers: Optional[int] = typer.Option(None, "--recompute-num-layers", help="N of --recompute-method (Megatron's flag)."),
     recompute_modules: Optional[str] = typer.Option(None, "--recompute-modules", help="What selective recomputation recomputes, Megatron's module names, e.g. layernorm,moe_act (core_attn, layernorm, mlp, moe_act, moe, shared_experts, mla_up_proj); default: the attention core."),
@@ -255,7 +258,8 @@ def plan(
                             action_overhead_ms, launcher=launcher, num_gpus=gpus, cluster=cluster,
                             data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero=zero,
                             data_parallel_overlap=data_parallel_overlap, expert_parallel=expert_parallel,
-                            expert_tensor_parallel=expert_tensor_parallel, expert_imbalance=expert_imbalance)
+                            expert_tensor_parallel=expert_tensor_parallel, expert_imbalance=expert_imbalance,
+                            compare=compare)
     if layers_per_stage is not None:
         request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
     if recompute_modules is not None:
@@ -393,6 +397,7 @@ def doctor(
     parts: Optional[str] = typer.Option(None, "--parts", "--layers-per-part", help="DeepSpeed: stage boundaries, e.g. 0,20,40,60,83."),
     checkpoint_interval: Optional[int] = typer.Option(None, "--activation-checkpoint-interval", help="DeepSpeed: PipelineModule activation_checkpoint_interval."),
     tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="DeepSpeed: the tensor-parallel size (Megatron-DeepSpeed's; the ds_config does not carry it)."),
+    ep_size: int = typer.Option(1, "--ep-size", help="DeepSpeed: DeepSpeed-MoE's MoE(ep_size=...), the expert-parallel size (the ds_config does not carry it)."),
     fix: bool = typer.Option(False, "--fix", help="Write the same launcher's config with the best plan (needs -o)."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where --fix writes."),
     format: str = typer.Option("table", "--format", help="table, markdown or json."),
@@ -404,7 +409,7 @@ def doctor(
             launcher, config_file, profile, memory_cap=memory_cap, optimizer=optimizer, bandwidth=bandwidth,
             cluster=cluster, search_layouts=search_layouts, world_size=world_size, tensor_degree=tensor_parallel,
             variables=var or [], num_stages=num_stages, partition_method=partition_method, parts=parts,
-            checkpoint_interval=checkpoint_interval, fix_output=output if fix else None, fix=fix,
+            checkpoint_interval=checkpoint_interval, ep_size=ep_size, fix_output=output if fix else None, fix=fix,
             output_format=format, junit=junit)
     echo(text, nl=False)
     for path in written:

@@ -35,7 +35,8 @@ from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.formats.limits import PositiveCount
 from pipeplan.formats.plan import PlanSettings, effective_cap_bytes
 
-__all__ = ["PipelineRequest", "ClusterRequest", "Request", "request_of", "CLUSTER_ONLY_FIELDS"]
+__all__ = ["PipelineRequest", "ClusterRequest", "Request", "request_of", "CLUSTER_ONLY_FIELDS", "parse_compare",
+           "COMPARE_KEYS"]
 
 _FIELDS = PlanSettings.model_fields
 
@@ -49,7 +50,52 @@ def _required(name: str, description: str):
 #: Fields only a cluster request has.
 CLUSTER_ONLY_FIELDS = ("cluster", "data_parallel", "tensor_parallel", "zero_stage", "data_parallel_overlap",
                        "search_stages", "expert_parallel", "expert_tensor_parallel", "expert_imbalance",
-                       "expert_data_parallel")
+                       "expert_data_parallel", "compare")
+
+#: The keys of a ``--compare`` layout: d, t and p are required, the rest fix one more choice.
+COMPARE_KEYS = {"d": "data-parallel degree", "t": "tensor-parallel degree", "p": "pipeline ranks",
+                "zero": "ZeRO stage (0-3)", "mbs": "micro-batch size", "e": "expert-parallel degree"}
+
+
+def parse_compare(text: str) -> dict[str, int]:
+    """One ``--compare`` layout, e.g. ``d=8,t=8,p=8`` or ``d=64,t=4,p=4,zero=1,mbs=2``.
+
+    Raises
+    ------
+    BadInputError
+        A key that is not one of :data:`COMPARE_KEYS`, a repeated or missing d/t/p, a value that is
+        not a whole number in range; the message names ``--compare`` and the text.
+
+    Examples
+    --------
+    >>> parse_compare("d=8, t=8, p=8")
+    {'d': 8, 't': 8, 'p': 8}
+    >>> parse_compare("d=8,t=8")
+    Traceback (most recent call last):
+    ...
+    pipeplan.errors.BadInputError: --compare 'd=8,t=8': give p=.. too (a layout is d=..,t=..,p=..)
+    """
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or key not in COMPARE_KEYS:
+            raise BadInputError(f"--compare {text!r}: {part.strip()!r} is not KEY=VALUE with KEY one of "
+                                f"{', '.join(COMPARE_KEYS)}")
+        if key in out:
+            raise BadInputError(f"--compare {text!r}: {key} is given twice")
+        try:
+            number = int(value)
+        except ValueError:
+            raise BadInputError(f"--compare {text!r}: {key}={value!r} is not a whole number") from None
+        low, high = (0, 3) if key == "zero" else (1, 1 << 20)
+        if not low <= number <= high:
+            raise BadInputError(f"--compare {text!r}: {key}={number} must be {low}..{high}")
+        out[key] = number
+    missing = [key for key in ("d", "t", "p") if key not in out]
+    if missing:
+        raise BadInputError(f"--compare {text!r}: give {', '.join(k + '=..' for k in missing)} too "
+                            f"(a layout is d=..,t=..,p=..)")
+    return out
 
 
 class _Request(BaseModel):
@@ -124,6 +170,18 @@ class ClusterRequest(_Request):
     expert_parallel: _FIELDS["expert_parallel"].annotation = _FIELDS["expert_parallel"]
     expert_tensor_parallel: _FIELDS["expert_tensor_parallel"].annotation = _FIELDS["expert_tensor_parallel"]
     expert_imbalance: _FIELDS["expert_imbalance"].annotation = _FIELDS["expert_imbalance"]
+    compare: _FIELDS["compare"].annotation = _FIELDS["compare"]
+
+    @model_validator(mode="after")
+    def _compare_rules(self) -> "ClusterRequest":
+        # The rules a layout breaks without the profile or the cluster; the rest (tensor degree
+        # within a node, heads, stages, the batch) are the search's (pipeplan.cluster.search).
+        for text in self.compare or ():
+            layout = parse_compare(text)
+            if layout["d"] * layout["t"] * layout["p"] != self.num_gpus:
+                raise BadInputError(f"--compare {text!r}: d x t x p = {layout['d']} x {layout['t']} x {layout['p']} "
+                                    f"= {layout['d'] * layout['t'] * layout['p']} is not --gpus {self.num_gpus}")
+        return self
 
     @model_validator(mode="after")
     def _expert_rules(self) -> "ClusterRequest":

@@ -172,6 +172,12 @@ class LayerCost(_Strict):
         "(and gets back in one combine): its tokens x top-k x hidden x dtype bytes (its tokens: "
         "the micro-batch's, 1/t of them under sequence parallelism).",
     )
+    expert_activation_bytes: Optional[NonNegativeBytes] = Field(
+        default=None,
+        description="Of activation_bytes (and of selective_activation_bytes), the routed experts' "
+        "share for balanced routing: the dispatched top-k copies of the tokens and the experts' own "
+        "tensors. --expert-imbalance f makes the busiest rank keep f times it. Absent: 0.",
+    )
     selective_modules: Optional[dict[Literal[RECOMPUTE_MODULES], SelectiveModule]] = Field(
         default=None,
         description="Per Megatron selective-recomputation module (RECOMPUTE_MODULES; its "

@@ -10,10 +10,9 @@ memory cap is never returned.
 
 Search
 ------
-- ``--schedule auto`` tries every schedule of :data:`pipeplan.formats.plan.SCHEDULES` with
-  every ``v`` it accepts (:func:`pipeplan.facts.schedules.valid_virtual_stages`) where the
-  schedule's class accepts ``(p, m, v)``; a named schedule fixes it, ``--virtual-stages``
-  fixes ``v``.
+- ``--schedule auto`` tries every schedule with every ``v`` it accepts (:func:`pipeplan.facts.
+  schedules.valid_virtual_stages`) where its class accepts ``(p, m, v)``, and at ``p = 1`` only
+  1F1B at ``v = 1``; a named schedule fixes it, ``--virtual-stages`` fixes ``v``.
 - Micro-batch sizes: every profiled size that divides the global batch (or the fixed one).
 - Recomputation (``--recompute auto``): stages are ranked by the micro-batches they hold in
   flight (the early stages first); the candidates are prefixes of that ranking: none, the
@@ -124,6 +123,10 @@ def schedule_space(settings: PlanSettings, num_layers: int) -> list[tuple[str, i
         if settings.schedule != "auto" and settings.schedule not in runs:
             raise BadInputError(f"--schedule: {settings.launcher} runs {', '.join(runs)}, not {settings.schedule}")
         schedules = tuple(s for s in schedules if s in runs)
+    if p == 1 and settings.schedule == "auto" and settings.virtual_stages in (None, 1):
+        # One rank runs its micro-batches one after another (1F1B's single rank); more stages on it
+        # would be recompute pieces no launcher runs at p = 1 (Megatron, torchtitan: one chunk).
+        return [("1f1b", 1)]
     space = []
     for schedule in schedules:
         allowed = valid_virtual_stages(schedule)

@@ -27,7 +27,7 @@ from pipeplan.formats.plan import RecomputePart
 from pipeplan.formats.profile import RECOMPUTE_MODULES
 
 __all__ = ["full_mode", "block_layers", "check_full_method", "parse_recompute_modules", "check_recompute_modules", "with_selective_modules",
-           "megatron_runs", "uniform_recompute", "uniform_recompute_sets", "selective_module_parts", "with_module_parts"]
+           "megatron_runs", "recompute_order", "recompute_prefix", "uniform_recompute", "uniform_recompute_sets", "selective_module_parts", "with_module_parts"]
 
 #: Modules whose recompute contains another's: Megatron's ``moe`` checkpoints the whole MoE layer,
 #: its activation and shared experts included, so naming both would count their bytes twice.
@@ -134,6 +134,17 @@ def megatron_runs(settings, virtual_stages: int, recompute) -> bool:
     blocks of each model chunk, and on one pipeline rank Megatron builds one chunk however many
     stages the plan puts there, so block on ``p = 1`` with ``v > 1`` is not what it runs."""
     return not ("block" in recompute and settings.stages == 1 and virtual_stages > 1)
+
+
+def recompute_order(in_flight: tuple[int, ...]) -> list[int]:
+    """Stages ranked for recomputation: most micro-batches in flight first, then earliest."""
+    return sorted(range(len(in_flight)), key=lambda s: (-in_flight[s], s))
+
+
+def recompute_prefix(order: list[int], k: int, num_stages: int, mode: str = "full") -> tuple[str, ...]:
+    """The first ``k`` stages of ``order`` recompute (``mode``: full or selective), the others not at all."""
+    chosen = set(order[:k])
+    return tuple(mode if s in chosen else "none" for s in range(num_stages))
 
 
 def uniform_recompute(launcher) -> bool:

@@ -56,7 +56,8 @@ from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.memo import memoised, planning_cache
 from pipeplan.plan.memory import stage_in_flight
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, build_problem, stage_costs
-from pipeplan.plan.recompute import block_layers, full_mode, megatron_runs, uniform_recompute, uniform_recompute_sets
+from pipeplan.plan.recompute import (block_layers, full_mode, megatron_runs, recompute_order, recompute_prefix,
+                                     uniform_recompute, uniform_recompute_sets)
 from pipeplan.facts.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
                                      stage_ranks, valid_virtual_stages)
 from pipeplan.plan.simulate import simulate
@@ -150,17 +151,6 @@ def schedule_space(settings: PlanSettings, num_layers: int) -> list[tuple[str, i
             f"{num_layers} layers (each stage needs a layer); use fewer ranks"
         )
     return space
-
-
-def recompute_order(in_flight: tuple[int, ...]) -> list[int]:
-    """Stages ranked for recomputation: most micro-batches in flight first, then earliest."""
-    return sorted(range(len(in_flight)), key=lambda s: (-in_flight[s], s))
-
-
-def recompute_prefix(order: list[int], k: int, num_stages: int, mode: str = "full") -> tuple[str, ...]:
-    """The first ``k`` stages of ``order`` recompute (``mode``: full or selective), the others not at all."""
-    chosen = set(order[:k])
-    return tuple(mode if s in chosen else "none" for s in range(num_stages))
 
 
 def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> list[tuple[tuple[str, ...], Partition | None]]:

@@ -25,7 +25,8 @@ from pipeplan.formats.profile import LayerCost, Profile
 from pipeplan.plan.costmodel import CostModel, layer_sums, prefix_sums
 from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.recompute import check_recompute_modules, with_selective_modules
-from pipeplan.requests import PipelineRequest
+from pipeplan.cluster.presets import resolve_cluster
+from pipeplan.requests import ClusterRequest, PipelineRequest
 from pipeplan.show import plan_tables
 
 SEQ, B = 1024, 1
@@ -319,3 +320,18 @@ def test_doctor_costs_a_scripts_modules(oss, tmp_path):
     # The attention core with flash attention frees only its statistics; the two modules free more.
     for d, c in zip(default.stages, chosen.stages):
         assert c.selective_activation_bytes < d.selective_activation_bytes
+
+
+def test_cluster_parts_count_only_the_recomputed_blocks_twice(oss):
+    # GPT-OSS on 64 B200 at its published layout: the routed experts' part of a block-N plan lies
+    # between none's and full's by N of the 36 blocks' forward (the parts' attribution, not only the total).
+    _, _, profile = oss
+    base = dict(num_gpus=64, cluster=resolve_cluster("dgx-b200"), global_batch=1280, microbatch_size=1,
+                data_parallel=64, tensor_parallel=1, stages=1, expert_parallel=8, zero_stage=1, schedule="1f1b",
+                launcher="megatron", optimizer="adam-fp32-grads", memory_cap_bytes=2**50)
+    plans = {name: plan_any(profile, ClusterRequest(**base, **fields), profile_sha256="0" * 64) for name, fields in (
+        ("none", dict(recompute="none")), ("full", dict(recompute="all")),
+        ("block", dict(recompute="all", recompute_method="block", recompute_num_layers=9)))}
+    experts = {name: plan.predicted.expert_compute_ms for name, plan in plans.items()}
+    forward_share = (experts["full"] - experts["none"]) * 9 / 36
+    assert experts["block"] - experts["none"] == pytest.approx(forward_share, rel=1e-6)

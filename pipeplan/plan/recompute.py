@@ -27,7 +27,7 @@ from pipeplan.formats.plan import RecomputePart
 from pipeplan.formats.profile import RECOMPUTE_MODULES
 
 __all__ = ["full_mode", "block_layers", "check_full_method", "parse_recompute_modules", "check_recompute_modules", "with_selective_modules",
-           "megatron_runs", "recompute_order", "recompute_prefix", "uniform_recompute", "uniform_recompute_sets", "selective_module_parts", "with_module_parts"]
+           "megatron_runs", "recomputed_layers", "recompute_order", "recompute_prefix", "uniform_recompute", "uniform_recompute_sets", "selective_module_parts", "with_module_parts"]
 
 #: Modules whose recompute contains another's: Megatron's ``moe`` checkpoints the whole MoE layer,
 #: its activation and shared experts included, so naming both would count their bytes twice.
@@ -145,6 +145,21 @@ def recompute_prefix(order: list[int], k: int, num_stages: int, mode: str = "ful
     """The first ``k`` stages of ``order`` recompute (``mode``: full or selective), the others not at all."""
     chosen = set(order[:k])
     return tuple(mode if s in chosen else "none" for s in range(num_stages))
+
+
+def recomputed_layers(stage, settings, profile) -> frozenset:
+    """The names of a plan stage's layers whose forward the cluster's parts count twice: none
+    without recomputation, the first N transformer blocks for Megatron's block method, else every
+    layer (selective stages too, as the cluster's parts always counted them: an overestimate of
+    their collectives and expert parts, kept so that plans stay what they were)."""
+    if not stage.recompute:
+        return frozenset()
+    n = block_layers(settings) if stage.recompute_granularity != "selective" else 0
+    if not n:
+        return frozenset(stage.layers)
+    kinds = {layer.name: layer.kind for layer in profile.layers}
+    named = any(kinds.values())
+    return frozenset([name for name in stage.layers if not named or kinds.get(name) == "block"][:n])
 
 
 def uniform_recompute(launcher) -> bool:

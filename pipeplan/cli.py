@@ -75,8 +75,8 @@ def _plan_request(stages, global_batch, microbatch_size, memory_cap, optimizer, 
                   virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None, **cluster_options):
     """The request ``plan`` (and ``compare``) options make: a :class:`ClusterRequest` with
     ``--gpus``, else a :class:`PipelineRequest`."""
-    if optimizer not in ("adam", "adam-fp32-grads", "sgd", "none"):
-        raise BadInputError(f"--optimizer: {optimizer!r} is not one of adam, adam-fp32-grads, sgd, none")
+    if optimizer not in ("auto", "adam", "adam-fp32-grads", "sgd", "none"):
+        raise BadInputError(f"--optimizer: {optimizer!r} is not one of auto, adam, adam-fp32-grads, sgd, none")
     if solver not in ("auto", "dp", "ilp"):
         raise BadInputError(f"--solver: {solver!r} is not one of auto, dp, ilp")
     if recompute not in ("auto", "none", "selective", "all"):
@@ -145,7 +145,7 @@ _MICROBATCH = typer.Option(None, "--microbatch-size", "-b", help="Fix the micro-
 _MEMORY_CAP = typer.Option(None, "--memory-cap", help="Per-GPU memory cap, e.g. 80GiB or 16e9.")
 # Defaults come from the request models (one source; tests/test_layers.py checks every option).
 _DEFAULT = {name: field.default for name, field in PipelineRequest.model_fields.items()}
-_OPTIMIZER = typer.Option(_DEFAULT["optimizer"], "--optimizer", help="adam (16 B/param), adam-fp32-grads (18, Megatron's), sgd (12) or none.")
+_OPTIMIZER = typer.Option(_DEFAULT["optimizer"], "--optimizer", help="auto (adam-fp32-grads with --launcher megatron, else adam), adam (16 B/param), adam-fp32-grads (18, Megatron's), sgd (12) or none.")
 _BANDWIDTH = typer.Option(f"{_DEFAULT['bandwidth_bytes_per_s'] / 1e9:g}GB/s", "--bandwidth", help="Point-to-point bandwidth, e.g. 25GB/s; inf ignores transfers.")
 _SCHEDULE = typer.Option(_DEFAULT["schedule"], "--schedule", help="auto, gpipe, 1f1b, interleaved, zb, zbv or dualpipev.")
 _VIRTUAL = typer.Option(None, "--virtual-stages", "-v", help="Stages per rank (interleaved/zero-bubble); default: search.")

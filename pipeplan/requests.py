@@ -26,7 +26,7 @@ pipeplan.errors.BadInputError: data_parallel, zero_stage: cluster options need n
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -109,7 +109,9 @@ class _Request(BaseModel):
                                         description=_FIELDS["global_batch"].description)
     microbatch_size: _FIELDS["microbatch_size"].annotation = _FIELDS["microbatch_size"]
     memory_cap_bytes: _FIELDS["memory_cap_bytes"].annotation = _FIELDS["memory_cap_bytes"]
-    optimizer: _FIELDS["optimizer"].annotation = _FIELDS["optimizer"]
+    optimizer: Literal["auto", "adam", "adam-fp32-grads", "sgd", "none"] = Field(
+        default="auto", description="The optimizer's training state; auto: the launcher's own (Megatron-LM keeps "
+        "fp32 main gradients in 16-bit training: adam-fp32-grads), else adam. " + _FIELDS["optimizer"].description)
     schedule: _FIELDS["schedule"].annotation = _FIELDS["schedule"]
     virtual_stages: _FIELDS["virtual_stages"].annotation = _FIELDS["virtual_stages"]
     recompute: _FIELDS["recompute"].annotation = _FIELDS["recompute"]
@@ -137,8 +139,14 @@ class _Request(BaseModel):
         BadInputError
             A value the record's finite ranges refuse (docs/formats.md).
         """
+        fields = self.model_dump(exclude_unset=True)
+        if self.optimizer == "auto":
+            # Resolved here, so the plan file records what the launcher keeps.
+            fields.pop("optimizer", None)
+            if self.launcher == "megatron":
+                fields["optimizer"] = "adam-fp32-grads"
         try:
-            return PlanSettings(**self.model_dump(exclude_unset=True))
+            return PlanSettings(**fields)
         except ValidationError as exc:
             raise BadInputError(format_validation_error("request", exc)) from None
 

@@ -13,7 +13,7 @@ from pipeplan.analytic.api import analytic_profile
 from pipeplan.cli import app
 from pipeplan.doctor.torchtitan import parse_torchtitan
 from pipeplan.facts.gpus import get_gpu
-from pipeplan.formats.io import dump_model
+from pipeplan.formats.io import dump_model, load_plan
 
 UPSTREAM = REPO / "tests" / "data" / "doctor" / "upstream"
 
@@ -137,6 +137,10 @@ def test_doctor_reads_pipeplans_own_megatron_export_and_a_script_that_sources_it
     result = runner.invoke(app, ["doctor", "megatron", str(script), "--profile", str(profiles["llama3-8b"]),
                                  "--cluster", "dgx-a100", "--same-layout"])
     assert "no command with" not in result.output and "[precision]" not in result.output, result.output
+    # plan --launcher megatron, export, doctor: no error and no gap (the plan keeps Megatron's
+    # fp32 main gradients: --optimizer auto is adam-fp32-grads under --launcher megatron).
+    assert "0 error(s), 0 warning(s)" in result.output and "as fast as pipeplan's best plan" in result.output
+    assert load_plan(plan).settings.optimizer == "adam-fp32-grads"
     # A script that sources itself is refused by name, not read forever.
     loop = tmp_path / "loop.sh"
     loop.write_text("source loop.sh\n")

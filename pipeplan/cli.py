@@ -72,7 +72,8 @@ def _request(kind, **fields):
 
 
 def _plan_request(stages, global_batch, microbatch_size, memory_cap, optimizer, bandwidth, schedule,
-                  virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None, **cluster_options):
+                  virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None, fp8_param_gather=None,
+                  **cluster_options):
     """The request ``plan`` (and ``compare``) options make: a :class:`ClusterRequest` with
     ``--gpus``, else a :class:`PipelineRequest`."""
     if optimizer not in ("auto", "adam", "adam-fp32-grads", "sgd", "none"):
@@ -95,6 +96,7 @@ def _plan_request(stages, global_batch, microbatch_size, memory_cap, optimizer, 
         solver=solver,
         action_overhead_ms=action_overhead_ms,
         launcher=launcher,
+        **({"fp8_param_gather": True} if fp8_param_gather else {}),
     )
     cluster = _cluster_options(**cluster_options)
     if cluster:
@@ -178,7 +180,8 @@ def profile(
     model: str = typer.Argument(..., metavar="MODEL", help="Built-in (gpt2-tiny, gpt2, llama-tiny, bert-tiny, convnet-tiny, ...), module:callable, or hf:MODEL_TYPE (transformers, no weights: hf:gpt2, hf:llama, hf:bert, hf:vit, ...); with --analytic: a HF config.json or a shipped config (llama3-8b, ...).", show_default=False),
     microbatch_sizes: str = typer.Option("1,2,4", "--microbatch-sizes", help="Micro-batch sizes to measure, e.g. 1,2,4,8."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (language models); default 128, with --analytic the model's pre-training context."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default fp32; bf16 with --analytic)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default fp32; bf16 with --analytic): the parameters' and activations' type."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="With --analytic: how the GEMMs run, bf16 (default), fp8 (current scaling), mxfp8 or nvfp4 (docs/analytic.md, 'Precision')."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda or cpu (default: cuda when available)."),
     repeats: int = typer.Option(5, "--repeats", help="Timed runs per unit and size (medians)."),
     warmup: int = typer.Option(2, "--warmup", help="Untimed runs first."),
@@ -203,7 +206,7 @@ def profile(
     result = make_profile(
         model, output, analytic=analytic, microbatch_sizes=microbatch_sizes, seq_len=seq_len, dtype=dtype,
         gpu=gpu, gpu_spec=gpu_spec, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-        flash_attention=flash_attention, device=device, repeats=repeats, warmup=warmup, threads=threads,
+        flash_attention=flash_attention, precision=precision, device=device, repeats=repeats, warmup=warmup, threads=threads,
         options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}, units=units, seed=seed,
         config=config, split_backward=split_backward, progress=True)
     rich_console().print(analytic_summary_table(result) if analytic else summary_table(result))
@@ -246,6 +249,7 @@ def plan(
     expert_parallel: Optional[int] = typer.Option(None, "--expert-parallel", help="With --gpus, a mixture-of-experts profile: fix the expert-parallel degree E (divides d and the experts); default: search."),
     expert_tensor_parallel: Optional[int] = typer.Option(None, "--expert-tensor-parallel", help="With --gpus: the experts' tensor-parallel degree (divides t; default 1)."),
     expert_imbalance: Optional[float] = typer.Option(None, "--expert-imbalance", help="With --gpus: the busiest rank's routed tokens over the balanced share (>= 1; default 1)."),
+    fp8_param_gather: Optional[bool] = typer.Option(None, "--fp8-param-gather", help="A profile made with --precision: keep the weights quantized (Megatron-LM's --fp8-param-gather; docs/cost-model.md)."),
     compare: Optional[list[str]] = typer.Option(None, "--compare", help="With --gpus (repeatable): also plan this layout in full and record it beside the winner, e.g. d=64,t=8,p=1 (optional zero=.., mbs=.., e=..)."),
     recompute_method: Optional[str] = typer.Option(None, "--recompute-method", help="With --launcher megatron: how full recomputation runs, Megatron's flag: uniform (with --recompute-num-layers 1, the default) or block (the first N blocks of each stage recompute)."),
     recompute_num_layers: Optional[int] = typer.Option(None, "--recompute-num-layers", help="N of --recompute-method (Megatron's flag)."),
@@ -259,7 +263,7 @@ def plan(
                             data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero=zero,
                             data_parallel_overlap=data_parallel_overlap, expert_parallel=expert_parallel,
                             expert_tensor_parallel=expert_tensor_parallel, expert_imbalance=expert_imbalance,
-                            compare=compare)
+                            fp8_param_gather=fp8_param_gather, compare=compare)
     if layers_per_stage is not None:
         request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
     if recompute_modules is not None:

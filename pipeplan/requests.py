@@ -31,6 +31,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeplan.errors import BadInputError, format_validation_error
+from pipeplan.facts.launchers import DEFAULT_OPTIMIZER, launcher_optimizer
 from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.formats.limits import PositiveCount
 from pipeplan.formats.plan import PlanSettings, effective_cap_bytes
@@ -119,6 +120,7 @@ class _Request(BaseModel):
     action_overhead_ms: _FIELDS["action_overhead_ms"].annotation = _FIELDS["action_overhead_ms"]
     launcher: _FIELDS["launcher"].annotation = _FIELDS["launcher"]
     layers_per_stage: _FIELDS["layers_per_stage"].annotation = _FIELDS["layers_per_stage"]
+    fp8_param_gather: _FIELDS["fp8_param_gather"].annotation = _FIELDS["fp8_param_gather"]
     recompute_modules: _FIELDS["recompute_modules"].annotation = _FIELDS["recompute_modules"]
     recompute_method: _FIELDS["recompute_method"].annotation = _FIELDS["recompute_method"]
     recompute_num_layers: _FIELDS["recompute_num_layers"].annotation = _FIELDS["recompute_num_layers"]
@@ -143,8 +145,8 @@ class _Request(BaseModel):
         if self.optimizer == "auto":
             # Resolved here, so the plan file records what the launcher keeps.
             fields.pop("optimizer", None)
-            if self.launcher == "megatron":
-                fields["optimizer"] = "adam-fp32-grads"
+            if launcher_optimizer(self.launcher) != DEFAULT_OPTIMIZER:
+                fields["optimizer"] = launcher_optimizer(self.launcher)
         try:
             return PlanSettings(**fields)
         except ValidationError as exc:

@@ -146,3 +146,22 @@ def test_doctor_reads_pipeplans_own_megatron_export_and_a_script_that_sources_it
     loop.write_text("source loop.sh\n")
     with pytest.raises(Exception, match="sources itself"):
         parse_megatron(str(loop), loop.read_text())
+
+
+@pytest.mark.parametrize("launcher, suffix", [("megatron", ".sh"), ("torchtitan", ".toml"), ("deepspeed", ".json")])
+def test_plan_for_a_launcher_then_export_then_doctor_finds_no_error_and_no_gap(profiles, tmp_path, launcher, suffix):
+    """A plan for a launcher is a plan the launcher runs (pipeplan.facts.launchers: its ZeRO stages,
+    optimizer state and schedules), so doctor on its export costs it the same and finds no gap."""
+    runner = CliRunner()
+    plan, export = tmp_path / "plan.json", tmp_path / f"export{suffix}"
+    profile = profiles["llama3-8b"]
+    assert runner.invoke(app, ["plan", str(profile), "--gpus", "16", "--cluster", "dgx-a100", "--global-batch", "64",
+                               "--launcher", launcher, "-q", "-o", str(plan)]).exit_code == 0
+    assert runner.invoke(app, ["export", str(plan), "--format", launcher, "--profile", str(profile),
+                               "-o", str(export)]).exit_code == 0
+    result = runner.invoke(app, ["doctor", launcher, str(export), "--profile", str(profile), "--cluster", "dgx-a100",
+                                 "--world-size", "16", "--same-layout"])
+    assert result.exit_code == 0, result.output
+    assert "0 error(s), 0 warning(s)" in result.output and "as fast as pipeplan's best plan" in result.output
+    predicted = float(result.output.split("predicted: ")[1].split(" ms")[0])
+    assert predicted == pytest.approx(load_plan(plan).predicted.iteration_ms, rel=1e-6)

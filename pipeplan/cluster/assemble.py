@@ -13,6 +13,7 @@ from pipeplan.cluster.iteration import model_flops_utilization, tokens_per_s_per
 from pipeplan.cluster.profile_view import DegreeView
 from pipeplan.errors import BadInputError
 from pipeplan.facts.gpus import get_gpu
+from pipeplan.facts.training_state import precision_of
 from pipeplan.formats.plan import Alternative, Parallelism, Plan, PlanSettings
 from pipeplan.plan.assemble import plan_cost_model, stage_state_memory
 from pipeplan.quantities import format_bytes
@@ -169,11 +170,12 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
             memory, expert_state = moe_stage_memory(stage.param_bytes, experts, profile.dtype_bytes, state,
                                                     best.zero_stage, d, best.expert_data)
             static = math.ceil(moe_static_bytes(settings.optimizer, profile.dtype_bytes, best.zero_stage, d,
-                                                best.expert_data, stage.param_bytes, experts))
+                                                best.expert_data, stage.param_bytes, experts, *precision_of(settings)))
             update["expert_state_bytes"] = int(expert_state)
         stages.append(stage.model_copy(update={
             "weight_bytes": memory.weight_bytes + (best.extras["gathered"] if best.zero_stage == 3 else 0),
             "gradient_bytes": memory.gradient_bytes, "optimizer_bytes": memory.optimizer_bytes,
+            "quantized_weight_bytes": memory.quantized_weight_bytes or None,
             "peak_activation_bytes": max(0, stage.peak_memory_bytes - static), **update,
         }))
     iteration_ms = parts.iteration_ms
@@ -192,6 +194,8 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
         predicted = predicted.model_copy(update={
             name: round(getattr(parts, name), 6)
             for name in ("expert_dispatch_ms", "expert_compute_ms", "expert_combine_ms", "shared_expert_ms")})
+    if settings.precision is not None:
+        predicted = predicted.model_copy(update={"quantize_ms": round(parts.quantize_ms, 6)})
     if profile.sequence_length:
         predicted = predicted.model_copy(update={"tokens_per_second_per_gpu": round(
             tokens_per_s_per_gpu(G, profile.sequence_length, iteration_ms, settings.num_gpus), 6)})

@@ -88,11 +88,11 @@ def view_expert_bytes(view, layer_names) -> float:
 
 
 def moe_static_bytes(optimizer: str, dtype_bytes: int, zero_stage: int, data: int, expert_data: int,
-                     param_bytes: float, expert_bytes: float) -> float:
+                     param_bytes: float, expert_bytes: float, precision=None, quantized_params: bool = False) -> float:
     """Training state of ``param_bytes`` of which ``expert_bytes`` are routed experts: the dense
     part sharded over ``d``, the experts' over ``EDP`` (the cost model's state term)."""
-    dense = state_bytes_per_param_byte(optimizer, dtype_bytes, zero_stage, data)
-    expert = state_bytes_per_param_byte(optimizer, dtype_bytes, zero_stage, expert_data)
+    dense = state_bytes_per_param_byte(optimizer, dtype_bytes, zero_stage, data, precision, quantized_params)
+    expert = state_bytes_per_param_byte(optimizer, dtype_bytes, zero_stage, expert_data, precision, quantized_params)
     return dense * (param_bytes - expert_bytes) + expert * expert_bytes
 
 

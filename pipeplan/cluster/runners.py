@@ -20,6 +20,7 @@ from pipeplan.cluster.experts import expert_choices
 from pipeplan.cluster.profile_view import head_counts, tensor_degrees
 from pipeplan.cluster.space import candidates, parallel_degrees
 from pipeplan.errors import BadInputError
+from pipeplan.facts.launchers import launcher_zero_stages
 from pipeplan.requests import parse_compare
 
 __all__ = ["informative_layouts", "kind_label", "Compare", "compare_search"]
@@ -150,8 +151,10 @@ def compare_search(search, text: str, layout_trials: Callable) -> Compare:
         raise BadInputError(f"{where}: mbs={mbs} but --microbatch-size {settings.microbatch_size} fixes it")
     if zero is not None and settings.zero_stage not in (None, zero):
         raise BadInputError(f"{where}: zero={zero} but --zero {settings.zero_stage} fixes it")
-    if zero not in (None, 1) and (settings.launcher == "megatron" or (settings.launcher == "deepspeed" and p > 1)):
-        raise BadInputError(f"{where}: zero={zero}: --launcher {settings.launcher} runs ZeRO 1 here")
+    runs = launcher_zero_stages(settings.launcher, d, p)
+    if zero is not None and settings.launcher is not None and zero not in runs:
+        raise BadInputError(f"{where}: zero={zero}: --launcher {settings.launcher} runs ZeRO "
+                            f"{' or '.join(map(str, runs))} here")
     if expert not in (None, 1) and getattr(profile, "experts", None) is None:
         raise BadInputError(f"{where}: e={expert}: the profile has no experts (a dense model plans e=1)")
     if expert is not None and expert not in expert_choices(

@@ -36,8 +36,9 @@ from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, 
 from pipeplan.cluster.runners import compare_search, informative_layouts, kind_label
 from pipeplan.cluster.space import batch_divisor_note, candidates, parallel_degrees
 from pipeplan.errors import BadInputError, InfeasibleError
+from pipeplan.facts.launchers import launcher_zero_stages
 from pipeplan.facts.schedules import valid_virtual_stages
-from pipeplan.facts.training_state import optimizer_step_ms, state_bytes_per_param_byte, training_state
+from pipeplan.facts.training_state import optimizer_step_ms, precision_of, state_bytes_per_param_byte, training_state
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.plan import make_plan, plan_simulation, with_profile_defaults
 from pipeplan.plan.bound import Incumbent, PrunedError
@@ -104,14 +105,11 @@ def _zero_stages(settings: PlanSettings, d: int, p: int) -> list[int]:
     # reduce-scatter plus an all-gather) and holds less; it pays one more call's fixed latency per
     # iteration (8.4 us on the presets), which the search gives up for a third fewer candidates:
     # --zero 0 plans ZeRO 0.
-    if d == 1:
-        return [0]
-    # A plan for a launcher holds only what that launcher shards: Megatron-LM's distributed optimizer
-    # keeps the whole gradient buffer (ZeRO 1 memory) and has no ZeRO 3; DeepSpeed's PipelineEngine
-    # asserts ZeRO < 2 under pipeline parallelism (the exports refuse the rest).
-    if settings.launcher == "megatron" or (settings.launcher == "deepspeed" and p > 1):
-        return [1]
-    return [1, 2, 3]
+    # A plan for a launcher holds only what that launcher shards (pipeplan.facts.launchers):
+    # Megatron-LM's distributed optimizer keeps the whole gradient buffer (ZeRO 1 memory) and has no
+    # ZeRO 3; DeepSpeed's PipelineEngine asserts ZeRO < 2 under pipeline parallelism; torchtitan's
+    # FSDP has no optimizer-only sharding (the exports refuse or re-express the rest).
+    return list(launcher_zero_stages(settings.launcher, d, p))
 
 
 def _families(settings: PlanSettings, view_has_selective: bool) -> list[tuple[str, str]]:
@@ -185,7 +183,7 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
     best, unbounded = _branch_and_bound(search)
     settings, cluster, trials = search.settings, search.cluster, search.trials
     if best is None:
-        total_state = training_state(settings.optimizer, profile.dtype_bytes).total_bytes * sum(
+        total_state = training_state(settings.optimizer, profile.dtype_bytes, *precision_of(settings)).total_bytes * sum(
             layer.param_bytes for layer in profile.layers) / profile.dtype_bytes
         needs = min(((peak, key, zero) for key, (_, peak, zero) in unbounded.items()),
                     default=(math.inf, None, 0))
@@ -223,7 +221,8 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
     search = _Search(
         profile=profile, settings=settings, cluster=cluster, cap=cap,
         usable=plannable_bytes(cap, cluster.reserve_bytes, cluster.fragmentation),
-        state=training_state(settings.optimizer, profile.dtype_bytes), hbm=hbm_bytes_per_s(profile, cluster),
+        state=training_state(settings.optimizer, profile.dtype_bytes, *precision_of(settings)),
+        hbm=hbm_bytes_per_s(profile, cluster),
         overlap=DEFAULT_OVERLAP if settings.data_parallel_overlap is None else settings.data_parallel_overlap,
         sizes_all=profile.microbatch_sizes if settings.microbatch_size is None else [settings.microbatch_size],
         profile_sha256=profile_sha256, record_time=record_time,
@@ -289,10 +288,11 @@ def _bound_trials(search: _Search, trials: Optional[list] = None) -> None:
         expert_params = view_expert_bytes(view, [layer.name for layer in view.profile.layers]) / profile.dtype_bytes
         if trial.moe:
             static = moe_static_bytes(settings.optimizer, profile.dtype_bytes, trial.zero_stage, trial.data,
-                                      trial.expert_data, params * profile.dtype_bytes, expert_params * profile.dtype_bytes)
+                                      trial.expert_data, params * profile.dtype_bytes, expert_params * profile.dtype_bytes,
+                                      *precision_of(settings))
         else:
             static = state_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes, trial.zero_stage,
-                                                trial.data) * params * profile.dtype_bytes
+                                                trial.data, *precision_of(settings)) * params * profile.dtype_bytes
         trial.extras["state_per_gpu"] = static / trial.pipeline
         if static / trial.pipeline > usable:
             trial.status = "state-over-cap"
@@ -541,6 +541,9 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
         rank_params[stage.rank] += stage.param_bytes / profile.dtype_bytes
         again = recomputed_layers(stage, plan.settings, view.profile)  # the layers whose forward runs twice
         rank_tp[stage.rank] += m * view.stage_tensor_parallel_ms(stage.layers, plan.microbatch_size, again)
+        if view.quantize_ms:
+            rank_moe[stage.rank]["quantize"] = rank_moe[stage.rank].get("quantize", 0.0) + m * view.stage_quantize_ms(
+                stage.layers, plan.microbatch_size, again)
         if trial.moe:
             rank_experts[stage.rank] += view_expert_bytes(view, stage.layers) / profile.dtype_bytes
             for part, ms in view.stage_expert_ms(stage.layers, plan.microbatch_size, again).items():
@@ -553,7 +556,7 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     critical = sim.critical_rank
     trial.parts = iteration_parts(sim.compute_ms, min(rank_tp[critical], sim.compute_ms), sim.transfer_ms,
                                   sim.bubble_ms + sim.overhead_ms, rank_end, sync, step,
-                                  expert_ms=rank_moe[critical] if trial.moe else None)
+                                  expert_ms=rank_moe[critical] if trial.moe or view.quantize_ms else None)
     trial.plan = plan
     trial.status = "planned"
     trial.extras = {"layout": layout, "link": "inter" if "inter" in links else ("intra" if links else "local"),

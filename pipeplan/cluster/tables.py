@@ -59,6 +59,9 @@ def cluster_plan_tables(plan):
         return f"{ms:.1f} ms ({ms / p.iteration_ms:.1%})" if p.iteration_ms else f"{ms:.1f} ms"
 
     rows = [
+        *([("precision", f"{plan.settings.precision} GEMMs, bf16 elsewhere"
+                         + (", quantized weights (--fp8-param-gather)" if plan.settings.fp8_param_gather else ""))]
+          if plan.settings.precision else []),
         ("global batch", f"{par.data * plan.num_microbatches * plan.microbatch_size} samples "
                          f"(d={par.data} replicas x {plan.num_microbatches} x {plan.microbatch_size})"),
         ("micro-batches per replica", f"{plan.num_microbatches} x {plan.microbatch_size} samples"),
@@ -69,6 +72,8 @@ def cluster_plan_tables(plan):
            ("  routed experts", share(p.expert_compute_ms or 0.0)),
            ("  expert combine (all-to-all)", share(p.expert_combine_ms or 0.0)),
            ("  shared experts", share(p.shared_expert_ms or 0.0))] if p.expert_dispatch_ms is not None else []),
+        *([(f"  {plan.settings.precision} casts (GEMM inputs, gradients)", share(p.quantize_ms or 0.0))]
+          if p.quantize_ms is not None else []),
         ("  pipeline bubble", share(p.bubble_ms + (p.overhead_ms or 0.0))),
         ("  pipeline transfers", share(p.transfer_ms)),
         ("  data-parallel sync", share(p.data_parallel_ms or 0.0)),
@@ -97,14 +102,18 @@ def cluster_plan_tables(plan):
 
     stages = Table(title="stages: memory per GPU by part")
     moe = any(s.expert_state_bytes is not None for s in plan.stages)
-    for column in ("stage", "rank", "layers", "first .. last", "fwd ms", "bwd ms", "weights", "grads",
+    quantized = any(s.quantized_weight_bytes is not None for s in plan.stages)
+    for column in ("stage", "rank", "layers", "first .. last", "fwd ms", "bwd ms", "weights",
+                   *((f"{plan.settings.precision} copies",) if quantized else ()), "grads",
                    "optimizer", *(("experts",) if moe else ()), "activations", "in flight", "peak"):
         stages.add_column(column, justify="left" if column == "first .. last" else "right")
     for s in plan.stages:
         span = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
         stages.add_row(str(s.index), str(s.rank), str(len(s.layers)), span, f"{s.forward_ms:.2f}",
                        f"{s.backward_ms:.2f}" + (" (rc)" if s.recompute else ""),
-                       *(format_bytes(v or 0) for v in (s.weight_bytes, s.gradient_bytes, s.optimizer_bytes,
+                       *(format_bytes(v or 0) for v in (s.weight_bytes,
+                                                       *((s.quantized_weight_bytes,) if quantized else ()),
+                                                       s.gradient_bytes, s.optimizer_bytes,
                                                        *((s.expert_state_bytes,) if moe else ()),
                                                        s.peak_activation_bytes)),
                        str(s.in_flight), format_bytes(s.peak_memory_bytes))

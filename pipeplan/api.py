@@ -13,6 +13,7 @@ from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.cluster.search import plan_cluster
 from pipeplan.requests import ClusterRequest, PipelineRequest, Request, request_of
 from pipeplan.plan.given import plan_split
+from pipeplan.plan.recompute import check_full_method, with_module_parts, with_selective_modules
 from pipeplan.plan.search import make_plan, with_profile_defaults
 from pipeplan.formats.limits import check_microbatch_count, check_option_range
 from pipeplan.importers import import_pipedream
@@ -96,6 +97,17 @@ def plan_any(profile, request: Request | PlanSettings, *, profile_sha256: str, r
     request = request_of(request)
     _check_batch(profile, request)
     settings = request.settings()
+    check_full_method(settings)
+    if settings.recompute_modules is not None:
+        # The selective mode then means these modules; the plan's stages list them as parts
+        # (pipeplan.plan.recompute).
+        plan = _plan_any(with_selective_modules(profile, settings.recompute_modules), request, settings,
+                         profile_sha256, record_time)
+        return with_module_parts(plan, profile)
+    return _plan_any(profile, request, settings, profile_sha256, record_time)
+
+
+def _plan_any(profile, request, settings, profile_sha256: str, record_time: bool) -> Plan:
     if isinstance(request, ClusterRequest):
         return plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
     if request.layers_per_stage is not None:

@@ -20,6 +20,7 @@ from pipeplan.errors import BadInputError
 from pipeplan.formats.limits import MAX_TIMELINE_WIDTH, check_option_range
 from pipeplan.quantities import parse_bandwidth, parse_bytes
 from pipeplan.requests import ClusterRequest, PipelineRequest
+from pipeplan.plan.recompute import parse_recompute_modules
 from pipeplan.formats.io import load_plan, refuse_overwriting_input, write_text_atomic
 from pipeplan.api import compare_splits, import_profile, make_profile, plan_profile, validate_file
 from pipeplan.profile import summary_table
@@ -250,6 +251,9 @@ def plan(
     expert_imbalance: Optional[float] = typer.Option(None, "--expert-imbalance", help="With --gpus: the busiest rank's routed tokens over the balanced share (>= 1; default 1)."),
     fp8_param_gather: Optional[bool] = typer.Option(None, "--fp8-param-gather", help="A profile made with --precision: keep the weights quantized (Megatron-LM's --fp8-param-gather; docs/cost-model.md)."),
     compare: Optional[list[str]] = typer.Option(None, "--compare", help="With --gpus (repeatable): also plan this layout in full and record it beside the winner, e.g. d=64,t=8,p=1 (optional zero=.., mbs=.., e=..)."),
+    recompute_method: Optional[str] = typer.Option(None, "--recompute-method", help="With --launcher megatron: how full recomputation runs, Megatron's flag: uniform (with --recompute-num-layers 1, the default) or block (the first N blocks of each stage recompute)."),
+    recompute_num_layers: Optional[int] = typer.Option(None, "--recompute-num-layers", help="N of --recompute-method (Megatron's flag)."),
+    recompute_modules: Optional[str] = typer.Option(None, "--recompute-modules", help="What selective recomputation recomputes, Megatron's module names, e.g. layernorm,moe_act (core_attn, layernorm, mlp, moe_act, moe, shared_experts, mla_up_proj); default: the attention core."),
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
     refuse_overwriting_input(output, profile)
@@ -262,6 +266,14 @@ def plan(
                             fp8_param_gather=fp8_param_gather, compare=compare)
     if layers_per_stage is not None:
         request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
+    if recompute_modules is not None:
+        request = request.model_copy(update={"recompute_modules": parse_recompute_modules(recompute_modules)})
+    if recompute_method is not None or recompute_num_layers is not None:
+        if recompute_method not in (None, "uniform", "block"):
+            raise BadInputError(f"--recompute-method: {recompute_method!r} is not one of uniform, block")
+        check_option_range("--recompute-num-layers", recompute_num_layers, 1, 100_000)
+        request = request.model_copy(update={"recompute_method": recompute_method,
+                                             "recompute_num_layers": recompute_num_layers})
     with reporting(terminal_progress(quiet)):
         result = plan_profile(profile, request, output, record_time=record_time)
     if not quiet:

@@ -121,6 +121,9 @@ class _Request(BaseModel):
     launcher: _FIELDS["launcher"].annotation = _FIELDS["launcher"]
     layers_per_stage: _FIELDS["layers_per_stage"].annotation = _FIELDS["layers_per_stage"]
     fp8_param_gather: _FIELDS["fp8_param_gather"].annotation = _FIELDS["fp8_param_gather"]
+    recompute_modules: _FIELDS["recompute_modules"].annotation = _FIELDS["recompute_modules"]
+    recompute_method: _FIELDS["recompute_method"].annotation = _FIELDS["recompute_method"]
+    recompute_num_layers: _FIELDS["recompute_num_layers"].annotation = _FIELDS["recompute_num_layers"]
 
     @classmethod
     def make(cls, where: str = "request", **fields: Any):

@@ -10,7 +10,7 @@ from pipeplan.quantities import format_bytes
 from pipeplan.plan import plan_simulation
 from pipeplan.cluster.tables import cluster_plan_tables
 
-__all__ = ["plan_tables", "comparison_table", "simulation_from_plan", "stage_count_words"]
+__all__ = ["plan_tables", "comparison_table", "simulation_from_plan", "stage_count_words", "recompute_modules_table"]
 
 
 def stage_count_words(plan: Plan) -> str:
@@ -31,7 +31,8 @@ def stage_count_words(plan: Plan) -> str:
 def plan_tables(plan: Plan) -> Group:
     """Summary and per-stage tables of a plan."""
     if plan.parallelism is not None:
-        return cluster_plan_tables(plan)
+        table = recompute_modules_table(plan)
+        return cluster_plan_tables(plan) if table is None else Group(cluster_plan_tables(plan), table)
     p = plan.predicted
     summary = Table(title=f"{plan.profile.model}: {stage_count_words(plan)}, {plan.schedule}", show_header=False)
     summary.add_column("what")
@@ -69,6 +70,8 @@ def plan_tables(plan: Plan) -> Group:
             str(s.in_flight), format_bytes(s.peak_memory_bytes),
         )
     parts = [summary, stages]
+    if recompute_modules_table(plan) is not None:
+        parts.append(recompute_modules_table(plan))
     if plan.alternatives:
         alt = Table(title="runners-up")
         for column in ("schedule", "v", "micro-batch", "recompute", "iteration ms", "why it lost"):
@@ -80,6 +83,22 @@ def plan_tables(plan: Plan) -> Group:
     for note in plan.notes:
         parts.append(f"note: {note}")
     return Group(*parts)
+
+
+def recompute_modules_table(plan: Plan) -> Table | None:
+    """The selective recomputation's parts per stage and module (plans made with
+    --recompute-modules): the time each module's forward adds to the backward and the bytes it
+    frees, per micro-batch; None for other plans."""
+    rows = [(s, m, part) for s in plan.stages for m, part in (s.recompute_modules or {}).items()]
+    if not rows:
+        return None
+    table = Table(title="selective recomputation by module (per micro-batch)")
+    for column in ("stage", "module", "recompute ms", "frees", "kept"):
+        table.add_column(column, justify="left" if column == "module" else "right")
+    for s, m, part in rows:
+        table.add_row(str(s.index), m, f"{part.recompute_ms:.3f}", format_bytes(part.saved_bytes),
+                      format_bytes(s.selective_activation_bytes or 0))
+    return table
 
 
 def comparison_table(rows, title: str, memory_cap_bytes: int | None = None) -> Table:

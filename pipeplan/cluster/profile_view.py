@@ -134,34 +134,40 @@ class DegreeView:
             return 0.0
         return float(sum(self.expert_bytes.get(name, 0) for name in layer_names))
 
-    def stage_expert_ms(self, layer_names, microbatch_size: int, recompute: bool) -> dict:
-        """The MoE parts' time of a stage per micro-batch (the forward's twice if it recomputes)."""
+    def stage_expert_ms(self, layer_names, microbatch_size: int, recompute) -> dict:
+        """The MoE parts' time of a stage per micro-batch (the forward's twice where it recomputes:
+        ``recompute`` True for every layer, or the names of the layers recomputed in full)."""
         total = dict.fromkeys(EXPERT_PARTS, 0.0)
         if not self.expert_ms:
             return total
         for name in layer_names:
+            twice = recompute if isinstance(recompute, bool) else name in recompute
             for part, (forward, backward) in self.expert_ms.get((name, microbatch_size), {}).items():
-                total[part] += forward * (2 if recompute else 1) + backward
+                total[part] += forward * (2 if twice else 1) + backward
         return total
 
     quantize_ms: dict = field(default_factory=dict)
     """``{(unit name, micro-batch size): (forward ms, backward ms)}`` of a quantized precision's
     casts (the profile's ``quantize_*_ms``; empty without one)."""
 
-    def stage_quantize_ms(self, layer_names, microbatch_size: int, recompute: bool) -> float:
-        """A quantized precision's casts in a stage per micro-batch (the forward's twice if it recomputes)."""
+    def stage_quantize_ms(self, layer_names, microbatch_size: int, recompute) -> float:
+        """A quantized precision's casts in a stage per micro-batch (the forward's twice where it
+        recomputes, as :meth:`stage_expert_ms`)."""
         total = 0.0
         for name in layer_names:
+            twice = recompute if isinstance(recompute, bool) else name in recompute
             forward, backward = self.quantize_ms.get((name, microbatch_size), (0.0, 0.0))
-            total += forward * (2 if recompute else 1) + backward
+            total += forward * (2 if twice else 1) + backward
         return total
 
-    def stage_tensor_parallel_ms(self, layer_names, microbatch_size: int, recompute: bool) -> float:
-        """The collectives' time of a stage per micro-batch (the forward's twice if it recomputes)."""
+    def stage_tensor_parallel_ms(self, layer_names, microbatch_size: int, recompute) -> float:
+        """The collectives' time of a stage per micro-batch (the forward's twice where it
+        recomputes, as :meth:`stage_expert_ms`)."""
         total = 0.0
         for name in layer_names:
+            twice = recompute if isinstance(recompute, bool) else name in recompute
             forward, backward = self.tensor_parallel_ms.get((name, microbatch_size), (0.0, 0.0))
-            total += forward * (2 if recompute else 1) + backward
+            total += forward * (2 if twice else 1) + backward
         return total
 
 

@@ -44,6 +44,7 @@ from pipeplan.plan import make_plan, plan_simulation, with_profile_defaults
 from pipeplan.plan.bound import Incumbent, PrunedError
 from pipeplan.plan.given import plan_split
 from pipeplan.plan.memo import planning_cache
+from pipeplan.plan.recompute import recomputed_layers
 from pipeplan.progress import task
 from pipeplan.quantities import format_bytes
 
@@ -538,13 +539,14 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     rank_moe = [dict() for _ in range(trial.pipeline)]
     for stage in plan.stages:
         rank_params[stage.rank] += stage.param_bytes / profile.dtype_bytes
-        rank_tp[stage.rank] += m * view.stage_tensor_parallel_ms(stage.layers, plan.microbatch_size, stage.recompute)
+        again = recomputed_layers(stage, plan.settings, view.profile)  # the layers whose forward runs twice
+        rank_tp[stage.rank] += m * view.stage_tensor_parallel_ms(stage.layers, plan.microbatch_size, again)
         if view.quantize_ms:
             rank_moe[stage.rank]["quantize"] = rank_moe[stage.rank].get("quantize", 0.0) + m * view.stage_quantize_ms(
-                stage.layers, plan.microbatch_size, stage.recompute)
+                stage.layers, plan.microbatch_size, again)
         if trial.moe:
             rank_experts[stage.rank] += view_expert_bytes(view, stage.layers) / profile.dtype_bytes
-            for part, ms in view.stage_expert_ms(stage.layers, plan.microbatch_size, stage.recompute).items():
+            for part, ms in view.stage_expert_ms(stage.layers, plan.microbatch_size, again).items():
                 rank_moe[stage.rank][part] = rank_moe[stage.rank].get(part, 0.0) + m * ms
     if trial.moe:
         sync, step = moe_rank_tails(trial, rank_params, rank_experts, m, cluster, state, hbm, overlap, fp16,

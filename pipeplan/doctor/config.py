@@ -71,6 +71,9 @@ class LauncherConfig:
     always shards the norms' activations this way)."""
     settings: dict[str, str] = field(default_factory=dict)
     """Launcher setting name to the value as written, for the ones doctor read."""
+    recompute_modules: tuple[str, ...] | None = None
+    """Selective recomputation's modules (Megatron's ``--recompute-modules``); None: the default,
+    the attention core."""
 
     def __post_init__(self):
         # Every degree and count is bounded here, where all three launchers' readers meet, so that

@@ -16,6 +16,7 @@ from pipeplan.doctor.evaluate import best_plan, cost_split
 from pipeplan.export.megatron import interleaved_refusal
 from pipeplan.doctor.units import stage_positions, unit_positions
 from pipeplan.errors import BadInputError
+from pipeplan.plan.recompute import with_selective_modules
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.quantities import format_bytes
 from pipeplan.facts.schedules import check_schedule
@@ -213,9 +214,20 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
     if config.launcher == "deepspeed" and len(layout.all_units) != len(units):
         raise BadInputError(f"--profile: {len(units)} layers but the PipelineModule has {len(layout.all_units)}")
     settings = _settings_for(config, base_settings)
+    if config.recompute_modules:
+        # Selective recomputation of the launcher's modules, costed from the profile's parts.
+        profile = with_selective_modules(profile, config.recompute_modules)
+        settings = settings.model_copy(update={"recompute_modules": list(config.recompute_modules)})
     selective_known = all(c.selective_activation_bytes is not None for layer in profile.layers for c in layer.costs
                           if c.degree == 1)
     mode = {"full": "all", "selective": "selective"}.get(config.recompute, "none")
+    method, layers = config.settings.get("--recompute-method"), config.settings.get("--recompute-num-layers")
+    if mode == "all" and method == "block" and (layers or "").isdigit() and int(layers) > 0:
+        # Megatron's block method: the first N blocks of each model chunk recompute, as costed.
+        settings = settings.model_copy(update={"recompute_method": "block", "recompute_num_layers": int(layers)})
+    elif mode == "all" and (method, layers) not in ((None, None), ("uniform", "1")):
+        result.notes.append(f"--recompute-method {method} --recompute-num-layers {layers}: costed as uniform 1 (every "
+                            f"layer recomputed, each keeping its input); larger uniform groups are not costed yet")
     if mode == "selective" and not selective_known:
         mode = "none"
         result.notes.append("the profile has no selective-recomputation costs (selective_activation_bytes): "

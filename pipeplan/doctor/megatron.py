@@ -19,6 +19,7 @@ import re
 from pipeplan.doctor.config import LauncherConfig, Layout, LayoutStage, Problem
 from pipeplan.doctor.shell import read_script
 from pipeplan.errors import BadInputError
+from pipeplan.plan.recompute import check_recompute_modules
 
 __all__ = ["megatron_precision", "parse_megatron", "megatron_layout_of", "MEGATRON_INT_FLAGS"]
 
@@ -48,6 +49,7 @@ _BOOL_FLAGS = (
     "--fp8-param-gather", "--fp4-param-gather", "--grad-reduce-in-bf16",
 )
 _MULTI_FLAGS = {"--rampup-batch-size": 3}
+_LIST_FLAGS = ("--recompute-modules",)
 _LAUNCHERS = ("torchrun", "python", "python3", "deepspeed")
 
 
@@ -107,6 +109,11 @@ def _flags(path: str, words: list[str]) -> dict[str, str]:
         if word in _BOOL_FLAGS:
             out[word] = "true"
             i += 1
+            continue
+        if word in _LIST_FLAGS:  # argparse nargs="*": every word up to the next flag
+            end = next((j for j in range(i + 1, len(words)) if words[j].startswith("--")), len(words))
+            out[word] = " ".join(words[i + 1:end])
+            i = end
             continue
         if word in _MULTI_FLAGS:
             out[word] = " ".join(words[i + 1:i + 1 + _MULTI_FLAGS[word]])
@@ -224,7 +231,11 @@ def parse_megatron(path: str, text: str, *, variables: dict[str, str] | None = N
         recompute = "selective"
     else:
         recompute = "none"
-    read = [*MEGATRON_INT_FLAGS, *_CHOICE_FLAGS, *_STR_FLAGS, *_BOOL_FLAGS]
+    modules = None
+    if recompute == "selective" and flags.get("--recompute-modules"):
+        modules = tuple(check_recompute_modules(flags["--recompute-modules"].split(),
+                                                f"{path}: --recompute-modules"))
+    read = [*MEGATRON_INT_FLAGS, *_CHOICE_FLAGS, *_STR_FLAGS, *_BOOL_FLAGS, *_LIST_FLAGS]
     settings = {name: flags[name] for name in read if name in flags}
     if world:
         settings["world size"] = str(world)
@@ -235,7 +246,7 @@ def parse_megatron(path: str, text: str, *, variables: dict[str, str] | None = N
         tensor_degree=t, data_degree=d, context_degree=cp, num_layers=num_layers, recompute=recompute,
         sharded_optimizer="--use-distributed-optimizer" in flags,
         zero_stage=1 if "--use-distributed-optimizer" in flags else 0,
-        sequence_parallel="--sequence-parallel" in flags, settings=settings,
+        sequence_parallel="--sequence-parallel" in flags, settings=settings, recompute_modules=modules,
         precision=megatron_precision(flags),
         quantized_params="--fp8-param-gather" in flags or "--fp4-param-gather" in flags,
         gradient_reduce_dtype="bf16" if "--grad-reduce-in-bf16" in flags else None,

@@ -166,7 +166,7 @@ def megatron_layout(plan: Plan, profile) -> tuple[str, int, list[str]]:
     return layout, pattern.count("t"), notes
 
 
-def _recompute_flags(plan: Plan, notes: list[str]) -> list[tuple[str, str | None]]:
+def _recompute_flags(plan: Plan, notes: list[str]) -> list[tuple[str, str | tuple[str, ...] | None]]:
     recompute = recompute_of(plan)
     if recompute.mode == "none":
         return []
@@ -174,10 +174,17 @@ def _recompute_flags(plan: Plan, notes: list[str]) -> list[tuple[str, str | None
         if recompute.mixed:
             notes.append(f"the plan recomputes the attention core on stages {list(recompute.stages)}; "
                          "Megatron-LM applies --recompute-granularity selective to every layer")
-        return [("--recompute-granularity", "selective")]
+        modules = plan.settings.recompute_modules
+        # Megatron's default modules are ["core_attn"], what a plan without them costs.
+        return [("--recompute-granularity", "selective")] + (
+            [("--recompute-modules", tuple(modules))] if modules else [])  # nargs="*": one word each
     if recompute.mixed:
         notes.append(f"the plan recomputes stages {list(recompute.stages)} only; Megatron-LM applies full "
                      "recomputation to every rank, so it recomputes more than planned (slower, never more memory)")
+    if plan.settings.recompute_method == "block":
+        # the first N blocks of each stage (model chunk) recompute in full, as planned
+        return [("--recompute-granularity", "full"), ("--recompute-method", "block"),
+                ("--recompute-num-layers", str(plan.settings.recompute_num_layers))]
     # uniform, 1 layer per chunk: each layer keeps its input and rebuilds its activations alone
     return [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
             ("--recompute-num-layers", "1")]
@@ -341,6 +348,8 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
         # told (megatron/training/arguments.py: accumulate_allreduce_grads_in_fp32).
         flags.append(("--grad-reduce-in-bf16", None))
     lines.append("PIPEPLAN_MEGATRON_ARGS=(")
-    lines += [f"    {flag}" + ("" if value is None else f" {shlex.quote(value)}") for flag, value in flags]
+    lines += [f"    {flag}" + ("" if value is None else " " + " ".join(shlex.quote(v) for v in
+                                                         ((value,) if isinstance(value, str) else value)))
+              for flag, value in flags]
     lines.append(")")
     return "\n".join(lines) + "\n"

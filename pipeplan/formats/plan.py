@@ -19,6 +19,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from pipeplan.formats.cluster import ClusterSpec
+from pipeplan.formats.profile import RECOMPUTE_MODULES
 from pipeplan.formats.limits import (Bandwidth, Count, FiniteFloat, Fraction, MicrobatchCount, Ms, Name,
                                      NonNegativeFloat, PlanBytes, PlanMs, PositiveBytes, PositiveCount, Rate, Text)
 # Schedule names, one per torch.distributed.pipelining class; the records (torch class,
@@ -30,6 +31,7 @@ __all__ = [
     "SCHEDULES",
     "PLAN_SCHEMA_VERSIONS",
     "Parallelism",
+    "RecomputePart",
     "SOLVER_METHODS",
     "DEFAULT_BANDWIDTH_BYTES_PER_S",
     "DEFAULT_GLOBAL_BATCH_PER_MICROBATCH",
@@ -219,6 +221,20 @@ class PlanSettings(_Strict):
         default=None,
         description="Internal: the expert-data-parallel degree t x d / (E x ETP) of one replica's cost model "
                     "(set by the cluster search; null in a request and in a plan file's settings).")
+    recompute_modules: Optional[list[Literal[RECOMPUTE_MODULES]]] = Field(
+        default=None, min_length=1,
+        description="--recompute-modules: what selective recomputation recomputes, in Megatron-core's module "
+                    "names (core_attn, layernorm, mlp, moe_act, moe, shared_experts, mla_up_proj), costed from "
+                    "the profile's selective_modules; null: the attention core as the profile's "
+                    "selective fields give it (Megatron's default, core_attn).")
+    recompute_method: Optional[Literal["uniform", "block"]] = Field(
+        default=None,
+        description="--recompute-method (with --launcher megatron): how full recomputation runs, as Megatron's "
+                    "flag: uniform (with recompute_num_layers 1: every layer rebuilt from its input, the default) "
+                    "or block (the first recompute_num_layers transformer blocks of each stage recompute in full, "
+                    "the rest keep everything); null: uniform 1.")
+    recompute_num_layers: Optional[PositiveCount] = Field(
+        default=None, description="--recompute-num-layers: N of recompute_method (Megatron's flag); null: 1.")
 
     def cap_bytes(self) -> float:
         """The per-GPU cap the request means: ``memory_cap_bytes``, else the cluster's (its spec or
@@ -250,6 +266,15 @@ class PlanSettings(_Strict):
                     ordered[name] = None
             data = ordered
         return data
+
+
+class RecomputePart(_Strict):
+    """One selective-recomputation module's share of a stage, per micro-batch."""
+
+    recompute_ms: PlanMs = Field(description="Its forward run again in backward, over the stage's layers "
+                                             "(part of backward_ms and backward_input_ms).")
+    saved_bytes: PlanBytes = Field(description="Activation bytes it frees, over the stage's layers (activation_bytes "
+                                               "less their sum is selective_activation_bytes).")
 
 
 class PlanStage(_Strict):
@@ -305,6 +330,9 @@ class PlanStage(_Strict):
         default=None, description="Full-recompute stages: bytes kept per micro-batch in flight, every layer's "
                                   "input (each layer is recomputed from it, one at a time). Null in plans from "
                                   "before it was recorded, which kept the stage's input alone.")
+    recompute_modules: Optional[dict[Literal[RECOMPUTE_MODULES], RecomputePart]] = Field(
+        default=None, description="Selective stages of a plan made with --recompute-modules: per module, its time "
+                                  "and the bytes it frees (the parts of the stage's recomputation).")
 
 
 class Predicted(_Strict):

@@ -22,7 +22,8 @@ from pipeplan.formats.limits import (Bandwidth, Bytes, Ms, Name, NonNegativeFloa
                                      Text)
 
 __all__ = ["Device", "LayerCost", "Layer", "Profile", "TiedWeight", "Experts", "ParameterCounts", "NonNegativeMs",
-           "LAYER_KINDS", "DTYPES", "PRECISION_NAMES", "SCHEMA_VERSIONS", "V2_COST_FIELDS", "TP_COLLECTIVES"]
+           "LAYER_KINDS", "DTYPES", "PRECISION_NAMES", "SCHEMA_VERSIONS", "V2_COST_FIELDS", "TP_COLLECTIVES",
+           "SelectiveModule", "RECOMPUTE_MODULES"]
 
 
 # Finite ranges (pipeplan.formats.limits): 0..1e9 ms, 0..2**53 bytes, no booleans or strings.
@@ -60,6 +61,24 @@ class Device(_Strict):
     memory_bytes: Optional[NonNegativeBytes] = Field(
         default=None, description="Device memory, if known."
     )
+
+
+#: Megatron-core's selective-recomputation modules (``TransformerConfig.recompute_modules``, its
+#: ``--recompute-modules``): ``core_attn`` the attention core, ``layernorm`` the input and pre-MLP
+#: norms' outputs, ``mlp`` a dense MLP, ``moe_act`` the routed experts' activation, ``moe`` the whole
+#: MoE layer, ``shared_experts`` its shared experts, ``mla_up_proj`` multi-latent attention's up
+#: projections and rotary (docs/cost-model.md, "Selective modules").
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+class SelectiveModule(_Strict):
+    """What recomputing one of Megatron's selective modules in backward frees and costs."""
+
+    saved_bytes: NonNegativeBytes = Field(
+        description="Activation bytes per micro-batch in flight that the layer no longer keeps "
+        "(of activation_bytes) when this module is recomputed.")
+    recompute_ms: NonNegativeMs = Field(
+        description="Extra time per micro-batch of running the module's forward again in backward.")
 
 
 class LayerCost(_Strict):
@@ -169,6 +188,12 @@ class LayerCost(_Strict):
         "share for balanced routing: the dispatched top-k copies of the tokens and the experts' own "
         "tensors. --expert-imbalance f makes the busiest rank keep f times it. Absent: 0.",
     )
+    selective_modules: Optional[dict[Literal[RECOMPUTE_MODULES], SelectiveModule]] = Field(
+        default=None,
+        description="Per Megatron selective-recomputation module (RECOMPUTE_MODULES; its "
+        "--recompute-modules names) that this layer has, the bytes its recompute frees and its "
+        "time. A module absent is not offered for this layer (it frees nothing here).",
+    )
 
     @model_validator(mode="after")
     def _backward_split_whole(self) -> "LayerCost":
@@ -182,6 +207,10 @@ class LayerCost(_Strict):
             raise ValueError(
                 "give both backward_input_ms and backward_weight_ms, or neither"
             )
+        for module, given in (self.selective_modules or {}).items():
+            if given.saved_bytes > self.activation_bytes:
+                raise ValueError(f"selective_modules.{module}.saved_bytes: {given.saved_bytes} exceeds "
+                                 f"activation_bytes {self.activation_bytes} (it frees part of them)")
         if (self.selective_activation_bytes is None) != (self.selective_recompute_ms is None):
             raise ValueError(
                 "give both selective_activation_bytes and selective_recompute_ms, or neither"

@@ -20,6 +20,7 @@ from pipeplan.facts.training_state import StateMemory, precision_of, state_memor
 from pipeplan.formats.plan import Plan, PlanProfileRef, PlanSettings, PlanStage, Predicted, RankSummary, SolverInfo
 from pipeplan.plan.costmodel import CostModel
 from pipeplan.plan.memory import stage_in_flight
+from pipeplan.plan.recompute import full_mode
 from pipeplan.plan.problem import Partition, PartitionProblem, build_problem, evaluate_split, stage_breakdowns
 from pipeplan.facts.schedules import check_schedule
 from pipeplan.plan.simulate import Simulation, StageCost, simulate
@@ -75,7 +76,7 @@ def plan_from_partition(profile, settings, problem: PartitionProblem, partition:
                 recompute_granularity="selective" if b.recompute == "selective" else None,
                 selective_activation_bytes=int(graph.selective_activation_bytes[layers].sum())
                 if b.recompute == "selective" else None,
-                checkpoint_bytes=int(math.ceil(m.kept_bytes)) if b.recompute == "full" else None,
+                checkpoint_bytes=int(math.ceil(m.kept_bytes)) if b.recompute in ("full", "block") else None,
                 peak_memory_bytes=int(math.ceil(m.peak_bytes)),
             )
         )
@@ -156,7 +157,7 @@ def plan_given_split(profile, settings, graph, stages, *, schedule: str, virtual
         raise BadInputError(f"{len(stages)} stages given for {p} ranks x {v} stages per rank; give {p * v}")
     in_flight = stage_in_flight(schedule, p, m, v)
     if recompute is None:
-        recompute = ({"all": "full", "selective": "selective"}.get(settings.recompute, "none"),) * (p * v)
+        recompute = ({"all": full_mode(settings), "selective": "selective"}.get(settings.recompute, "none"),) * (p * v)
     problem = build_problem(profile, graph, settings, in_flight, recompute)
     try:
         partition = evaluate_split(problem, stages, method=method)

@@ -9,7 +9,8 @@ Terms, per micro-batch of one stage (``sums`` are its layers' profile entries ad
 
     compute_ms      = sum(forward_ms + backward_ms)
     recompute_ms    = recompute rule (below): sum(forward_ms) for "full",
-                      sum(selective_recompute_ms) for "selective", 0 for "none"
+                      sum(selective_recompute_ms) for "selective", for "block" the forward of
+                      the stage's first N transformer blocks (block_forward_ms), 0 for "none"
     transfer_ms     = (input-boundary bytes + output-boundary bytes) x ms_per_byte
     stage_time_ms   = compute_ms + recompute_ms + transfer_ms           (what the solvers minimise)
 
@@ -20,7 +21,8 @@ Terms, per micro-batch of one stage (``sums`` are its layers' profile entries ad
                       routed experts' state sharded over the expert-data-parallel group)
     kept_bytes      = per micro-batch in flight: activation_bytes, for "full" sum(input_bytes) (each
                       layer's input, from which it is recomputed), for "selective"
-                      sum(selective_activation_bytes)
+                      sum(selective_activation_bytes), for "block" activation_bytes less the first
+                      N blocks' activations plus their inputs
     recompute_bytes = for "full", one layer's activations while it is recomputed, the stage's
                       largest (largest_activation_bytes: a maximum, not a sum); for "selective",
                       one layer's rebuilt attention core (selective_working_bytes); else 0
@@ -66,6 +68,8 @@ from pipeplan.plan.simulate import StageCost
 
 __all__ = [
     "RECOMPUTE_MODES",
+    "BLOCK_FIELDS",
+    "BLOCK_LARGEST",
     "recompute_mode",
     "LayerSums",
     "LARGEST",
@@ -85,7 +89,17 @@ __all__ = [
 #: ``--recompute-granularity selective``; Korthikanti et al. 2022); profiles give the bytes and
 #: the time (``selective_activation_bytes``, ``selective_recompute_ms``).
 #: ``full``: only its input; the forward runs again before the backward.
-RECOMPUTE_MODES = ("none", "selective", "full")
+#: ``block``: Megatron's ``--recompute-method block --recompute-num-layers N``: the stage's first N
+#: transformer blocks recompute in full (each keeps its input), the rest keep everything
+#: (``LayerGraph.recompute_block_layers``; the ``block_*`` sums).
+RECOMPUTE_MODES = ("none", "selective", "full", "block")
+
+#: The sums over a stage's first N transformer blocks (``block`` mode), each of the named array.
+BLOCK_FIELDS = {"block_forward_ms": "forward_ms", "block_input_bytes": "input_bytes",
+                "block_activation_bytes": "activation_bytes"}
+#: The largest ``activation_bytes`` of a stage's first N transformer blocks: the ``block`` mode's
+#: working memory (one of them rebuilt at a time).
+BLOCK_LARGEST = "block_largest_activation_bytes"
 
 def recompute_mode(value: Any) -> str:
     """A stage's recompute mode from a mode name or a bool (True is ``"full"``).
@@ -120,7 +134,7 @@ class LayerSums:
     #: ``largest_activation_bytes``, the stage's largest single layer's ``activation_bytes`` (a
     #: maximum, not a sum: each solver forms it its own way).
     FIELDS: ClassVar[tuple[str, ...]] = (*LAYER_ARRAYS, "compute_ms", "largest_activation_bytes",
-                                         "tied_copy_param_bytes")
+                                         "tied_copy_param_bytes", *BLOCK_FIELDS, BLOCK_LARGEST)
 
     __slots__ = ("_get", "_values")
 
@@ -174,6 +188,11 @@ def layer_sums(graph, layers) -> LayerSums:
         if name == TIED:
             held = set(index)
             return float(tied_copy_bytes(graph, lambda v: v in held))
+        if name in BLOCK_FIELDS or name == BLOCK_LARGEST:
+            first = [v for v in sorted(index) if graph.block_mask[v]][:graph.recompute_block_layers]
+            if name == BLOCK_LARGEST:
+                return float(graph.activation_bytes[first].max()) if first else 0.0
+            return float(getattr(graph, BLOCK_FIELDS[name])[first].sum())
         return float(getattr(graph, name)[index].sum())
 
     return LayerSums(get)
@@ -194,16 +213,18 @@ def prefix_sums(graph):
             cache[name] = np.concatenate([zero, np.cumsum(getattr(graph, name))])
         return cache[name]
 
-    def largest(lo, hi):
+    def largest(lo, hi, key=LARGEST):
         # Range maximum of activation_bytes over lo .. hi - 1 from a sparse table: level k holds
         # the maximum of each run of 2^k layers; two overlapping runs cover any range. Empty: 0.
-        if LARGEST not in cache:
-            levels = [np.asarray(graph.activation_bytes, dtype=float)]
+        # (key BLOCK_LARGEST: of the transformer blocks' alone.)
+        if key not in cache:
+            values = graph.activation_bytes * (graph.block_mask if key == BLOCK_LARGEST else 1)
+            levels = [np.asarray(values, dtype=float)]
             while 2 ** len(levels) <= len(levels[0]):
                 half = 2 ** (len(levels) - 1)
                 levels.append(np.maximum(levels[-1][:-half], levels[-1][half:]))
-            cache[LARGEST] = levels
-        levels = cache[LARGEST]
+            cache[key] = levels
+        levels = cache[key]
         lo, hi = np.broadcast_arrays(np.asarray(lo), np.asarray(hi))
         width = np.maximum(hi - lo, 1)
         k = np.floor(np.log2(width)).astype(int)
@@ -214,9 +235,25 @@ def prefix_sums(graph):
             out[at] = np.maximum(table[lo[at]], table[hi[at] - 2 ** level])
         return out if out.ndim else float(out)
 
+    def block_cut(lo, hi):
+        # The position after the stage's N-th block (hi if it has fewer): count[r] blocks lie
+        # before position r, so it is the first r with count[r] >= count[lo] + N.
+        if "block_end" not in cache:
+            count = np.concatenate([zero, np.cumsum(graph.block_mask)])
+            ends = np.searchsorted(count, count + graph.recompute_block_layers, side="left")
+            cache["block_end"] = np.minimum(ends, len(count) - 1)
+        return np.minimum(cache["block_end"][lo], hi)
+
     def get(lo, hi, name):
         if name == LARGEST:
             return largest(lo, hi)
+        if name == BLOCK_LARGEST:
+            return largest(lo, block_cut(lo, hi), BLOCK_LARGEST)
+        if name in BLOCK_FIELDS:
+            key = "block:" + name
+            if key not in cache:
+                cache[key] = np.concatenate([zero, np.cumsum(getattr(graph, BLOCK_FIELDS[name]) * graph.block_mask)])
+            return cache[key][block_cut(lo, hi)] - cache[key][lo]
         if name == TIED:
             return tied_copy_bytes(graph, lambda v: (np.asarray(lo) <= v) & (v < np.asarray(hi)))
         return prefix(name)[hi] - prefix(name)[lo]
@@ -394,6 +431,8 @@ class CostModel:
             return sums.forward_ms
         if mode == "selective":
             return sums.selective_recompute_ms
+        if mode == "block":
+            return sums.block_forward_ms
         return 0.0
 
     def load_ms(self, sums: LayerSums, mode: str):
@@ -433,6 +472,8 @@ class CostModel:
             return sums.input_bytes
         if mode == "selective":
             return sums.selective_activation_bytes
+        if mode == "block":  # the first N blocks keep their inputs, the rest everything
+            return sums.activation_bytes - sums.block_activation_bytes + sums.block_input_bytes
         return sums.activation_bytes
 
     def recompute_bytes(self, sums: LayerSums, mode: str):
@@ -442,6 +483,8 @@ class CostModel:
         stage's largest layer's. For selective: the model's largest layer's attention core."""
         if mode == "full":
             return sums.largest_activation_bytes
+        if mode == "block":  # the largest of the recomputed blocks
+            return sums.block_largest_activation_bytes
         if mode == "selective":
             return self.selective_working_bytes
         return 0.0

@@ -76,6 +76,9 @@ def explain_choice(best: Candidate, sim: Simulation, candidates, settings, space
                     same[0].over_bytes = int(need - cap)
         how = ("they keep all but each layer's attention core and recompute it before that layer's backward"
                if "selective" in best.recompute else
+               f"the first {graph.recompute_block_layers} transformer blocks of each stage keep only their inputs "
+               f"and run their forward again before their backward (Megatron's --recompute-method block)"
+               if "block" in best.recompute else
                "each layer keeps only its input per micro-batch in flight and runs its forward again, one layer at "
                "a time, just before its backward")
         notes.append(f"recomputation on {recompute_text(best.recompute)} ({how}): {why}")

@@ -13,6 +13,7 @@ from pipeplan.formats.io import dump_model, file_sha256, load_profile
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.plan.assemble import plan_given_split
 from pipeplan.plan.graph import build_layer_graph
+from pipeplan.plan.recompute import block_layers
 from pipeplan.plan.search import with_profile_defaults
 
 __all__ = ["plan_split"]
@@ -90,7 +91,7 @@ def plan_split(profile, settings: PlanSettings, layers_per_stage: list[int], *,
     settings = settings.model_copy(update={"virtual_stages": v, "microbatch_size": b,
                                            "recompute": settings.recompute if settings.recompute in ("all", "selective")
                                            else "none"})
-    return plan_given_split(profile, settings, build_layer_graph(profile, b), stages, schedule=settings.schedule,
+    return plan_given_split(profile, settings, build_layer_graph(profile, b, block_layers(settings)), stages, schedule=settings.schedule,
                             virtual_stages=v, microbatch_size=b, num_microbatches=settings.global_batch // b,
                             profile_sha256=sha)
 

@@ -74,6 +74,13 @@ class LayerGraph:
     """The profile's tied weights (``Profile.tied_weights``) as ``(first, others, param_bytes)``
     in layer positions: the first layer's ``param_bytes`` counts the weight; a stage that holds
     one of the others but not the first keeps a copy (see :func:`tied_copy_mask`)."""
+    block_mask: np.ndarray | None = None
+    """Which layers are transformer blocks (profile ``kind: block``; every layer where the
+    profile names no kinds): what Megatron's ``--recompute-method block`` counts and recomputes
+    (its embedding, final norm and head sit outside the transformer block). Default: all."""
+    recompute_block_layers: int = 0
+    """Megatron's ``--recompute-method block --recompute-num-layers N``: the ``block`` recompute
+    mode recomputes the first N blocks of each stage in full (0: no such mode)."""
 
     def __post_init__(self):
         if self.input_bytes is None:
@@ -87,6 +94,8 @@ class LayerGraph:
             object.__setattr__(self, "selective_recompute_ms", np.zeros_like(self.forward_ms))
         if self.expert_param_bytes is None:
             object.__setattr__(self, "expert_param_bytes", np.zeros_like(self.param_bytes))
+        if self.block_mask is None:
+            object.__setattr__(self, "block_mask", np.ones(len(self.names), dtype=bool))
 
     @property
     def num_layers(self) -> int:
@@ -118,7 +127,7 @@ def is_chain(graph: nx.DiGraph, n: int) -> bool:
 _ESTIMATED_INPUT_GRAD_SHARE = 0.5
 
 
-def build_layer_graph(profile, microbatch_size: int) -> LayerGraph:
+def build_layer_graph(profile, microbatch_size: int, recompute_block_layers: int = 0) -> LayerGraph:
     """Build the layer graph of ``profile`` at ``microbatch_size``.
 
     Parameters
@@ -127,6 +136,8 @@ def build_layer_graph(profile, microbatch_size: int) -> LayerGraph:
         A validated profile.
     microbatch_size : int
         One of ``profile.microbatch_sizes``.
+    recompute_block_layers : int
+        N of Megatron's ``--recompute-method block`` (:attr:`LayerGraph.recompute_block_layers`).
 
     Returns
     -------
@@ -177,6 +188,9 @@ def build_layer_graph(profile, microbatch_size: int) -> LayerGraph:
         if any(layer.expert_param_bytes for layer in profile.layers) else None,
         tied_weights=tuple((index[tie.layers[0]], tuple(sorted({index[name] for name in tie.layers[1:]} - {index[tie.layers[0]]})),
                             float(tie.param_bytes)) for tie in (profile.tied_weights or ())),
+        block_mask=np.array([layer.kind == "block" for layer in profile.layers], dtype=bool)
+        if any(layer.kind for layer in profile.layers) else None,
+        recompute_block_layers=int(recompute_block_layers),
     )
 
 
@@ -197,6 +211,8 @@ def reorder(graph: LayerGraph, order) -> LayerGraph:
         graph=edges,
         chain=is_chain(edges, len(order)),
         selective_known=graph.selective_known,
+        block_mask=graph.block_mask[pick],
+        recompute_block_layers=graph.recompute_block_layers,
         tied_weights=tuple((position[first], tuple(sorted(position[o] for o in others)), size)
                            for first, others, size in graph.tied_weights),
         **{name: getattr(graph, name)[pick] for name in LAYER_ARRAYS},

@@ -120,6 +120,8 @@ def build_problem(profile, graph: LayerGraph, settings, in_flight, recompute=(),
     in-flight counts; ``memory_cap_bytes`` overrides the settings' cap."""
     if memory_cap_bytes is None:
         memory_cap_bytes = settings.cap_bytes()
+    if "block" in recompute and not graph.chain:  # its sums are ranges of the layer order
+        raise BadInputError("--recompute-method block: the profile's layers are not a chain; it is costed on chains only")
     return PartitionProblem(
         graph=graph,
         num_stages=len(in_flight),

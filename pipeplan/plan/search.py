@@ -56,6 +56,8 @@ from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.memo import memoised, planning_cache
 from pipeplan.plan.memory import stage_in_flight
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, build_problem, stage_costs
+from pipeplan.plan.recompute import (block_layers, full_mode, megatron_runs, recompute_order, recompute_prefix,
+                                     uniform_recompute, uniform_recompute_sets)
 from pipeplan.facts.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
                                      stage_ranks, valid_virtual_stages)
 from pipeplan.plan.simulate import simulate
@@ -151,17 +153,6 @@ def schedule_space(settings: PlanSettings, num_layers: int) -> list[tuple[str, i
     return space
 
 
-def recompute_order(in_flight: tuple[int, ...]) -> list[int]:
-    """Stages ranked for recomputation: most micro-batches in flight first, then earliest."""
-    return sorted(range(len(in_flight)), key=lambda s: (-in_flight[s], s))
-
-
-def recompute_prefix(order: list[int], k: int, num_stages: int, mode: str = "full") -> tuple[str, ...]:
-    """The first ``k`` stages of ``order`` recompute (``mode``: full or selective), the others not at all."""
-    chosen = set(order[:k])
-    return tuple(mode if s in chosen else "none" for s in range(num_stages))
-
-
 def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> list[tuple[tuple[str, ...], Partition | None]]:
     """The recompute sets worth simulating for one (schedule, v, b), with their splits.
 
@@ -176,7 +167,6 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
     num_stages = len(in_flight)
     none = ("none",) * num_stages
     cap = float(settings.cap_bytes())
-
     def solve(recompute):
         problem = build_problem(profile, graph, settings, in_flight, recompute)
         if not exact:
@@ -187,8 +177,8 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
             return None
 
     if settings.recompute == "all":
-        everything = ("full",) * num_stages
-        return [(everything, solve(everything))]
+        everything = (full_mode(settings),) * num_stages
+        return [(everything, solve(everything) if megatron_runs(settings, v, everything) else None)]
     if settings.recompute == "selective":
         if not graph.selective_known:
             raise BadInputError(
@@ -210,6 +200,9 @@ def recompute_sets(profile, graph, settings, schedule, m, v, exact=False) -> lis
         binding = free is not None and base.bottleneck_ms > free.bottleneck_ms * (1 + CAP_TOLERANCE)
         if not binding:
             return [(none, base)]
+    if uniform_recompute(settings.launcher):  # Megatron: one recomputation on every stage
+        return [(r, base if r == none else solve(r) if megatron_runs(settings, v, r) else None)
+                for r in uniform_recompute_sets(num_stages, graph.selective_known, full_mode(settings))]
     modes = ("selective", "full") if graph.selective_known else ("full",)
     out = {none: base}
     for mode in modes:
@@ -442,9 +435,9 @@ def _make_plan(profile, settings: PlanSettings, *, profile_sha256: str, record_t
     space = schedule_space(settings, n)
     sizes = candidate_microbatch_sizes(profile, settings)
     p, cap = settings.stages, float(settings.cap_bytes())
-    graphs = {b: memoised("layer_graph", (id(profile), b), (profile,), lambda b=b: build_layer_graph(profile, b))
+    graphs = {b: memoised("layer_graph", (id(profile), b, block_layers(settings)), (profile,),
+                          lambda b=b: build_layer_graph(profile, b, block_layers(settings)))
               for b in sizes}
-
     # A fixed one-stage-per-rank schedule without recomputation is a small search: solve each
     # micro-batch size's split exactly, so its choice is among exact optima.
     exact = len(space) == 1 and space[0][1] == 1 and settings.recompute == "none" and order_note is None

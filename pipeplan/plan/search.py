@@ -10,10 +10,9 @@ memory cap is never returned.
 
 Search
 ------
-- ``--schedule auto`` tries every schedule of :data:`pipeplan.formats.plan.SCHEDULES` with
-  every ``v`` it accepts (:func:`pipeplan.facts.schedules.valid_virtual_stages`) where the
-  schedule's class accepts ``(p, m, v)``; a named schedule fixes it, ``--virtual-stages``
-  fixes ``v``.
+- ``--schedule auto`` tries every schedule of :data:`pipeplan.formats.plan.SCHEDULES` with the ``v``
+  of :func:`pipeplan.facts.schedules.searched_virtual_stages` (up to 4, and to 8 those dividing the
+  layers per rank); a named schedule fixes it, ``--virtual-stages`` any ``v`` the class takes.
 - Micro-batch sizes: every profiled size that divides the global batch (or the fixed one).
 - Recomputation (``--recompute auto``): stages are ranked by the micro-batches they hold in
   flight (the early stages first); the candidates are prefixes of that ranking: none, the
@@ -57,8 +56,9 @@ from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.memo import memoised, planning_cache
 from pipeplan.plan.memory import stage_in_flight
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, build_problem, stage_costs
-from pipeplan.facts.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
-                                     stage_ranks, valid_virtual_stages)
+from pipeplan.facts.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, allows_virtual_stages, check_launcher,
+                                     check_schedule, schedule_info, searched_virtual_stages, stage_ranks,
+                                     virtual_stages_rule)
 from pipeplan.plan.simulate import simulate
 from pipeplan.plan.solve import search_partition, solve_partition
 from pipeplan.quantities import format_bytes
@@ -125,21 +125,21 @@ def schedule_space(settings: PlanSettings, num_layers: int) -> list[tuple[str, i
         schedules = tuple(s for s in schedules if s in runs)
     space = []
     for schedule in schedules:
-        allowed = valid_virtual_stages(schedule)
-        vs = allowed if settings.virtual_stages is None else tuple(v for v in allowed if v == settings.virtual_stages)
-        if not vs and settings.schedule != "auto":
+        v = settings.virtual_stages
+        if v is None:
+            space.extend((schedule, v) for v in searched_virtual_stages(schedule, p, num_layers))
+        elif not allows_virtual_stages(schedule, v) and settings.schedule != "auto":
+            raise BadInputError(f"--virtual-stages: {schedule} ({schedule_info(schedule).torch_class}) takes "
+                                f"{virtual_stages_rule(schedule)} stages per rank, not {v}; use one of those or leave it unset")
+        elif not allows_virtual_stages(schedule, v):
+            continue
+        elif p * v <= num_layers:
+            space.append((schedule, v))
+        elif settings.schedule != "auto":
             raise BadInputError(
-                f"--virtual-stages: {schedule} takes {' or '.join(map(str, allowed))} stages per rank, "
-                f"not {settings.virtual_stages}; use one of those or leave it unset"
+                f"--virtual-stages: {p} ranks x {v} stages per rank = {p * v} stages but the profile "
+                f"has only {num_layers} layers; use fewer stages per rank or ranks"
             )
-        for v in vs:
-            if p * v <= num_layers:
-                space.append((schedule, v))
-            elif settings.schedule != "auto" and settings.virtual_stages is not None:
-                raise BadInputError(
-                    f"--virtual-stages: {p} ranks x {v} stages per rank = {p * v} stages but the profile "
-                    f"has only {num_layers} layers; use fewer stages per rank or ranks"
-                )
     if not space:
         raise BadInputError(
             f"--schedule {settings.schedule}: no stages-per-rank value fits {p} ranks and "

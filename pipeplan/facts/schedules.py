@@ -193,23 +193,25 @@ def searched_virtual_stages(schedule: str, num_ranks: int, num_layers: int) -> t
 
     Those of :func:`valid_virtual_stages` with ``p * v <= n`` (a layer per stage), then the
     larger ones up to :data:`SEARCHED_VIRTUAL_STAGES_MAX` the class takes that divide the
-    layers per rank ``n / p`` (a whole number of layers on each stage).
+    layers per rank rounded down, ``n // p`` (the same whole number of layers on each stage but
+    for the few units left over: embedding, final norm, head). The split itself is per stage
+    and need not be even.
 
     Examples
     --------
-    >>> searched_virtual_stages("interleaved", 4, 80)     # 20 layers per rank
+    >>> searched_virtual_stages("interleaved", 4, 83)     # Llama 3 70B's units: 20 per rank
     (2, 3, 4, 5)
-    >>> searched_virtual_stages("interleaved", 8, 128)    # 16 per rank
+    >>> searched_virtual_stages("zb", 8, 129)             # Llama 3.1 405B's: 16 per rank
+    (1, 2, 3, 4, 8)
+    >>> searched_virtual_stages("interleaved", 4, 65)     # DeepSeek-V3's: 16 per rank
     (2, 3, 4, 8)
-    >>> searched_virtual_stages("interleaved", 8, 126)    # not whole: the small ones
-    (2, 3, 4)
     >>> searched_virtual_stages("zbv", 8, 12)
     ()
     """
     p, n = num_ranks, num_layers
     small = tuple(v for v in valid_virtual_stages(schedule) if p * v <= n)
     large = tuple(v for v in range(SEARCHED_VIRTUAL_STAGES_ALWAYS + 1, SEARCHED_VIRTUAL_STAGES_MAX + 1)
-                  if allows_virtual_stages(schedule, v) and n % p == 0 and (n // p) % v == 0)
+                  if allows_virtual_stages(schedule, v) and (n // p) % v == 0)
     return small + large
 
 

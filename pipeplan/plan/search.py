@@ -129,8 +129,9 @@ def schedule_space(settings: PlanSettings, num_layers: int) -> list[tuple[str, i
         if v is None:
             space.extend((schedule, v) for v in searched_virtual_stages(schedule, p, num_layers))
         elif not allows_virtual_stages(schedule, v) and settings.schedule != "auto":
-            raise BadInputError(f"--virtual-stages: {schedule} ({schedule_info(schedule).torch_class}) takes "
-                                f"{virtual_stages_rule(schedule)} stages per rank, not {v}; use one of those or leave it unset")
+            info = schedule_info(schedule)
+            raise BadInputError(f"--virtual-stages: {schedule} ({info.torch_class}) takes {virtual_stages_rule(schedule)} "
+                                f"stages per rank, not {v}; use {info.min_virtual_stages if v < info.min_virtual_stages else info.max_virtual_stages} or leave it unset")
         elif not allows_virtual_stages(schedule, v):
             continue
         elif p * v <= num_layers:

@@ -136,8 +136,8 @@ SEARCHED_VIRTUAL_STAGES_ALWAYS = 4
 #: The most stages per rank a search tries unasked (``--virtual-stages`` reaches any number the
 #: class takes). Beyond 4 only values that give every rank's stages the same whole number of
 #: layers are searched (the recipes' VP 5 and 8, Megatron's ``--num-layers-per-virtual-pipeline-
-#: stage``): each doubles the transfers for a bubble already small, and each costs the search a
-#: simulation per layout.
+#: stage``): the transfers grow with ``v`` while the bubble left is already small, and each value
+#: costs the search a simulation per layout.
 SEARCHED_VIRTUAL_STAGES_MAX = 8
 
 
@@ -155,7 +155,7 @@ def allows_virtual_stages(schedule: str, virtual_stages: int) -> bool:
 
 
 def virtual_stages_rule(schedule: str) -> str:
-    """The stages-per-rank rule in words: ``exactly 2``, ``2 or more``, ``1``.
+    """The stages-per-rank rule in words: ``exactly 2``, ``2 or more``.
 
     Examples
     --------

@@ -1,6 +1,7 @@
 """Time the cluster search (``pipeplan plan --gpus N --cluster dgx-h100``) on analytic profiles.
 
-Llama 3 70B on 64, 512 and 1,024 H100s and Llama 3 405B on 1,024, sequence 8192, bf16, global
+Llama 3 70B on 64, 512 and 1,024 H100s, Llama 3 405B on 1,024 and DeepSeek-V3 (671B, 256 routed
+experts) on 256 with its expert-parallel degree searched, sequence 8192, bf16, global
 batch 1,024 sequences (128 on 64 GPUs), profiles at micro-batch sizes 1, 2, 4 and tensor-parallel
 degrees 1, 2, 4, 8. Prints the wall time of each search, its CPU time (this process's, which
 the other jobs on a shared machine disturb far less than the wall time), the load average before
@@ -21,6 +22,8 @@ CASES = {
     "70b-512": ("llama3-70b", 512, 1024),
     "70b-1024": ("llama3-70b", 1024, 1024),
     "405b-1024": ("llama3-405b", 1024, 1024),
+    # Issue 22's bound: a 671B mixture of experts on 256 GPUs, expert parallelism searched.
+    "dsv3-256": ("deepseek-v3", 256, 1024),
 }
 
 
@@ -47,7 +50,8 @@ def main(argv=None) -> int:
         plan = plan_cluster(profiles[model], settings, profile_sha256="bench")
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         par = plan.parallelism
-        print(f"{name}: {seconds:.1f} s ({cpu:.1f} s CPU, load {load:.1f}); d={par.data} t={par.tensor} p={par.pipeline} v={par.virtual_stages} "
+        print(f"{name}: {seconds:.1f} s ({cpu:.1f} s CPU, load {load:.1f}); d={par.data} t={par.tensor} p={par.pipeline} v={par.virtual_stages}"
+              f"{f' E={par.expert}' if par.expert else ''} "
               f"{plan.schedule} b={plan.microbatch_size} ZeRO {par.zero_stage}: {plan.predicted.iteration_ms / 1e3:.2f} s "
               f"per iteration, MFU {plan.predicted.model_flops_utilization:.1%}", flush=True)
     return 0

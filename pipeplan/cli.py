@@ -381,6 +381,7 @@ def doctor(
     parts: Optional[str] = typer.Option(None, "--parts", "--layers-per-part", help="DeepSpeed: stage boundaries, e.g. 0,20,40,60,83."),
     checkpoint_interval: Optional[int] = typer.Option(None, "--activation-checkpoint-interval", help="DeepSpeed: PipelineModule activation_checkpoint_interval."),
     tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="DeepSpeed: the tensor-parallel size (Megatron-DeepSpeed's; the ds_config does not carry it)."),
+    ep_size: int = typer.Option(1, "--ep-size", help="DeepSpeed: DeepSpeed-MoE's MoE(ep_size=...), the expert-parallel size (the ds_config does not carry it)."),
     fix: bool = typer.Option(False, "--fix", help="Write the same launcher's config with the best plan (needs -o)."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where --fix writes."),
     format: str = typer.Option("table", "--format", help="table, markdown or json."),
@@ -392,7 +393,7 @@ def doctor(
             launcher, config_file, profile, memory_cap=memory_cap, optimizer=optimizer, bandwidth=bandwidth,
             cluster=cluster, search_layouts=search_layouts, world_size=world_size, tensor_degree=tensor_parallel,
             variables=var or [], num_stages=num_stages, partition_method=partition_method, parts=parts,
-            checkpoint_interval=checkpoint_interval, fix_output=output if fix else None, fix=fix,
+            checkpoint_interval=checkpoint_interval, ep_size=ep_size, fix_output=output if fix else None, fix=fix,
             output_format=format, junit=junit)
     echo(text, nl=False)
     for path in written:

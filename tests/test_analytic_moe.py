@@ -120,6 +120,26 @@ def test_routed_layer_flops_are_router_top_k_and_shared_experts():
     assert core.flops == 2.0 * tokens * 128 * (192 + 128) * (tokens + 1) / 2
 
 
+def test_routing_and_token_permutation_bytes_by_hand():
+    """A routed block's memory-bound MoE steps (docs/analytic.md, "Mixture of experts"): the
+    router's softmax and top-k over fp32 logits (3 passes forward, 6 backward, 4 bytes each), the
+    permute and the unpermute (each ``(1 + k) T h`` 16-bit elements, forward and backward), all
+    in the routed experts' share, which expert parallelism moves and the imbalance scales."""
+    cfg = load_model_config("mixtral-8x7b")
+    h, experts, k, tokens = 4096, 8, 2, 2048
+    work = unit_work(cfg, "block", 0, Shape(tokens, 1))
+    forward = {p.name: p for p in work.forward}
+    backward = {p.name: p for p in work.backward_input}
+    assert forward["router_softmax_topk"].bytes == 4 * tokens * experts * 3
+    assert backward["router_softmax_topk"].bytes == 4 * tokens * experts * 6
+    for name in ("token_permute", "token_unpermute"):
+        assert forward[name].bytes == backward[name].bytes == 2 * (1 + k) * tokens * h
+        assert forward[name].flops == 0 and forward[name].kind == "memory"
+    # A dense block has none of them.
+    dense = {p.name for p in unit_work(load_model_config("llama3-8b"), "block", 0, Shape(tokens, 1)).forward}
+    assert not dense & {"router_softmax_topk", "token_permute", "token_unpermute"}
+
+
 def test_gpt_oss_expert_bytes_at_degree_2_keep_the_row_biases_whole():
     """Column-parallel gate/up (weights and biases halved), row-parallel down (weights halved,
     the bias replicated), per expert."""

@@ -27,6 +27,10 @@ from pipeplan.facts.training_state import state_bytes_per_param_byte, state_memo
 from pipeplan.formats.cluster import Link
 from pipeplan.formats.io import dump_model, load_plan
 from pipeplan.plan.costmodel import CostModel, LayerSums
+from pipeplan.errors import BadInputError
+from pipeplan.plan.assemble import plan_simulation
+from pipeplan.run.launch import check_parallelism
+from pipeplan.run.plans import simulate_plan
 
 DGX = PRESETS["dgx-h100"]
 
@@ -151,6 +155,11 @@ def test_view_imbalance_scales_the_busiest_ranks_experts(moe_profile):
                                                   + 2 * a2a)
     # The routed experts are part of the unit's forward: the profile's share is below the whole.
     assert 0 < cost.expert_forward_ms < cost.forward_ms
+    # The busiest rank keeps f times the routed tensors: the k token copies (mlp_input, 2 k s b h)
+    # and the SwiGLU's 3 k s b f (docs/cluster-model.md), 16-bit.
+    s, b, h, k, inner = 1024, 2, 512, 2, 1024
+    assert cost.expert_activation_bytes == 2 * (k * s * b * h + 3 * k * s * b * inner)
+    assert got.activation_bytes == cost.activation_bytes + math.ceil((f - 1) * cost.expert_activation_bytes)
 
 
 def test_expert_tensor_parallel_shards_the_experts_at_t(moe_profile):
@@ -256,6 +265,24 @@ def test_plan_fixed_expert_parallel_memory_and_parts(moe_profile, tmp_path):
     assert shown.exit_code == 0
     for text in ("expert dispatch", "routed experts", "expert combine", "experts E=4"):
         assert text in shown.output
+
+
+def test_run_refuses_an_ep_plan_and_the_replay_holds_one_gpus_experts(moe_profile, tmp_path):
+    """pipeplan run builds every expert on every rank, so it refuses E > 1 (exit 2 naming the field);
+    the run report's replay of such a plan simulates the plan's own per-GPU stages (1/E of the
+    experts, the all-to-alls), not the whole-model profile."""
+    profile, path = moe_profile
+    out = tmp_path / "plan.json"
+    assert _plan(path, "--expert-parallel", "4", "--data-parallel", "8", "--tensor-parallel", "1",
+                 "--zero", "1", "-o", str(out)).exit_code == 0
+    plan = load_plan(out)
+    with pytest.raises(BadInputError, match="parallelism.expert: E=4"):
+        check_parallelism(plan, str(out))
+    replay = simulate_plan(plan, profile)
+    assert replay.iteration_ms == pytest.approx(plan_simulation(plan).iteration_ms)
+    whole = simulate_plan(plan.model_copy(update={"parallelism": None}), profile)
+    # The whole-model replay would hold 4x the experts and miss the all-to-alls.
+    assert whole.iteration_ms != pytest.approx(replay.iteration_ms)
 
 
 def test_plan_searches_expert_parallel_and_replans_the_same(moe_profile, tmp_path):
@@ -430,3 +457,52 @@ def test_torchtitan_export_of_an_ep_plan_is_torchtitans(moe_profile, tmp_path):
     config, dims, _ = torchtitan_accepts(tmp_path, text, plan.parallelism.num_gpus)
     assert (dims.ep, dims.etp, dims.tp) == (4, 1, 2)
     assert config.parallelism.expert_parallel_degree == plan.parallelism.expert
+
+
+def test_deepspeed_export_of_an_ep_plan_builds_deepspeeds_moe_layer(moe_profile, tmp_path):
+    """The DeepSpeed export's 'moe' entry is DeepSpeed-MoE's own layer arguments: its MoE layer
+    built with them holds the plan's experts per GPU (num_experts / E)."""
+    pytest.importorskip("deepspeed")
+    import torch
+    from deepspeed.moe.layer import MoE
+
+    from pipeplan.export import export_plan
+
+    profile, path = moe_profile
+    out = tmp_path / "plan.json"
+    assert _plan(path, "--expert-parallel", "4", "--data-parallel", "8", "--tensor-parallel", "1",
+                 "--launcher", "deepspeed", "--zero", "1", "-o", str(out)).exit_code == 0
+    plan = load_plan(out)
+    exported = json.loads(export_plan(plan, profile, "deepspeed")[".json"])
+    moe = exported["moe"]
+    assert moe == {"num_experts": 8, "ep_size": 4, "k": 2, "enable_expert_tensor_parallelism": False}
+    layer = MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), **moe)
+    assert (layer.num_local_experts, layer.ep_size) == (2, 4)
+    assert any("ep_size=4" in note for note in exported["pipeplan"]["notes"])
+
+
+def test_doctor_reads_the_expert_degree_of_torchtitan_and_deepspeed(moe_profile, tmp_path):
+    """torchtitan's parallelism.expert_parallel_degree and DeepSpeed-MoE's ep_size (--ep-size) are
+    read, and doctor's cluster costing says how many experts each GPU holds."""
+    from pipeplan.doctor.deepspeed import parse_deepspeed
+    from pipeplan.doctor.torchtitan import parse_torchtitan
+    from pipeplan.export import export_plan
+
+    profile, path = moe_profile
+    out = tmp_path / "plan.json"
+    assert _plan(path, "--expert-parallel", "4", "--data-parallel", "8", "--tensor-parallel", "2",
+                 "--launcher", "torchtitan", "-o", str(out)).exit_code == 0
+    toml = tmp_path / "job.toml"
+    # The export has no [model] table (the user's own); torchtitan's MoE model, the profile's 4 blocks.
+    toml.write_text(export_plan(load_plan(out), profile, "torchtitan")[".toml"] + '\n[model]\nname = "deepseek_v3"\n')
+    config = parse_torchtitan(str(toml), toml.read_text(), num_layers=4, validate_with_torchtitan=False)
+    assert config.expert_degree == 4
+    result = CliRunner().invoke(app, ["doctor", "torchtitan", str(toml), "--profile", str(path), "--cluster",
+                                      "dgx-h100", "--same-layout"])
+    assert "experts: parallelism.expert_parallel_degree = 4: each GPU holds 2 of the 8 experts" in result.output, \
+        result.output
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4}))
+    assert parse_deepspeed(str(ds), ds.read_text(), num_stages=2, world_size=16, ep_size=8).expert_degree == 8
+    with pytest.raises(BadInputError, match="--ep-size: 0 must be at least 1"):
+        parse_deepspeed(str(ds), ds.read_text(), num_stages=2, ep_size=0)

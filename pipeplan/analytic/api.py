@@ -13,7 +13,7 @@ from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY, EfficiencyModel, pa
 from pipeplan.analytic.flops import Shape, model_flops_per_token, unit_work
 from pipeplan.facts.gpus import GpuSpec
 from pipeplan.formats.gpu import resolve_gpu
-from pipeplan.analytic.memory import unit_activation_bytes, unit_output_bytes
+from pipeplan.analytic.memory import unit_activation_bytes, unit_output_bytes, unit_routed_activation_bytes
 from pipeplan.analytic.shapes import (check_tensor_parallel, tied_table_count, unit_active_param_count,
                                       unit_expert_param_count, unit_param_count)
 from pipeplan.errors import BadInputError
@@ -151,7 +151,8 @@ def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, 
 
 
 #: The routed experts' parts of an MoE block (pipeplan.analytic.flops._mlp) and the shared experts'.
-_ROUTED_PARTS = frozenset({"gate_proj", "up_proj", "down_proj", "fc1", "fc2", "activation"})
+_ROUTED_PARTS = frozenset({"gate_proj", "up_proj", "down_proj", "fc1", "fc2", "activation", "token_permute",
+                           "token_unpermute"})
 _SHARED_PARTS = frozenset({"shared_gate_proj", "shared_up_proj", "shared_down_proj", "shared_activation"})
 
 
@@ -173,6 +174,7 @@ def _expert_fields(cfg: ModelConfig, kind: str, index: int, shape: Shape, work, 
         # top-k experts: k copies of the hidden state.
         expert_dispatch_bytes=int(shape.tokens // shape.sp_share * cfg.experts_per_token * cfg.hidden_size
                                   * shape.dtype_bytes),
+        expert_activation_bytes=unit_routed_activation_bytes(cfg, kind, index, shape),
     )
     if cfg.shared_expert_intermediate_size:
         fields.update(shared_expert_forward_ms=_round(part_of(work.forward, _SHARED_PARTS)),

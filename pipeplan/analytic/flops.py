@@ -175,11 +175,40 @@ def _attention_core(work: UnitWork, cfg: ModelConfig, index: int, shape: Shape) 
     work.backward_input += [Part(p.name, p.kind, p.flops * backward_factor, p.bytes * 2) for p in core]
 
 
+def _add_routing(work: UnitWork, cfg: ModelConfig, shape: Shape) -> None:
+    """The router's softmax and top-k over its logits, then the tokens' permutation.
+
+    Megatron-core's router (``moe/router.py``) keeps the logits in fp32 (``moe_router_dtype``):
+    the softmax reads and writes them and the top-k reads the probabilities, three passes of
+    ``tokens x num_experts`` fp32 values forward, twice that backward (the softmax's gradient
+    reads the probabilities and the incoming gradient and writes its own)."""
+    logits = shape.tokens * cfg.num_experts
+    work.forward.append(Part("router_softmax_topk", "memory", 0.0, 4.0 * logits * 3))
+    work.backward_input.append(Part("router_softmax_topk", "memory", 0.0, 4.0 * logits * 6))
+    _add_token_moves(work, "token_permute", cfg, shape)
+
+
+def _add_token_moves(work: UnitWork, name: str, cfg: ModelConfig, shape: Shape) -> None:
+    """A permutation of the routed tokens: copies, no FLOPs.
+
+    The dispatcher's permute (``moe/moe_utils.py: permute``) gathers each token's hidden state
+    into its k expert slots: it reads ``tokens x h`` and writes ``k x tokens x h``; the unpermute
+    reads the k slots (and the routing weights) and writes their weighted sum, ``tokens x h``.
+    Each one's backward is the other's gather, the same bytes. Fused (``--moe-permute-fusion``)
+    or not, the bytes are these; the local sort by expert after an all-to-all moves them again
+    and is left out (its ranks' share is the same per rank at any E)."""
+    replicated = shape.tokens * cfg.hidden_size / shape.sp_share
+    moved = shape.dtype_bytes * replicated * (1 + cfg.experts_per_token)
+    work.forward.append(Part(name, "memory", 0.0, moved))
+    work.backward_input.append(Part(name, "memory", 0.0, moved))
+
+
 def _mlp(work: UnitWork, cfg: ModelConfig, index: int, gemms: dict, shape: Shape) -> None:
     t, tokens = shape.tensor_parallel, shape.tokens
     moe = cfg.is_moe_layer(index)
     if moe:
         _add_gemm(work, gemms["router"], cfg, shape)
+        _add_routing(work, cfg, shape)
     up = ("gate_proj", "up_proj") if cfg.gated_mlp else ("fc1",)
     for name in up:
         _add_gemm(work, gemms[name], cfg, shape)
@@ -187,6 +216,8 @@ def _mlp(work: UnitWork, cfg: ModelConfig, index: int, gemms: dict, shape: Shape
     inner = (cfg.expert_width if moe else cfg.intermediate_size) // t
     _add_memory(work, "activation", routed * inner, shape, 3.0 if cfg.gated_mlp else 2.0)
     _add_gemm(work, gemms["down_proj" if cfg.gated_mlp else "fc2"], cfg, shape)
+    if moe:
+        _add_token_moves(work, "token_unpermute", cfg, shape)
     if moe and cfg.shared_expert_intermediate_size:
         # The shared experts: a dense SwiGLU MLP every token passes through (DeepSeekMoE).
         for name in ("shared_gate_proj", "shared_up_proj"):

@@ -25,7 +25,7 @@ from pipeplan.analytic.flops import Shape
 from pipeplan.analytic.shapes import kv_heads_per_rank
 from pipeplan.facts.training_state import training_state
 
-__all__ = ["block_activation_terms", "unit_activation_bytes", "unit_output_bytes",
+__all__ = ["block_activation_terms", "unit_activation_bytes", "unit_routed_activation_bytes", "unit_output_bytes",
            "MEGATRON_ADAM_BYTES_PER_PARAM", "training_state_bytes", "ATTENTION_CORE_TERMS"]
 
 #: Megatron's mixed-precision Adam: 16-bit weight 2 + fp32 gradient 4 + fp32 master weight 4 +
@@ -162,6 +162,30 @@ def unit_activation_bytes(cfg: ModelConfig, kind: str, index: int, shape: Shape,
         vocab_rank = -(-cfg.vocab_size // shape.tensor_parallel)
         return int(round(e * tokens * width / shape.sp_share + 4.0 * tokens * vocab_rank))
     raise ValueError(kind)
+
+
+#: The terms of an MoE block that scale with the tokens a rank's experts receive: the dispatched
+#: k copies of each token and the routed experts' own tensors.
+ROUTED_TERMS = ("mlp_input", "gate_up_output", "down_proj_input", "activation_input", "fc2_input")
+
+
+def unit_routed_activation_bytes(cfg: ModelConfig, kind: str, index: int, shape: Shape) -> int:
+    """Of :func:`unit_activation_bytes`, the routed experts' share (the dispatched tokens and the
+    experts' tensors, :data:`ROUTED_TERMS`); 0 for a unit without routed experts. The busiest
+    rank under ``--expert-imbalance f`` keeps ``f`` times this share.
+
+    Examples
+    --------
+    >>> from pipeplan.analytic.families import load_model_config
+    >>> cfg = load_model_config("mixtral-8x7b")
+    >>> s, b, h, f, k = 4096, 1, 4096, 14336, 2
+    >>> unit_routed_activation_bytes(cfg, "block", 0, Shape(s, b)) == 2 * (k * s * h + 3 * k * s * f)
+    True
+    """
+    if kind not in ("block", "mtp") or not cfg.is_moe_layer(index):
+        return 0
+    terms = block_activation_terms(cfg, shape, index)
+    return int(round(sum(v for k, v in terms.items() if k in ROUTED_TERMS)))
 
 
 def unit_output_bytes(cfg: ModelConfig, kind: str, shape: Shape, index: int | None = None) -> int:

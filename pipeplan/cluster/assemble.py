@@ -169,16 +169,17 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
             predicted = predicted.model_copy(update={"model_flops_utilization": round(model_flops_utilization(
                 flops_per_token * G * profile.sequence_length, iteration_ms, settings.num_gpus, peak), 6)})
     peak_rank = max(r.peak_memory_bytes for r in plan.ranks) if plan.ranks else max(s.peak_memory_bytes for s in plan.stages)
-    link_text = {"inter": "the network", "intra": "the intra-node link", "local": "no link"}[best.extras["link"]]
+    fast_link, domain_text = _fast_link(cluster, settings.num_gpus)
+    link_text = {"inter": "the network", "intra": fast_link, "local": "no link"}[best.extras["link"]]
     notes = [note.replace(", recompute none", ", recompute selective on every stage") if selective else note
              for note in plan.notes] + [
-        f"layout d={d} x t={t} x p={p} on {cluster.name} ({cluster.gpus_per_node} GPUs per node), ranks in "
-        f"Megatron's order (tensor, data, pipeline); pipeline transfers on {link_text}",
+        f"layout d={d} x t={t} x p={p} on {cluster.name} ({cluster.gpus_per_node} GPUs per node{domain_text}), "
+        f"ranks in Megatron's order (tensor, data, pipeline); pipeline transfers on {link_text}",
         f"data-parallel sync: {int(round(100 * (settings.data_parallel_overlap or 0)))}% assumed hidden behind "
         f"compute (--data-parallel-overlap)" if d > 1 else "no data parallelism: no gradient sync",
     ]
     if best.moe:
-        notes.append(expert_note(profile, view.experts, best.expert_data))
+        notes.append(expert_note(profile, view.experts, best.expert_data, fast_link))
     if hbm_bytes_per_s(profile, cluster) is None:
         notes.append(f"optimizer step not timed: no HBM bandwidth known for {cluster.gpu}")
     out_settings = settings.model_copy(update={
@@ -196,6 +197,16 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
                                    expert_tensor=best.expert_tensor if best.moe else None),
         "reserve_bytes": cluster.reserve_bytes + math.ceil(cluster.fragmentation * peak_rank),
     })
+
+
+def _fast_link(cluster, num_gpus: int) -> tuple[str, str]:
+    """What the plan's notes call the fast link, and the layout note's words on the NVLink domain
+    (none where the domain is the node, so that those plans keep their words)."""
+    if cluster.nvlink_domain_gpus == cluster.gpus_per_node:
+        return "the intra-node link", ""
+    segment = cluster.domain_gpus_for(num_gpus)
+    return ("NVLink (inside an NVLink domain)",
+            f"; NVLink domains of {cluster.nvlink_domain_gpus}, this job's in segments of {segment} GPUs")
 
 
 def _sequence_parallel(profile) -> bool:

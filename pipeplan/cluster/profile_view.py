@@ -31,7 +31,9 @@ experts' time (the busiest rank receives ``f`` times the balanced share)::
     forward_ms'        += (f - 1) x expert_forward_ms  + 2 x A2A(f x dispatch bytes, E)
     backward_ms'       += (f - 1) x expert_backward_ms + 2 x A2A(f x dispatch bytes, E)
 
-(the input-gradient pass takes the all-to-alls and its share of the experts' extra). The view
+(the input-gradient pass takes the all-to-alls and its share of the experts' extra), and its
+activations by ``(f - 1) x expert_activation_bytes`` (the dispatched tokens and the experts'
+tensors of ``f`` times the balanced share of tokens). The view
 keeps each MoE unit's parts (dispatch, combine, routed experts, shared experts) apart
 (:attr:`DegreeView.expert_ms`) for the iteration's named parts. docs/cluster-model.md.
 
@@ -66,7 +68,8 @@ class ExpertGroup:
     imbalance: float = 1.0
     """``f >= 1``: the busiest rank's routed tokens over the balanced share."""
     ranks_per_node: int = 1
-    """The group's ranks on one node (``E`` when it fits in one)."""
+    """The group's ranks in one NVLink domain, a node unless the cluster's domain spans nodes
+    (``E`` when it fits in one)."""
 
     @property
     def trivial(self) -> bool:
@@ -197,6 +200,9 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
                 extra_forward += more_forward
                 extra_backward += more_backward
                 extra_input += more_input
+                # The busiest rank also keeps f times the balanced share of the routed tensors.
+                values["activation_bytes"] += int(math.ceil((experts.imbalance - 1.0)
+                                                            * (getattr(c, "expert_activation_bytes", None) or 0)))
             values["forward_ms"] += extra_forward
             values["backward_ms"] += extra_backward
             if values["backward_input_ms"] is not None:

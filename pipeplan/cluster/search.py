@@ -31,7 +31,7 @@ from pipeplan.cluster.experts import (check_expert_request, expert_choices, expe
                                       no_expert_layout_message, view_expert_bytes)
 from pipeplan.cluster.iteration import iteration_parts, pipeline_lower_bound_ms
 from pipeplan.cluster.memory import plannable_bytes, zero3_gathered_bytes
-from pipeplan.cluster.placement import Layout
+from pipeplan.cluster.placement import cluster_layout
 from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, tensor_degrees
 from pipeplan.cluster.space import batch_divisor_note, candidates, parallel_degrees
 from pipeplan.errors import BadInputError, InfeasibleError
@@ -205,7 +205,7 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
                             f"stages but the profile has only {units} units; use fewer stages per rank or ranks")
     degrees = parallel_degrees(settings.num_gpus, cluster.gpus_per_node, units // v, head_counts(profile),
                                tensor_degrees(profile), data=settings.data_parallel, tensor=settings.tensor_parallel,
-                               pipeline=settings.stages)
+                               pipeline=settings.stages, gpus_per_domain=cluster.domain_gpus_for(settings.num_gpus))
     cap = settings.cap_bytes()
     search = _Search(
         profile=profile, settings=settings, cluster=cluster, cap=cap,
@@ -280,7 +280,7 @@ def _bound_trials(search: _Search) -> None:
             shard = ((params - expert_params) / trial.data + expert_params / trial.expert_data) / trial.pipeline
         step = optimizer_step_ms(shard, state, hbm, OPTIMIZER_HBM_EFFICIENCY, profile.dtype == "fp16") if hbm else 0.0
         trial.extras["step_lb"] = step
-        span = Layout(trial.data, trial.tensor, trial.pipeline, cluster.gpus_per_node).data_span()
+        span = cluster_layout(cluster, trial.data, trial.tensor, trial.pipeline).data_span()
         by_size, pipeline_by_size = {}, {}
         for b, at in sums.items():
             m, work, largest = replica_batch // b, at.work_ms, at.largest_unit_ms
@@ -397,7 +397,7 @@ def _pipeline_plan(view: DegreeView, sub: PlanSettings, settings: PlanSettings, 
 
 
 def _pipeline_link(cluster, trial):
-    layout = Layout(trial.data, trial.tensor, trial.pipeline, cluster.gpus_per_node)
+    layout = cluster_layout(cluster, trial.data, trial.tensor, trial.pipeline)
     links = {layout.pipeline_link(i, (i + 1) % trial.pipeline) for i in range(trial.pipeline)} - {"local"}
     return layout, links, (cluster.inter_node if "inter" in links else cluster.intra_node)
 

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.quantities import format_bytes
-from pipeplan.cluster.placement import Layout
+from pipeplan.cluster.placement import Layout, cluster_layout
 
 __all__ = ["cluster_table", "cluster_plan_tables"]
 
@@ -18,14 +18,14 @@ def _bandwidth(value: float) -> str:
 
 
 def cluster_table(specs: list[ClusterSpec], title: str = "cluster presets") -> Table:
-    """One row per spec: GPU, node size, memory cap, links (per GPU, per direction)."""
+    """One row per spec: GPU, node and NVLink domain size, memory cap, links (per GPU, per direction)."""
     table = Table(title=title)
-    for column in ("name", "gpu", "gpus/node", "memory cap", "intra-node", "latency", "network/GPU",
+    for column in ("name", "gpu", "gpus/node", "gpus/NVLink", "memory cap", "intra-node", "latency", "network/GPU",
                    "latency", "efficiency"):
         table.add_column(column, justify="left" if column in ("name", "gpu") else "right")
     for spec in specs:
         table.add_row(
-            spec.name, spec.gpu, str(spec.gpus_per_node), format_bytes(spec.cap_bytes()),
+            spec.name, spec.gpu, str(spec.gpus_per_node), str(spec.nvlink_domain_gpus), format_bytes(spec.cap_bytes()),
             _bandwidth(spec.intra_node.bandwidth_bytes_per_s), f"{spec.intra_node.latency_us:g} us",
             _bandwidth(spec.inter_node.bandwidth_bytes_per_s), f"{spec.inter_node.latency_us:g} us",
             f"{spec.intra_node.efficiency:g} / {spec.inter_node.efficiency:g}",
@@ -40,8 +40,11 @@ def cluster_plan_tables(plan):
     from rich.console import Group
 
     par, p = plan.parallelism, plan.predicted
-    layout = Layout(par.data, par.tensor, par.pipeline, par.gpus_per_node)
     cluster = plan.settings.cluster
+    # The NVLink domain is the cluster spec's (a plan made before domains has none: the node).
+    layout = (cluster_layout(cluster, par.data, par.tensor, par.pipeline) if cluster is not None
+              and cluster.gpus_per_node == par.gpus_per_node else Layout(par.data, par.tensor, par.pipeline,
+                                                                         par.gpus_per_node))
     title = (f"{plan.profile.model}: {par.num_gpus} GPUs of {cluster.name if cluster else '?'} as d={par.data} x "
              f"t={par.tensor} x p={par.pipeline}, {plan.schedule}"
              + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "") + f", ZeRO {par.zero_stage}"

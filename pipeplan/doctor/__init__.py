@@ -58,6 +58,8 @@ class DoctorOptions:
     """DeepSpeed: ``PipelineModule(activation_checkpoint_interval=...)``."""
     tensor_degree: int = 1
     """DeepSpeed: the tensor-parallel size (its config does not carry it)."""
+    ep_size: int = 1
+    """DeepSpeed: DeepSpeed-MoE's ``MoE(ep_size=...)`` (its config does not carry it)."""
     cluster: str | None = None
     """A cluster preset or TOML file: cost the layout at its real d x t x p and ZeRO stage."""
     search_layouts: bool = True
@@ -94,7 +96,8 @@ def read_config(launcher: str, path: str | Path, profile, options: DoctorOptions
     config = parse_deepspeed(path, text, num_stages=options.num_stages, partition_method=options.partition_method,
                              parts=list(options.parts) if options.parts else None,
                              activation_checkpoint_interval=options.activation_checkpoint_interval,
-                             world_size=options.world_size, tensor_degree=options.tensor_degree)
+                             world_size=options.world_size, tensor_degree=options.tensor_degree,
+                             ep_size=options.ep_size)
     layers = profile.layers
     types = [" ".join(filter(None, (layer.name, layer.kind, layer.description))) for layer in layers]
     params = [layer.param_bytes // profile.dtype_bytes for layer in layers]
@@ -165,7 +168,8 @@ def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: 
                        optimizer: str = "auto", bandwidth: str = "25GB/s", world_size: int | None = None,
                        cluster: str | None = None, search_layouts: bool = True, tensor_degree: int = 1,
                        variables=(), num_stages: int | None = None, partition_method: str | None = None,
-                       parts: str | None = None, checkpoint_interval: int | None = None, fix: bool = False,
+                       parts: str | None = None, checkpoint_interval: int | None = None, ep_size: int = 1,
+                       fix: bool = False,
                        fix_output=None, output_format: str = "table", junit=None) -> tuple[str, list[Path], int]:
     """``pipeplan doctor`` with the command line's strings: returns (report, files written, exit code).
 
@@ -213,6 +217,7 @@ def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: 
     options = DoctorOptions(world_size=world_size, variables=tuple(pairs), num_stages=num_stages,
                             partition_method=partition_method, parts=boundaries,
                             activation_checkpoint_interval=checkpoint_interval, tensor_degree=tensor_degree,
+                            ep_size=ep_size,
                             cluster=cluster,
                             search_layouts=search_layouts)
     result, text, written = doctor_file(launcher, config_path, profile_path, settings, options=options,

@@ -44,10 +44,11 @@ class LauncherConfig:
     data_degree: int | None = None
     """Data-parallel size ``d``, where the file (or ``--world-size``) gives it."""
     context_degree: int = 1
-    expert_degree: int = 1
-    """Expert-parallel size ``E`` (Megatron's ``--expert-model-parallel-size``; 1: every GPU holds
-    every expert of a mixture-of-experts model)."""
     """Context-parallel size (Megatron ``--context-parallel-size``)."""
+    expert_degree: int = 1
+    """Expert-parallel size ``E`` (Megatron's ``--expert-model-parallel-size``, torchtitan's
+    ``parallelism.expert_parallel_degree``, DeepSpeed-MoE's ``MoE(ep_size=...)``; 1: every GPU
+    holds every expert of a mixture-of-experts model)."""
     num_layers: int | None = None
     """Transformer blocks the config declares (Megatron ``--num-layers``, torchtitan's model)."""
     recompute: str = "none"
@@ -68,7 +69,8 @@ class LauncherConfig:
         # a layout of 1e9 stages or an iteration of 1e12 micro-batches is refused, never built.
         degrees = (("pipeline stages p", self.pipeline_degree), ("virtual stages per rank v", self.virtual_stages),
                    ("tensor-parallel size t", self.tensor_degree), ("data-parallel size d", self.data_degree),
-                   ("context-parallel size", self.context_degree), ("micro-batch size", self.microbatch_size),
+                   ("context-parallel size", self.context_degree), ("expert-parallel size", self.expert_degree),
+                   ("micro-batch size", self.microbatch_size),
                    ("layers", self.num_layers))
         for what, value in degrees:
             if value is not None and not 1 <= value <= MAX_PARALLEL_DEGREE:

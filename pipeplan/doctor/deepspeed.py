@@ -99,7 +99,7 @@ def _deepspeed_partitioners():
 
 def parse_deepspeed(path: str, text: str, *, num_stages: int | None = None, partition_method: str | None = None,
                     parts: list[int] | None = None, activation_checkpoint_interval: int | None = None,
-                    world_size: int | None = None, tensor_degree: int = 1) -> LauncherConfig:
+                    world_size: int | None = None, tensor_degree: int = 1, ep_size: int = 1) -> LauncherConfig:
     """Read a ds_config and the PipelineModule arguments.
 
     Parameters
@@ -118,6 +118,9 @@ def parse_deepspeed(path: str, text: str, *, num_stages: int | None = None, part
         ``pipeline.activation_checkpoint_interval``, else 0.
     world_size : int, optional
         GPUs in the job, for the data-parallel size.
+    ep_size : int
+        DeepSpeed-MoE's ``MoE(ep_size=...)`` (in the model code, like the PipelineModule's
+        arguments: the ds_config has no expert-parallel key); 1 without expert parallelism.
 
     Raises
     ------
@@ -194,11 +197,15 @@ def parse_deepspeed(path: str, text: str, *, num_stages: int | None = None, part
     settings["activation_checkpoint_interval"] = str(interval)
     if world_size:
         settings["world size"] = str(world_size)
+    if ep_size < 1:
+        raise BadInputError(f"--ep-size: {ep_size} must be at least 1 (DeepSpeed-MoE's MoE(ep_size=...))")
+    if ep_size > 1:
+        settings["ep_size"] = str(ep_size)
     if isinstance(zero, dict) and "stage" in zero:
         settings["zero_optimization.stage"] = str(stage)
     return LauncherConfig(
         launcher="deepspeed", path=path, pipeline_degree=p, virtual_stages=1, schedule="1f1b",
-        microbatch_size=micro, num_microbatches=gas, tensor_degree=t, data_degree=d,
+        microbatch_size=micro, num_microbatches=gas, tensor_degree=t, data_degree=d, expert_degree=ep_size,
         recompute="full" if interval else "none", sharded_optimizer=bool(stage),
         zero_stage=stage, settings=settings,
     )

@@ -92,7 +92,8 @@ def _expert_notes(config, profile, cost: ClusterCost) -> list[str]:
     if experts is None:
         return []
     worst = max(cost.memory, key=lambda m: m.expert_bytes)
-    setting = {"megatron": "--expert-model-parallel-size"}.get(config.launcher, "the expert-parallel size")
+    setting = {"megatron": "--expert-model-parallel-size", "torchtitan": "parallelism.expert_parallel_degree =",
+               "deepspeed": "MoE(ep_size=...) ="}[config.launcher]
     return [f"experts: {setting} {config.expert_degree}: each GPU holds {experts.num_experts // config.expert_degree} "
             f"of the {experts.num_experts} experts of each MoE layer; their weights, gradients and optimizer state "
             f"take up to {format_bytes(worst.expert_bytes)} per GPU (rank {worst.rank}), "

@@ -37,7 +37,7 @@ _CHOICE_FLAGS = {
 _STR_FLAGS = ("--pipeline-model-parallel-layout",)
 _BOOL_FLAGS = (
     "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
-    "--use-distributed-optimizer", "--sequence-parallel", "--recompute-activations",
+    "--use-distributed-optimizer", "--sequence-parallel", "--recompute-activations", "--fp16", "--bf16",
 )
 _MULTI_FLAGS = {"--rampup-batch-size": 3}
 _LAUNCHERS = ("torchrun", "python", "python3", "deepspeed")

@@ -56,6 +56,28 @@ def _activation_checkpoint_interval(plan: Plan, notes: list[str]) -> int:
     return 1  # checkpoint each layer: each keeps its input and rebuilds its activations alone
 
 
+def _moe(plan: Plan, profile, notes: list[str]) -> dict | None:
+    """A mixture-of-experts plan's experts as DeepSpeed-MoE's layer arguments
+    (``deepspeed.moe.layer.MoE(hidden_size, expert, num_experts, ep_size, k, ...,
+    enable_expert_tensor_parallelism)``): DeepSpeed keeps them in the model code, not the
+    ds_config, and builds its expert and expert-data groups from ``ep_size``
+    (``deepspeed.utils.groups._create_expert_and_data_parallel``)."""
+    par, experts = plan.parallelism, getattr(profile, "experts", None)
+    if par is None or par.expert is None or experts is None:
+        return None
+    etp = par.expert_tensor or 1
+    if etp not in (1, par.tensor):
+        raise BadInputError(f"plan: expert-tensor parallelism {etp} with t = {par.tensor}: DeepSpeed-MoE shards "
+                            f"experts over the whole tensor-parallel group or not at all "
+                            f"(enable_expert_tensor_parallelism); re-plan with --expert-tensor-parallel 1 or "
+                            f"{par.tensor}")
+    notes.append(f"experts: build each MoE layer as deepspeed.moe.layer.MoE(..., num_experts={experts.num_experts}, "
+                 f"ep_size={par.expert}, k={experts.experts_per_token}) (the 'moe' entry): each GPU holds "
+                 f"{experts.num_experts // par.expert} experts; the ds_config has no expert-parallel key")
+    return {"num_experts": experts.num_experts, "ep_size": par.expert, "k": experts.experts_per_token,
+            "enable_expert_tensor_parallelism": etp > 1}
+
+
 def export_deepspeed(plan: Plan, profile=None) -> str:
     """The plan as JSON: ``layers``, ``parts``, ``topology``, ``pipeline_module`` and a ``ds_config`` fragment.
 
@@ -107,6 +129,7 @@ def export_deepspeed(plan: Plan, profile=None) -> str:
             f"t = {degrees.tensor}: DeepSpeed places ranks by the topology but does not split layers itself; the "
             f"layers must be tensor-parallel over the topology's 'model' axis (e.g. Megatron-DeepSpeed's)"
             + (", with sequence parallelism" if degrees.sequence_parallel else ""))
+    moe = _moe(plan, profile, notes)
     data = {
         "pipeplan": {"launcher": "deepspeed", "model": plan.profile.model,
                      "profile_sha256": plan.profile.sha256, "notes": notes},
@@ -122,4 +145,6 @@ def export_deepspeed(plan: Plan, profile=None) -> str:
             "zero_optimization": zero,
         },
     }
+    if moe is not None:
+        data["moe"] = moe
     return compact_json(data) + "\n"

@@ -153,6 +153,12 @@ class LayerCost(_Strict):
         "(and gets back in one combine): its tokens x top-k x hidden x dtype bytes (its tokens: "
         "the micro-batch's, 1/t of them under sequence parallelism).",
     )
+    expert_activation_bytes: Optional[NonNegativeBytes] = Field(
+        default=None,
+        description="Of activation_bytes (and of selective_activation_bytes), the routed experts' "
+        "share for balanced routing: the dispatched top-k copies of the tokens and the experts' own "
+        "tensors. --expert-imbalance f makes the busiest rank keep f times it. Absent: 0.",
+    )
 
     @model_validator(mode="after")
     def _backward_split_whole(self) -> "LayerCost":

@@ -10,9 +10,9 @@ memory cap is never returned.
 
 Search
 ------
-- ``--schedule auto`` tries every schedule of :data:`pipeplan.formats.plan.SCHEDULES` with the ``v``
-  of :func:`pipeplan.facts.schedules.searched_virtual_stages` (up to 4, and to 8 those dividing the
-  layers per rank); a named schedule fixes it, ``--virtual-stages`` any ``v`` the class takes.
+- ``--schedule auto`` tries every schedule with the ``v`` of :func:`pipeplan.facts.schedules.
+  searched_virtual_stages` (up to 4, to 8 those dividing the layers per rank), and at ``p = 1``
+  only 1F1B at ``v = 1``; a named schedule fixes it, ``--virtual-stages`` any ``v`` the class takes.
 - Micro-batch sizes: every profiled size that divides the global batch (or the fixed one).
 - Recomputation (``--recompute auto``): stages are ranked by the micro-batches they hold in
   flight (the early stages first); the candidates are prefixes of that ranking: none, the
@@ -123,6 +123,10 @@ def schedule_space(settings: PlanSettings, num_layers: int) -> list[tuple[str, i
         if settings.schedule != "auto" and settings.schedule not in runs:
             raise BadInputError(f"--schedule: {settings.launcher} runs {', '.join(runs)}, not {settings.schedule}")
         schedules = tuple(s for s in schedules if s in runs)
+    if p == 1 and settings.schedule == "auto" and settings.virtual_stages in (None, 1):
+        # One rank runs its micro-batches one after another (1F1B's single rank); more stages on it
+        # would be recompute pieces no launcher runs at p = 1 (Megatron, torchtitan: one chunk).
+        return [("1f1b", 1)]
     space = []
     for schedule in schedules:
         v = settings.virtual_stages
@@ -137,10 +141,8 @@ def schedule_space(settings: PlanSettings, num_layers: int) -> list[tuple[str, i
         elif p * v <= num_layers:
             space.append((schedule, v))
         elif settings.schedule != "auto":
-            raise BadInputError(
-                f"--virtual-stages: {p} ranks x {v} stages per rank = {p * v} stages but the profile "
-                f"has only {num_layers} layers; use fewer stages per rank or ranks"
-            )
+            raise BadInputError(f"--virtual-stages: {p} ranks x {v} stages per rank = {p * v} stages but the profile "
+                                f"has only {num_layers} layers; use fewer stages per rank or ranks")
     if not space:
         raise BadInputError(
             f"--schedule {settings.schedule}: no stages-per-rank value fits {p} ranks and "

@@ -217,14 +217,14 @@ def check_parallelism(plan: Any, where: str = "plan") -> int:
     ``run`` runs ``d`` replicas of the pipeline (:mod:`pipeplan.run.gradsync`), with ZeRO 1 (the
     optimizer state sharded over the replicas: torch's ``ZeroRedundancyOptimizer``) or without.
     It refuses tensor parallelism (the stage builders build whole layers; torch's
-    tensor-parallel API is not wired to them) and ZeRO 2 and 3 (every replica keeps whole
+    tensor-parallel API is not wired to them), expert parallelism (likewise) and ZeRO 2 and 3 (every replica keeps whole
     gradients and weights, so a run would not have the plan's memory): the exports hand those to
     a launcher.
 
     Raises
     ------
     BadInputError
-        ``t > 1`` or ZeRO above 1, naming ``where`` (the plan file).
+        ``t > 1``, ``E > 1`` or ZeRO above 1, naming ``where`` (the plan file).
 
     Examples
     --------
@@ -242,6 +242,12 @@ def check_parallelism(plan: Any, where: str = "plan") -> int:
             f"{where}: parallelism.tensor: t={par.tensor}: pipeplan run does not run tensor parallelism (its stage "
             f"builders build whole layers); train this plan with a launcher (pipeplan export {where} --format "
             f"megatron or torchtitan), or plan with --tensor-parallel 1 to run it here")
+    if (getattr(par, "expert", None) or 1) > 1:
+        raise BadInputError(
+            f"{where}: parallelism.expert: E={par.expert}: pipeplan run does not run expert parallelism (every "
+            f"rank would build all of each MoE layer's experts, so it would not run the plan's memory or its "
+            f"all-to-alls); train this plan with a launcher (pipeplan export {where} --format megatron or "
+            f"torchtitan), or plan with --expert-parallel 1 to run it here")
     if par.zero_stage >= 2:
         sharded = "gradients" if par.zero_stage == 2 else "gradients and weights"
         raise BadInputError(

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import Plan, PlanSettings
-from pipeplan.plan.assemble import plan_cost_model, plan_recompute_modes
+from pipeplan.plan.assemble import plan_cost_model, plan_recompute_modes, plan_simulation
 from pipeplan.plan.costmodel import CostModel
 from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.problem import PartitionProblem, evaluate_split
@@ -111,6 +111,12 @@ def simulate_plan(plan: Plan, profile: Any, *, bandwidth_bytes_per_s: Optional[f
     pipeplan.plan.simulate.Simulation
     """
     ordered = sorted(plan.stages, key=lambda s: s.index)
+    par = getattr(plan, "parallelism", None)
+    if par is not None and (par.tensor > 1 or (par.expert or 1) > 1):
+        # A rank of a tensor- or expert-parallel plan holds 1/t of each layer and 1/E of its
+        # experts and waits on their collectives: the whole-model profile is not what it runs,
+        # and the plan's own stage numbers (the cluster view's) are.
+        return plan_simulation(plan)
     graph = build_layer_graph(profile, plan.microbatch_size)
     cost = plan_cost_model(plan, profile.dtype_bytes, graph, bandwidth_bytes_per_s=bandwidth_bytes_per_s)
     costs = stage_costs(profile, [s.layers for s in ordered], plan.microbatch_size, latency_ms=latency_ms,

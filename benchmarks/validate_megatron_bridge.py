@@ -1,0 +1,118 @@
+"""Plan NVIDIA's published Megatron Bridge runs at their published configuration and compare.
+
+Each row of ``benchmarks/data/megatron_bridge_runs.json`` (origin and licence in the file) is
+planned with every degree, the micro-batch size and the global batch fixed as published, through
+pipeplan's own command line (the commands are printed, so any row can be rerun by hand), with
+the defaults otherwise: no constant is set for a row. A row pipeplan cannot state yet (a system
+without a preset, a precision, context parallelism) is reported as not expressible with the
+command line's own reason. Results go to docs/cluster-validation.md with this command:
+
+    python benchmarks/validate_megatron_bridge.py [--only ID] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+RUNS = ROOT / "data" / "megatron_bridge_runs.json"
+
+#: The published system's cluster preset and GPU (pipeplan's names).
+SYSTEMS = {"DGX-H100": ("dgx-h100", "h100-sxm"), "DGX-B200": ("dgx-b200", "b200"),
+           "DGX-B300": ("dgx-b300", "b300"), "DGX-GB200": ("gb200-nvl72", "gb200"),
+           "DGX-GB300": ("gb300-nvl72", "gb300")}
+
+#: The published precision as pipeplan's --precision (BF16: the default, no option).
+PRECISIONS = {"BF16": None, "FP8-CS": "fp8", "MXFP8": "mxfp8", "NVFP4": "nvfp4"}
+
+
+def commands(row: dict, workdir: Path) -> tuple[list[str], list[str]]:
+    """The profile and plan command lines of one row (``pipeplan`` arguments)."""
+    preset, gpu = SYSTEMS[row["system"]]
+    precision = PRECISIONS[row["precision"]]
+    profile = workdir / f"{row['id']}.profile.json"
+    tp = str(row["tp"])
+    make = ["profile", row["model"], "--analytic", "--gpu", gpu, "--seq-len", str(row["seq_len"]),
+            "--microbatch-sizes", str(row["mbs"]), "--tensor-parallel", tp, "-o", str(profile)]
+    if precision:
+        make += ["--precision", precision]
+    dp = row["gpus"] // (row["tp"] * row["pp"] * row["cp"])
+    plan = ["plan", str(profile), "--gpus", str(row["gpus"]), "--cluster", preset, "--global-batch", str(row["gbs"]),
+            "--microbatch-size", str(row["mbs"]), "--data-parallel", str(dp), "--tensor-parallel", tp,
+            "--stages", str(row["pp"]), "--zero", "3" if row["fsdp"] else "1", "--launcher", "megatron",
+            "--optimizer", "adam-fp32-grads", "-q", "-o", str(workdir / f"{row['id']}.plan.json")]
+    # VP n/a: one model chunk per pipeline rank (Megatron's plain 1F1B).
+    plan += ["--virtual-stages", str(row["vp"] or 1)]
+    if row["cp"] > 1:
+        plan += ["--context-parallel", str(row["cp"])]
+    if row["ep"] > 1:
+        plan += ["--expert-parallel", str(row["ep"])]
+    recipe = row.get("recipe") or {}
+    if recipe.get("recompute_modules"):
+        plan += ["--recompute-modules", ",".join(recipe["recompute_modules"])]
+    return make, plan
+
+
+def _pipeplan(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeplan", *args], capture_output=True, text=True)
+
+
+def validate(row: dict, workdir: Path) -> dict:
+    """Plan one row: ``{id, measured_s, predicted_s, error, command, reason}``."""
+    out = {"id": row["id"], "measured_s": row["measured_iteration_s"], "predicted_s": None, "error": None,
+           "reason": None}
+    if row["system"] not in SYSTEMS or row["precision"] not in PRECISIONS:
+        out["reason"] = f"{row['system']} {row['precision']}: no mapping"
+        return out
+    make, plan = commands(row, workdir)
+    out["command"] = "pipeplan " + " ".join(plan)
+    for args in (make, plan):
+        done = _pipeplan(args)
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            out["reason"] = f"exit {done.returncode}: {lines[-1] if lines else '?'}"
+            return out
+    predicted = json.loads(Path(plan[plan.index("-o") + 1]).read_text())["predicted"]["iteration_ms"] / 1e3
+    out["predicted_s"] = predicted
+    out["error"] = predicted / row["measured_iteration_s"] - 1
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", help="a row id (repeatable)")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = parser.parse_args(argv)
+    runs = json.loads(RUNS.read_text())["runs"]
+    rows = [r for r in runs if not args.only or r["id"] in args.only]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in rows:
+            result = validate(row, Path(tmp))
+            results.append(result)
+            if not args.markdown:
+                shown = (f"{result['predicted_s']:.2f} s ({result['error']:+.1%})" if result["error"] is not None
+                         else f"not expressible: {result['reason']}")
+                print(f"{row['id']}: measured {row['measured_iteration_s']:.2f} s, predicted {shown}", flush=True)
+    if args.markdown:
+        print("| run | measured s | predicted s | error |")
+        print("|---|---|---|---|")
+        for r in results:
+            if r["error"] is None:
+                print(f"| {r['id']} | {r['measured_s']:.2f} | not expressible | {r['reason']} |")
+            else:
+                print(f"| {r['id']} | {r['measured_s']:.2f} | {r['predicted_s']:.2f} | {r['error']:+.1%} |")
+    errors = [abs(r["error"]) for r in results if r["error"] is not None]
+    if errors:
+        print(f"{len(errors)} of {len(results)} expressible; mean |error| {sum(errors) / len(errors):.1%}, "
+              f"worst {max(errors):.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

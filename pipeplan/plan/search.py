@@ -11,7 +11,7 @@ memory cap is never returned.
 Search
 ------
 - ``--schedule auto`` tries every schedule with the ``v`` of :func:`pipeplan.facts.schedules.
-  searched_virtual_stages` (up to 4, to 8 those dividing the layers per rank), and at ``p = 1``
+  searched_virtual_stages` (to 4; interleaved to 8 where v divides the layers per rank), and at ``p = 1``
   only 1F1B at ``v = 1``; a named schedule fixes it, ``--virtual-stages`` any ``v`` the class takes.
 - Micro-batch sizes: every profiled size that divides the global batch (or the fixed one).
 - Recomputation (``--recompute auto``): stages are ranked by the micro-batches they hold in

@@ -27,6 +27,10 @@ SYSTEMS = {"DGX-H100": ("dgx-h100", "h100-sxm"), "DGX-B200": ("dgx-b200", "b200"
            "DGX-B300": ("dgx-b300", "b300"), "DGX-GB200": ("gb200-nvl72", "gb200"),
            "DGX-GB300": ("gb300-nvl72", "gb300")}
 
+#: Published model names pipeplan ships under another name (Llama 3.1 405B has Llama 3 405B's
+#: shapes; only its RoPE scaling differs, which costs nothing).
+MODELS = {"llama3.1-405b": "llama3-405b"}
+
 #: The published precision as pipeplan's --precision (BF16: the default, no option).
 PRECISIONS = {"BF16": None, "FP8-CS": "fp8", "MXFP8": "mxfp8", "NVFP4": "nvfp4"}
 
@@ -37,7 +41,7 @@ def commands(row: dict, workdir: Path) -> tuple[list[str], list[str]]:
     precision = PRECISIONS[row["precision"]]
     profile = workdir / f"{row['id']}.profile.json"
     tp = str(row["tp"])
-    make = ["profile", row["model"], "--analytic", "--gpu", gpu, "--seq-len", str(row["seq_len"]),
+    make = ["profile", MODELS.get(row["model"], row["model"]), "--analytic", "--gpu", gpu, "--seq-len", str(row["seq_len"]),
             "--microbatch-sizes", str(row["mbs"]), "--tensor-parallel", tp, "-o", str(profile)]
     if precision:
         make += ["--precision", precision]

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeplan.errors import BadInputError
+from pipeplan.facts.precision import PRECISIONS
+from pipeplan.formats.profile import PRECISION_NAMES
 from pipeplan.formats.io import file_sha256, load_json, load_plan, load_profile, write_json_atomic
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.cluster.search import plan_cluster
@@ -37,7 +39,7 @@ def make_profile(model: str, output: str | Path, *, analytic: bool = False, micr
                  seq_len: int | None = None, dtype: str | None = None, gpu: str | None = None,
                  gpu_spec: str | Path | None = None, tensor_parallel="1", sequence_parallel: bool = True,
                  flash_attention: bool = True, options: dict | None = None, config: str | Path | None = None,
-                 units=None, progress: bool = False, **measure):
+                 units=None, progress: bool = False, precision: str | None = None, **measure):
     """``pipeplan profile``: measure a torch model into a profile, or (``analytic``) estimate one
     from a model config on a GPU spec, and write it atomically.
 
@@ -56,13 +58,19 @@ def make_profile(model: str, output: str | Path, *, analytic: bool = False, micr
                           ("--heads", (options or {}).get("heads")), ("--vocab", (options or {}).get("vocab")),
                           ("--seq-len", seq_len)):
         check_option_range(option, value)
+    if dtype in PRECISION_NAMES:
+        raise BadInputError(f"--dtype: {dtype!r} is a precision, not a dtype: give --precision {dtype} (how the "
+                            f"GEMMs run: {', '.join(PRECISIONS)}; with --analytic) and --dtype bf16 (the parameters "
+                            f"and activations)")
     if analytic:
         return analytic_profile_to_file(
             model, output, gpu=gpu, gpu_spec=gpu_spec, microbatch_sizes=microbatch_sizes,
             tensor_parallel=tensor_parallel, seq_len=seq_len, dtype=dtype or "bf16",
-            sequence_parallel=sequence_parallel, flash_attention=flash_attention)
+            sequence_parallel=sequence_parallel, flash_attention=flash_attention, precision=precision or "bf16")
     if gpu or gpu_spec or str(tensor_parallel) != "1":
         raise BadInputError("--gpu, --gpu-spec and --tensor-parallel-degrees: only with --analytic")
+    if precision not in (None, "bf16"):
+        raise BadInputError("--precision: only with --analytic (a measured profile runs its model as it is)")
     options = dict(options or {})
     if config is not None:
         options["config"] = read_config(model, str(config))

@@ -71,11 +71,12 @@ def _request(kind, **fields):
 
 
 def _plan_request(stages, global_batch, microbatch_size, memory_cap, optimizer, bandwidth, schedule,
-                  virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None, **cluster_options):
+                  virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None, fp8_param_gather=None,
+                  **cluster_options):
     """The request ``plan`` (and ``compare``) options make: a :class:`ClusterRequest` with
     ``--gpus``, else a :class:`PipelineRequest`."""
-    if optimizer not in ("adam", "adam-fp32-grads", "sgd", "none"):
-        raise BadInputError(f"--optimizer: {optimizer!r} is not one of adam, adam-fp32-grads, sgd, none")
+    if optimizer not in ("auto", "adam", "adam-fp32-grads", "sgd", "none"):
+        raise BadInputError(f"--optimizer: {optimizer!r} is not one of auto, adam, adam-fp32-grads, sgd, none")
     if solver not in ("auto", "dp", "ilp"):
         raise BadInputError(f"--solver: {solver!r} is not one of auto, dp, ilp")
     if recompute not in ("auto", "none", "selective", "all"):
@@ -94,6 +95,7 @@ def _plan_request(stages, global_batch, microbatch_size, memory_cap, optimizer, 
         solver=solver,
         action_overhead_ms=action_overhead_ms,
         launcher=launcher,
+        **({"fp8_param_gather": True} if fp8_param_gather else {}),
     )
     cluster = _cluster_options(**cluster_options)
     if cluster:
@@ -114,7 +116,7 @@ def _counts(text: str) -> list[int]:
 
 def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_parallel=None, zero=None,
                      data_parallel_overlap=None, expert_parallel=None, expert_tensor_parallel=None,
-                     expert_imbalance=None):
+                     expert_imbalance=None, compare=None):
     """The cluster options of ``pipeplan plan`` (docs/cluster-model.md); empty without --gpus."""
     if num_gpus is None:
         given = [name for name, value in (("--cluster", cluster), ("--data-parallel", data_parallel),
@@ -122,7 +124,8 @@ def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_par
                                           ("--data-parallel-overlap", data_parallel_overlap),
                                           ("--expert-parallel", expert_parallel),
                                           ("--expert-tensor-parallel", expert_tensor_parallel),
-                                          ("--expert-imbalance", expert_imbalance)) if value is not None]
+                                          ("--expert-imbalance", expert_imbalance),
+                                          ("--compare", compare or None)) if value is not None]
         if given:
             raise BadInputError(f"{given[0]}: needs --gpus (the cluster's GPU count)")
         return {}
@@ -132,7 +135,8 @@ def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_par
             "tensor_parallel": tensor_parallel, "zero_stage": zero, "data_parallel_overlap": data_parallel_overlap,
             **{name: value for name, value in (("expert_parallel", expert_parallel),
                                                ("expert_tensor_parallel", expert_tensor_parallel),
-                                               ("expert_imbalance", expert_imbalance)) if value is not None}}
+                                               ("expert_imbalance", expert_imbalance),
+                                               ("compare", list(compare or ()) or None)) if value is not None}}
 
 
 _PROFILE_ARG = typer.Argument(..., help="Profile JSON file.", show_default=False)
@@ -142,7 +146,7 @@ _MICROBATCH = typer.Option(None, "--microbatch-size", "-b", help="Fix the micro-
 _MEMORY_CAP = typer.Option(None, "--memory-cap", help="Per-GPU memory cap, e.g. 80GiB or 16e9.")
 # Defaults come from the request models (one source; tests/test_layers.py checks every option).
 _DEFAULT = {name: field.default for name, field in PipelineRequest.model_fields.items()}
-_OPTIMIZER = typer.Option(_DEFAULT["optimizer"], "--optimizer", help="adam (16 B/param), adam-fp32-grads (18, Megatron's), sgd (12) or none.")
+_OPTIMIZER = typer.Option(_DEFAULT["optimizer"], "--optimizer", help="auto (adam-fp32-grads with --launcher megatron, else adam), adam (16 B/param), adam-fp32-grads (18, Megatron's), sgd (12) or none.")
 _BANDWIDTH = typer.Option(f"{_DEFAULT['bandwidth_bytes_per_s'] / 1e9:g}GB/s", "--bandwidth", help="Point-to-point bandwidth, e.g. 25GB/s; inf ignores transfers.")
 _SCHEDULE = typer.Option(_DEFAULT["schedule"], "--schedule", help="auto, gpipe, 1f1b, interleaved, zb, zbv or dualpipev.")
 _VIRTUAL = typer.Option(None, "--virtual-stages", "-v", help="Stages per rank: interleaved 2 or more, zb 1 or more, zbv and dualpipev 2; default: search (to 4; interleaved to 8 where v divides the layers per rank).")
@@ -175,7 +179,8 @@ def profile(
     model: str = typer.Argument(..., metavar="MODEL", help="Built-in (gpt2-tiny, gpt2, llama-tiny, bert-tiny, convnet-tiny, ...), module:callable, or hf:MODEL_TYPE (transformers, no weights: hf:gpt2, hf:llama, hf:bert, hf:vit, ...); with --analytic: a HF config.json or a shipped config (llama3-8b, ...).", show_default=False),
     microbatch_sizes: str = typer.Option("1,2,4", "--microbatch-sizes", help="Micro-batch sizes to measure, e.g. 1,2,4,8."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (language models); default 128, with --analytic the model's pre-training context."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default fp32; bf16 with --analytic)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default fp32; bf16 with --analytic): the parameters' and activations' type."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="With --analytic: how the GEMMs run, bf16 (default), fp8 (current scaling), mxfp8 or nvfp4 (docs/analytic.md, 'Precision')."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda or cpu (default: cuda when available)."),
     repeats: int = typer.Option(5, "--repeats", help="Timed runs per unit and size (medians)."),
     warmup: int = typer.Option(2, "--warmup", help="Untimed runs first."),
@@ -200,7 +205,7 @@ def profile(
     result = make_profile(
         model, output, analytic=analytic, microbatch_sizes=microbatch_sizes, seq_len=seq_len, dtype=dtype,
         gpu=gpu, gpu_spec=gpu_spec, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-        flash_attention=flash_attention, device=device, repeats=repeats, warmup=warmup, threads=threads,
+        flash_attention=flash_attention, precision=precision, device=device, repeats=repeats, warmup=warmup, threads=threads,
         options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}, units=units, seed=seed,
         config=config, split_backward=split_backward, progress=True)
     rich_console().print(analytic_summary_table(result) if analytic else summary_table(result))
@@ -240,9 +245,11 @@ def plan(
     zero: Optional[int] = typer.Option(None, "--zero", help="With --gpus: fix the ZeRO stage (0-3); default: search."),
     data_parallel_overlap: Optional[float] = typer.Option(None, "--data-parallel-overlap", help="With --gpus: share of the gradient sync hidden behind compute (default 0)."),
     layers_per_stage: Optional[str] = typer.Option(None, "--layers-per-stage", help="Fix the split: units per stage in profile order, e.g. 5,7,7,7 (virtual stages in order); needs a named --schedule."),
-    expert_parallel: Optional[int] = typer.Option(None, "--expert-parallel", help="With --gpus, a mixture-of-experts profile: fix the expert-parallel degree E (divides d and the experts); default: search."),
+    expert_parallel: Optional[int] = typer.Option(None, "--expert-parallel", help="With --gpus, a mixture-of-experts profile: fix the expert-parallel degree E (E x ETP divides t x d; E divides the experts); default: search."),
     expert_tensor_parallel: Optional[int] = typer.Option(None, "--expert-tensor-parallel", help="With --gpus: the experts' tensor-parallel degree (divides t; default 1)."),
     expert_imbalance: Optional[float] = typer.Option(None, "--expert-imbalance", help="With --gpus: the busiest rank's routed tokens over the balanced share (>= 1; default 1)."),
+    fp8_param_gather: Optional[bool] = typer.Option(None, "--fp8-param-gather", help="A profile made with --precision: keep the weights quantized (Megatron-LM's --fp8-param-gather; docs/cost-model.md)."),
+    compare: Optional[list[str]] = typer.Option(None, "--compare", help="With --gpus (repeatable): also plan this layout in full and record it beside the winner, e.g. d=64,t=8,p=1 (optional zero=.., mbs=.., e=..)."),
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
     refuse_overwriting_input(output, profile)
@@ -251,7 +258,8 @@ def plan(
                             action_overhead_ms, launcher=launcher, num_gpus=gpus, cluster=cluster,
                             data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero=zero,
                             data_parallel_overlap=data_parallel_overlap, expert_parallel=expert_parallel,
-                            expert_tensor_parallel=expert_tensor_parallel, expert_imbalance=expert_imbalance)
+                            expert_tensor_parallel=expert_tensor_parallel, expert_imbalance=expert_imbalance,
+                            fp8_param_gather=fp8_param_gather, compare=compare)
     if layers_per_stage is not None:
         request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
     with reporting(terminal_progress(quiet)):

@@ -26,16 +26,18 @@ pipeplan.errors.BadInputError: data_parallel, zero_stage: cluster options need n
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeplan.errors import BadInputError, format_validation_error
+from pipeplan.facts.launchers import DEFAULT_OPTIMIZER, launcher_optimizer
 from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.formats.limits import PositiveCount
 from pipeplan.formats.plan import PlanSettings, effective_cap_bytes
 
-__all__ = ["PipelineRequest", "ClusterRequest", "Request", "request_of", "CLUSTER_ONLY_FIELDS"]
+__all__ = ["PipelineRequest", "ClusterRequest", "Request", "request_of", "CLUSTER_ONLY_FIELDS", "parse_compare",
+           "COMPARE_KEYS"]
 
 _FIELDS = PlanSettings.model_fields
 
@@ -49,7 +51,52 @@ def _required(name: str, description: str):
 #: Fields only a cluster request has.
 CLUSTER_ONLY_FIELDS = ("cluster", "data_parallel", "tensor_parallel", "zero_stage", "data_parallel_overlap",
                        "search_stages", "expert_parallel", "expert_tensor_parallel", "expert_imbalance",
-                       "expert_data_parallel")
+                       "expert_data_parallel", "compare")
+
+#: The keys of a ``--compare`` layout: d, t and p are required, the rest fix one more choice.
+COMPARE_KEYS = {"d": "data-parallel degree", "t": "tensor-parallel degree", "p": "pipeline ranks",
+                "zero": "ZeRO stage (0-3)", "mbs": "micro-batch size", "e": "expert-parallel degree"}
+
+
+def parse_compare(text: str) -> dict[str, int]:
+    """One ``--compare`` layout, e.g. ``d=8,t=8,p=8`` or ``d=64,t=4,p=4,zero=1,mbs=2``.
+
+    Raises
+    ------
+    BadInputError
+        A key that is not one of :data:`COMPARE_KEYS`, a repeated or missing d/t/p, a value that is
+        not a whole number in range; the message names ``--compare`` and the text.
+
+    Examples
+    --------
+    >>> parse_compare("d=8, t=8, p=8")
+    {'d': 8, 't': 8, 'p': 8}
+    >>> parse_compare("d=8,t=8")
+    Traceback (most recent call last):
+    ...
+    pipeplan.errors.BadInputError: --compare 'd=8,t=8': give p=.. too (a layout is d=..,t=..,p=..)
+    """
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or key not in COMPARE_KEYS:
+            raise BadInputError(f"--compare {text!r}: {part.strip()!r} is not KEY=VALUE with KEY one of "
+                                f"{', '.join(COMPARE_KEYS)}")
+        if key in out:
+            raise BadInputError(f"--compare {text!r}: {key} is given twice")
+        try:
+            number = int(value)
+        except ValueError:
+            raise BadInputError(f"--compare {text!r}: {key}={value!r} is not a whole number") from None
+        low, high = (0, 3) if key == "zero" else (1, 1 << 20)
+        if not low <= number <= high:
+            raise BadInputError(f"--compare {text!r}: {key}={number} must be {low}..{high}")
+        out[key] = number
+    missing = [key for key in ("d", "t", "p") if key not in out]
+    if missing:
+        raise BadInputError(f"--compare {text!r}: give {', '.join(k + '=..' for k in missing)} too "
+                            f"(a layout is d=..,t=..,p=..)")
+    return out
 
 
 class _Request(BaseModel):
@@ -63,7 +110,9 @@ class _Request(BaseModel):
                                         description=_FIELDS["global_batch"].description)
     microbatch_size: _FIELDS["microbatch_size"].annotation = _FIELDS["microbatch_size"]
     memory_cap_bytes: _FIELDS["memory_cap_bytes"].annotation = _FIELDS["memory_cap_bytes"]
-    optimizer: _FIELDS["optimizer"].annotation = _FIELDS["optimizer"]
+    optimizer: Literal["auto", "adam", "adam-fp32-grads", "sgd", "none"] = Field(
+        default="auto", description="The optimizer's training state; auto: the launcher's own (Megatron-LM keeps "
+        "fp32 main gradients in 16-bit training: adam-fp32-grads), else adam. " + _FIELDS["optimizer"].description)
     schedule: _FIELDS["schedule"].annotation = _FIELDS["schedule"]
     virtual_stages: _FIELDS["virtual_stages"].annotation = _FIELDS["virtual_stages"]
     recompute: _FIELDS["recompute"].annotation = _FIELDS["recompute"]
@@ -71,6 +120,7 @@ class _Request(BaseModel):
     action_overhead_ms: _FIELDS["action_overhead_ms"].annotation = _FIELDS["action_overhead_ms"]
     launcher: _FIELDS["launcher"].annotation = _FIELDS["launcher"]
     layers_per_stage: _FIELDS["layers_per_stage"].annotation = _FIELDS["layers_per_stage"]
+    fp8_param_gather: _FIELDS["fp8_param_gather"].annotation = _FIELDS["fp8_param_gather"]
 
     @classmethod
     def make(cls, where: str = "request", **fields: Any):
@@ -88,8 +138,14 @@ class _Request(BaseModel):
         BadInputError
             A value the record's finite ranges refuse (docs/formats.md).
         """
+        fields = self.model_dump(exclude_unset=True)
+        if self.optimizer == "auto":
+            # Resolved here, so the plan file records what the launcher keeps.
+            fields.pop("optimizer", None)
+            if launcher_optimizer(self.launcher) != DEFAULT_OPTIMIZER:
+                fields["optimizer"] = launcher_optimizer(self.launcher)
         try:
-            return PlanSettings(**self.model_dump(exclude_unset=True))
+            return PlanSettings(**fields)
         except ValidationError as exc:
             raise BadInputError(format_validation_error("request", exc)) from None
 
@@ -121,16 +177,32 @@ class ClusterRequest(_Request):
     expert_parallel: _FIELDS["expert_parallel"].annotation = _FIELDS["expert_parallel"]
     expert_tensor_parallel: _FIELDS["expert_tensor_parallel"].annotation = _FIELDS["expert_tensor_parallel"]
     expert_imbalance: _FIELDS["expert_imbalance"].annotation = _FIELDS["expert_imbalance"]
+    compare: _FIELDS["compare"].annotation = _FIELDS["compare"]
+
+    @model_validator(mode="after")
+    def _compare_rules(self) -> "ClusterRequest":
+        # The rules a layout breaks without the profile or the cluster; the rest (tensor degree
+        # within a node, heads, stages, the batch) are the search's (pipeplan.cluster.search).
+        for text in self.compare or ():
+            layout = parse_compare(text)
+            if layout["d"] * layout["t"] * layout["p"] != self.num_gpus:
+                raise BadInputError(f"--compare {text!r}: d x t x p = {layout['d']} x {layout['t']} x {layout['p']} "
+                                    f"= {layout['d'] * layout['t'] * layout['p']} is not --gpus {self.num_gpus}")
+        return self
 
     @model_validator(mode="after")
     def _expert_rules(self) -> "ClusterRequest":
         # (BadInputError, not ValueError: pydantic passes it through, naming the CLI's options.)
-        # Megatron-core carves the expert-parallel groups out of each stage's data-parallel ranks
-        # (parallel_state: E x ETP x EDP x PP = world, the dense layers' d ranks per t shard).
+        # Megatron-core lays the expert layers' ranks out afresh over each stage's t x d GPUs
+        # (parallel_state: ETP x E x EDP x PP = world; MoE parallel folding), so E x ETP divides t x d.
         e = self.expert_parallel
-        if e is not None and self.data_parallel is not None and self.data_parallel % e:
-            raise BadInputError(f"--expert-parallel: {e} does not divide --data-parallel {self.data_parallel} "
-                                f"(expert-parallel groups are carved out of the data-parallel ranks of a stage)")
+        etp_fixed = self.expert_tensor_parallel or 1
+        if e is not None and self.data_parallel is not None and self.tensor_parallel is not None \
+                and (self.tensor_parallel * self.data_parallel) % (e * etp_fixed):
+            raise BadInputError(f"--expert-parallel: {e} x --expert-tensor-parallel {etp_fixed} does not divide "
+                                f"--tensor-parallel {self.tensor_parallel} x --data-parallel {self.data_parallel} "
+                                f"(the expert layers' ranks are laid out over each stage's t x d GPUs: "
+                                f"ETP x E x EDP = t x d)")
         if e is not None and self.num_gpus % e:
             raise BadInputError(f"--expert-parallel: {e} does not divide --gpus {self.num_gpus}")
         etp = self.expert_tensor_parallel

@@ -39,7 +39,9 @@ def plan_tables(plan: Plan) -> Group:
     cap = plan.settings.memory_cap_bytes
     overhead = () if p.overhead_ms is None else (
         (f"  schedule's own work ({plan.settings.action_overhead_ms:g} ms/action)", f"{p.overhead_ms:.3f} ms"),)
+    precision = plan.settings.precision
     for key, value in (
+        *((("precision", f"{precision} GEMMs, bf16 elsewhere (weight copies in the peak memory)"),) if precision else ()),
         ("global batch", f"{plan.num_microbatches * plan.microbatch_size} samples"),
         ("micro-batches", f"{plan.num_microbatches} x {plan.microbatch_size} samples"),
         ("iteration", f"{p.iteration_ms:.3f} ms"),

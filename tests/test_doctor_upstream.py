@@ -13,7 +13,7 @@ from pipeplan.analytic.api import analytic_profile
 from pipeplan.cli import app
 from pipeplan.doctor.torchtitan import parse_torchtitan
 from pipeplan.facts.gpus import get_gpu
-from pipeplan.formats.io import dump_model
+from pipeplan.formats.io import dump_model, load_plan
 
 UPSTREAM = REPO / "tests" / "data" / "doctor" / "upstream"
 
@@ -111,3 +111,57 @@ def test_megatron_175b_as_written_is_refused_at_start_up_and_read_as_written(gpt
     assert "[precision] fp16" in result.output
     header = result.output.splitlines()[1]
     assert header.startswith("on dgx-a100:") and "sequence parallel" not in header, header
+
+
+def test_doctor_reads_pipeplans_own_megatron_export_and_a_script_that_sources_it(profiles, tmp_path):
+    """README's way to launch a plan: `source plan.sh && torchrun ... "${PIPEPLAN_MEGATRON_ARGS[@]}"`.
+    doctor reads the export alone (its flags array) and a script sourcing it (read beside the
+    script, never run), and the export says the profile's precision (--bf16)."""
+    from pipeplan.doctor.megatron import parse_megatron
+
+    runner = CliRunner()
+    plan, export = tmp_path / "plan.json", tmp_path / "plan.sh"
+    assert runner.invoke(app, ["plan", str(profiles["llama3-8b"]), "--gpus", "16", "--cluster", "dgx-a100",
+                               "--global-batch", "64", "--launcher", "megatron", "-q", "-o", str(plan)]).exit_code == 0
+    assert runner.invoke(app, ["export", str(plan), "--format", "megatron", "--profile", str(profiles["llama3-8b"]),
+                               "-o", str(export)]).exit_code == 0
+    assert "--bf16" in export.read_text()
+    script = tmp_path / "run.sh"
+    script.write_text('#!/bin/bash\nsource plan.sh && torchrun --nproc-per-node 8 --nnodes 2 pretrain_gpt.py '
+                      '"${PIPEPLAN_MEGATRON_ARGS[@]}" --hidden-size 4096\n')
+    alone = parse_megatron(str(export), export.read_text(), world_size=16)
+    sourced = parse_megatron(str(script), script.read_text())
+    for config in (alone, sourced):
+        assert (config.num_layers, config.microbatch_size) == (32, 1) and "--bf16" in config.settings
+    assert sourced.settings["world size"] == "16"
+    result = runner.invoke(app, ["doctor", "megatron", str(script), "--profile", str(profiles["llama3-8b"]),
+                                 "--cluster", "dgx-a100", "--same-layout"])
+    assert "no command with" not in result.output and "[precision]" not in result.output, result.output
+    # plan --launcher megatron, export, doctor: no error and no gap (the plan keeps Megatron's
+    # fp32 main gradients: --optimizer auto is adam-fp32-grads under --launcher megatron).
+    assert "0 error(s), 0 warning(s)" in result.output and "as fast as pipeplan's best plan" in result.output
+    assert load_plan(plan).settings.optimizer == "adam-fp32-grads"
+    # A script that sources itself is refused by name, not read forever.
+    loop = tmp_path / "loop.sh"
+    loop.write_text("source loop.sh\n")
+    with pytest.raises(Exception, match="sources itself"):
+        parse_megatron(str(loop), loop.read_text())
+
+
+@pytest.mark.parametrize("launcher, suffix", [("megatron", ".sh"), ("torchtitan", ".toml"), ("deepspeed", ".json")])
+def test_plan_for_a_launcher_then_export_then_doctor_finds_no_error_and_no_gap(profiles, tmp_path, launcher, suffix):
+    """A plan for a launcher is a plan the launcher runs (pipeplan.facts.launchers: its ZeRO stages,
+    optimizer state and schedules), so doctor on its export costs it the same and finds no gap."""
+    runner = CliRunner()
+    plan, export = tmp_path / "plan.json", tmp_path / f"export{suffix}"
+    profile = profiles["llama3-8b"]
+    assert runner.invoke(app, ["plan", str(profile), "--gpus", "16", "--cluster", "dgx-a100", "--global-batch", "64",
+                               "--launcher", launcher, "-q", "-o", str(plan)]).exit_code == 0
+    assert runner.invoke(app, ["export", str(plan), "--format", launcher, "--profile", str(profile),
+                               "-o", str(export)]).exit_code == 0
+    result = runner.invoke(app, ["doctor", launcher, str(export), "--profile", str(profile), "--cluster", "dgx-a100",
+                                 "--world-size", "16", "--same-layout"])
+    assert result.exit_code == 0, result.output
+    assert "0 error(s), 0 warning(s)" in result.output and "as fast as pipeplan's best plan" in result.output
+    predicted = float(result.output.split("predicted: ")[1].split(" ms")[0])
+    assert predicted == pytest.approx(load_plan(plan).predicted.iteration_ms, rel=1e-6)

@@ -306,7 +306,8 @@ def test_dense_plan_has_no_expert_fields(dense_path, tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["--expert-parallel", "3", "--data-parallel", "3"], None),   # a CLI rule before the profile
     (["--expert-parallel", "3", "--data-parallel", "24"], ("--expert-parallel", "3", "8 experts")),
-    (["--expert-parallel", "4", "--data-parallel", "6"], ("--expert-parallel", "4", "--data-parallel 6")),
+    (["--expert-parallel", "4", "--data-parallel", "6", "--tensor-parallel", "1"],
+     ("--expert-parallel", "4", "--tensor-parallel 1 x --data-parallel 6")),
     (["--expert-tensor-parallel", "2", "--tensor-parallel", "1"], ("--expert-tensor-parallel", "divide")),
     (["--expert-imbalance", "0.5"], ("--expert-imbalance",)),
 ])
@@ -317,6 +318,18 @@ def test_bad_expert_options_exit_2(moe_profile, args, words):
     assert len(result.output.strip().splitlines()) == 1
     for word in words or ("--",):
         assert word in result.output
+
+
+def test_an_expert_group_may_span_the_tensor_groups(moe_profile, tmp_path):
+    """MoE parallel folding: with ETP 1 the expert layers' ranks are laid out over t x d, so E = 8
+    at t = 2, d = 4 plans (E does not divide d), with EDP = t x d / E = 1."""
+    _, path = moe_profile
+    out = tmp_path / "plan.json"
+    result = _plan(path, "--expert-parallel", "8", "--data-parallel", "4", "--tensor-parallel", "2", "-o", str(out),
+                   gpus=16)
+    assert result.exit_code == 0, result.output
+    par = load_plan(out).parallelism
+    assert (par.expert, par.data, par.tensor, par.expert_data) == (8, 4, 2, 1)
 
 
 def test_expert_options_on_a_dense_profile_exit_2_as_a_subprocess(dense_path):

@@ -12,6 +12,7 @@ from pipeplan.analytic.families import load_model_config
 from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY, EfficiencyModel, parts_ms
 from pipeplan.analytic.flops import Shape, model_flops_per_token, unit_work
 from pipeplan.facts.gpus import GpuSpec
+from pipeplan.facts.precision import PRECISIONS, get_precision
 from pipeplan.formats.gpu import resolve_gpu
 from pipeplan.analytic.memory import unit_activation_bytes, unit_output_bytes, unit_routed_activation_bytes
 from pipeplan.analytic.shapes import (check_tensor_parallel, tied_table_count, unit_active_param_count,
@@ -113,12 +114,14 @@ def _round(value: float) -> float:
 
 
 def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, dtype: str,
-           efficiency: EfficiencyModel) -> LayerCost:
+           efficiency: EfficiencyModel, precision: str = "bf16") -> LayerCost:
     peak, bw = gpu.flops_for(dtype), gpu.hbm_bytes_per_s
+    # --precision's peak for the quantized GEMMs (docs/analytic.md, "Precision").
+    quantized = gpu.peak_flops[get_precision(precision).peak] if shape.quantized_bytes else None
     work = unit_work(cfg, kind, index, shape)
-    forward = parts_ms(work.forward, peak, bw, efficiency)
-    b_input = parts_ms(work.backward_input, peak, bw, efficiency)
-    b_weight = parts_ms(work.backward_weight, peak, bw, efficiency)
+    forward = parts_ms(work.forward, peak, bw, efficiency, quantized)
+    b_input = parts_ms(work.backward_input, peak, bw, efficiency, quantized)
+    b_weight = parts_ms(work.backward_weight, peak, bw, efficiency, quantized)
     t = shape.tensor_parallel
     fields = dict(
         microbatch_size=shape.microbatch_size,
@@ -131,7 +134,9 @@ def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, 
         selective_activation_bytes=unit_activation_bytes(cfg, kind, index, shape, selective=True),
         selective_recompute_ms=_round(parts_ms(work.attention_core, peak, bw, efficiency)),
     )
-    fields.update(_expert_fields(cfg, kind, index, shape, work, peak, bw, efficiency))
+    fields.update(_expert_fields(cfg, kind, index, shape, work, peak, bw, efficiency, quantized))
+    if shape.quantized_bytes is not None:
+        fields.update(_cast_fields(cfg, kind, index, work, peak, bw, efficiency))
     if t > 1:
         traffic = unit_collectives(cfg, kind, shape)
         experts = unit_expert_param_count(cfg, kind, t, index)
@@ -156,15 +161,34 @@ _ROUTED_PARTS = frozenset({"gate_proj", "up_proj", "down_proj", "fc1", "fc2", "a
 _SHARED_PARTS = frozenset({"shared_gate_proj", "shared_up_proj", "shared_down_proj", "shared_activation"})
 
 
+def _part_owner(name: str) -> str:
+    """The GEMM a ``--precision`` cast belongs to (``gate_proj_quantize`` -> ``gate_proj``)."""
+    return name.removesuffix("_grad_quantize").removesuffix("_quantize")
+
+
+def _cast_fields(cfg: ModelConfig, kind: str, index: int, work, peak: float, bw: float,
+                 efficiency: EfficiencyModel) -> dict:
+    """A quantized precision's casts of the unit (``*_quantize`` parts), less the routed and shared
+    experts' (in their own parts): the named part ``quantize_ms`` of the iteration."""
+    experts = _ROUTED_PARTS | _SHARED_PARTS if kind in ("block", "mtp") and cfg.is_moe_layer(index) else frozenset()
+
+    def casts(parts):
+        return parts_ms([p for p in parts if p.name.endswith("_quantize") and _part_owner(p.name) not in experts],
+                        peak, bw, efficiency)
+
+    return dict(quantize_forward_ms=_round(casts(work.forward)),
+                quantize_backward_ms=_round(casts(work.backward_input + work.backward_weight)))
+
+
 def _expert_fields(cfg: ModelConfig, kind: str, index: int, shape: Shape, work, peak: float, bw: float,
-                   efficiency: EfficiencyModel) -> dict:
+                   efficiency: EfficiencyModel, quantized: Optional[float] = None) -> dict:
     """An MoE unit's routed and shared experts' share of its passes, and one dispatch's bytes per
     rank (docs/cluster-model.md, expert parallelism); empty for a dense unit."""
     if kind not in ("block", "mtp") or not cfg.is_moe_layer(index):
         return {}
 
     def part_of(parts, names):
-        return parts_ms([p for p in parts if p.name in names], peak, bw, efficiency)
+        return parts_ms([p for p in parts if _part_owner(p.name) in names], peak, bw, efficiency, quantized)
 
     backward = work.backward_input + work.backward_weight
     fields = dict(
@@ -188,6 +212,7 @@ def analytic_profile(
     *,
     seq_len: Optional[int] = None,
     dtype: str = "bf16",
+    precision: str = "bf16",
     microbatch_sizes: Sequence[int] = (1, 2, 4),
     tensor_parallel: Sequence[int] = (1,),
     sequence_parallel: bool = True,
@@ -205,7 +230,10 @@ def analytic_profile(
     seq_len : int, optional
         Tokens per sample; default: the model's pre-training context (:func:`default_seq_len`).
     dtype : {'bf16', 'fp16', 'fp32'}
-        Training dtype: bytes per element and which peak FLOP/s applies.
+        Training dtype (parameters, activations): bytes per element and which peak FLOP/s applies.
+    precision : {'bf16', 'fp8', 'mxfp8', 'nvfp4'}
+        How the transformer blocks' GEMMs run (:mod:`pipeplan.facts.precision`): at the GPU's
+        peak for it, with quantized operands and saved inputs; ``bf16``: in the dtype.
     microbatch_sizes, tensor_parallel : sequence of int
         Each pair gets one cost entry per unit; degree 1 is always included.
     sequence_parallel : bool
@@ -233,8 +261,19 @@ def analytic_profile(
     """
     cfg = config if isinstance(config, ModelConfig) else load_model_config(config)
     if dtype not in DTYPE_BYTES:
-        raise BadInputError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        hint = (f"; {dtype} is a --precision (the GEMMs' recipe: {', '.join(PRECISIONS)}), with --dtype bf16 "
+                f"for the parameters and activations" if dtype in PRECISIONS else "")
+        raise BadInputError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPE_BYTES)}{hint}")
+    if precision not in PRECISIONS:
+        raise BadInputError(f"--precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
+    recipe = get_precision(precision)
+    if recipe.quantized and dtype not in ("bf16", "fp16"):
+        raise BadInputError(f"--precision {precision}: quantized GEMMs keep 16-bit parameters and activations; "
+                            f"give --dtype bf16 (not {dtype})")
     gpu.flops_for(dtype)
+    if recipe.quantized and recipe.peak not in gpu.peak_flops:
+        raise BadInputError(f"--precision: {gpu.name} has no peak for {recipe.peak}; it lists "
+                            f"{', '.join(sorted(gpu.peak_flops))}")
     seq = default_seq_len(cfg) if seq_len is None else seq_len
     if seq <= 0:
         raise BadInputError(f"--seq-len: {seq} must be positive")
@@ -249,13 +288,14 @@ def analytic_profile(
     if not sizes or sizes[0] <= 0:
         raise BadInputError("--microbatch-sizes: give positive sizes, e.g. 1,2,4")
     e = DTYPE_BYTES[dtype]
-    shapes = [Shape(seq, b, t, sequence_parallel and t > 1, flash_attention, e) for b in sizes for t in degrees]
+    shapes = [Shape(seq, b, t, sequence_parallel and t > 1, flash_attention, e, recipe.operand_bytes)
+              for b in sizes for t in degrees]
     cache: dict = {}
     layers = []
     for name, kind, index in model_units(cfg):
         key = _unit_key(cfg, kind, index)
         if key not in cache:
-            cache[key] = [_entry(cfg, kind, index, shape, gpu, dtype, efficiency) for shape in shapes]
+            cache[key] = [_entry(cfg, kind, index, shape, gpu, dtype, efficiency, precision) for shape in shapes]
         layers.append(_layer(cfg, name, kind, index, cache[key], e))
     measurement = {
         "method": "analytic (pipeplan.analytic; docs/analytic.md)",
@@ -265,6 +305,8 @@ def analytic_profile(
         "gpu": gpu.model_dump(),
         "efficiency": efficiency.model_dump(),
         "dtype": dtype,
+        "precision": ({"name": precision, "source": recipe.source, "method": "pipeplan.facts.precision; "
+                       "docs/analytic.md, 'Precision'"} if recipe.quantized else None),
         "flash_attention": flash_attention,
         "sequence_parallel": sequence_parallel,
         "tensor_parallel_degrees": degrees,
@@ -283,7 +325,7 @@ def analytic_profile(
     return Profile(
         schema_version=2, model=cfg.name, source="analytic",
         device=Device(name=f"{gpu.description or gpu.name} (analytic)", memory_bytes=gpu.memory_bytes),
-        dtype=dtype, sequence_length=seq, layers=layers,
+        dtype=dtype, precision=precision if recipe.quantized else None, sequence_length=seq, layers=layers,
         measurement={k: v for k, v in measurement.items() if v is not None},
         tied_weights=model_ties(cfg, e) or None,
         parameters=model_parameter_counts(cfg),

@@ -23,6 +23,7 @@ from pipeplan.analytic.configs import ModelConfig
 from pipeplan.analytic.efficiency import EfficiencyModel
 from pipeplan.analytic.flops import Shape, unit_work
 from pipeplan.facts.gpus import GpuSpec
+from pipeplan.facts.precision import get_precision
 from pipeplan.errors import BadInputError
 from pipeplan.formats.profile import Profile
 from pipeplan.analytic.api import DTYPE_BYTES, analytic_profile, model_units
@@ -49,11 +50,12 @@ def _pairs(analytic_units: list[tuple[str, str, int]], measured: Profile, where:
     return list(zip(analytic_units, measured.layers))
 
 
-def _design(cfg: ModelConfig, pairs, measured: Profile, flash: bool, dtype_bytes: int):
-    """Parts of every (unit, size, pass) beside its measured time."""
-    rows, flops, moved, kinds, targets = [], [], [], [], []
+def _design(cfg: ModelConfig, pairs, measured: Profile, flash: bool, dtype_bytes: int, quantized_bytes=None):
+    """Parts of every (unit, size, pass) beside its measured time (``quantized_bytes``: the
+    profile's precision, pipeplan.facts.precision)."""
+    rows, flops, moved, kinds, targets, quantized = [], [], [], [], [], []
     for b in measured.microbatch_sizes:
-        shape = Shape(measured.sequence_length or 1, b, 1, False, flash, dtype_bytes)
+        shape = Shape(measured.sequence_length or 1, b, 1, False, flash, dtype_bytes, quantized_bytes)
         for (_, kind, index), layer in pairs:
             work = unit_work(cfg, kind, index, shape)
             cost = layer.cost_at(b)
@@ -68,14 +70,16 @@ def _design(cfg: ModelConfig, pairs, measured: Profile, flash: bool, dtype_bytes
                     flops.append(part.flops)
                     moved.append(part.bytes)
                     kinds.append(part.kind)
+                    quantized.append(part.quantized)
     if not targets:
         raise BadInputError("--measured: no positive times to fit")
     return (np.array(rows), np.array(flops, dtype=float), np.array(moved, dtype=float),
-            np.array([k == "attention" for k in kinds]), np.array(targets, dtype=float))
+            np.array([k == "attention" for k in kinds]), np.array(targets, dtype=float), np.array(quantized, dtype=bool))
 
 
-def _loss(params: dict[str, float], design, peak: float, bandwidth: float) -> float:
-    rows, flops, moved, attention, targets = design
+def _loss(params: dict[str, float], design, peak, bandwidth: float) -> float:
+    # ``peak``: one peak, or per part (a quantized precision's GEMMs at theirs).
+    rows, flops, moved, attention, targets, _ = design
     efficiency = np.where(attention, params["attention"], params["gemm"])
     seconds = np.maximum(flops / (peak * efficiency), moved / (bandwidth * params["memory"]))
     predicted = np.bincount(rows, weights=1e3 * seconds + params["kernel_latency_us"] / 1e3, minlength=len(targets))
@@ -100,7 +104,8 @@ def _golden(f, lo: float, hi: float, steps: int = 40) -> float:
 
 
 def fit_efficiency(cfg: ModelConfig, gpu: GpuSpec, measured: Profile, *, flash_attention: bool = True,
-                   start: EfficiencyModel = EfficiencyModel(), where: str = "--measured") -> tuple[EfficiencyModel, dict[str, Any]]:
+                   start: EfficiencyModel = EfficiencyModel(), where: str = "--measured",
+                   precision: str = "bf16") -> tuple[EfficiencyModel, dict[str, Any]]:
     """The efficiency model that best explains ``measured`` (degree-1 times), and the fit's errors.
 
     Returns
@@ -111,8 +116,14 @@ def fit_efficiency(cfg: ModelConfig, gpu: GpuSpec, measured: Profile, *, flash_a
     """
     if measured.dtype not in DTYPE_BYTES:
         raise BadInputError(f"{where}: dtype {measured.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    recipe = get_precision(precision)
+    if recipe.quantized and recipe.peak not in gpu.peak_flops:
+        raise BadInputError(f"--precision: {gpu.name} has no peak for {recipe.peak}")
     peak, bandwidth = gpu.flops_for(measured.dtype), gpu.hbm_bytes_per_s
-    design = _design(cfg, _pairs(model_units(cfg), measured, where), measured, flash_attention, DTYPE_BYTES[measured.dtype])
+    design = _design(cfg, _pairs(model_units(cfg), measured, where), measured, flash_attention, DTYPE_BYTES[measured.dtype],
+                     recipe.operand_bytes)
+    if recipe.quantized:
+        peak = np.where(design[5], gpu.peak_flops[recipe.peak], peak)
     params = {k: getattr(start, k) for k in _BOUNDS}
     before = _loss(params, design, peak, bandwidth)
     for _ in range(_ROUNDS):
@@ -143,7 +154,8 @@ def rebuild_options(profile: Profile, where: str) -> tuple[ModelConfig, GpuSpec,
     options = dict(seq_len=profile.sequence_length, dtype=profile.dtype, microbatch_sizes=profile.microbatch_sizes,
                    tensor_parallel=profile.tensor_parallel_degrees,
                    sequence_parallel=bool(record.get("sequence_parallel", True)),
-                   flash_attention=bool(record.get("flash_attention", True)))
+                   flash_attention=bool(record.get("flash_attention", True)),
+                   precision=profile.precision or "bf16")
     return cfg, gpu, options
 
 
@@ -154,7 +166,7 @@ def calibrate_analytic_files(analytic_path: Union[str, Path], measured_path: Uni
     measured = load_profile(measured_path)
     cfg, gpu, options = rebuild_options(analytic, str(analytic_path))
     fitted, report = fit_efficiency(cfg, gpu, measured, flash_attention=options["flash_attention"],
-                                    where=str(measured_path))
+                                    where=str(measured_path), precision=options["precision"])
     rebuilt = analytic_profile(cfg, gpu, efficiency=fitted, **options)
     write_json_atomic(output, rebuilt)
     return rebuilt, {**report, "efficiency": fitted.model_dump()}

@@ -48,16 +48,20 @@ class EfficiencyModel(BaseModel):
 DEFAULT_EFFICIENCY = EfficiencyModel()
 
 
-def part_ms(part: Part, peak_flops: float, hbm_bytes_per_s: float, model: EfficiencyModel) -> float:
-    """One part's time in milliseconds (see the module docstring)."""
+def part_ms(part: Part, peak_flops: float, hbm_bytes_per_s: float, model: EfficiencyModel,
+            quantized_peak_flops: float | None = None) -> float:
+    """One part's time in milliseconds (see the module docstring); a quantized GEMM
+    (``--precision``) runs at ``quantized_peak_flops`` with the same GEMM efficiency."""
     compute_s = 0.0
     if part.flops:
         fraction = model.attention if part.kind == "attention" else model.gemm
-        compute_s = part.flops / (peak_flops * fraction)
+        peak = quantized_peak_flops if part.quantized and quantized_peak_flops else peak_flops
+        compute_s = part.flops / (peak * fraction)
     memory_s = part.bytes / (hbm_bytes_per_s * model.memory)
     return 1e3 * max(compute_s, memory_s) + model.kernel_latency_us / 1e3
 
 
-def parts_ms(parts: list[Part], peak_flops: float, hbm_bytes_per_s: float, model: EfficiencyModel) -> float:
+def parts_ms(parts: list[Part], peak_flops: float, hbm_bytes_per_s: float, model: EfficiencyModel,
+             quantized_peak_flops: float | None = None) -> float:
     """The sum of :func:`part_ms` over ``parts``."""
-    return sum(part_ms(p, peak_flops, hbm_bytes_per_s, model) for p in parts)
+    return sum(part_ms(p, peak_flops, hbm_bytes_per_s, model, quantized_peak_flops) for p in parts)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pipeplan.analytic.configs import ModelConfig
 from pipeplan.analytic.shapes import Gemm, block_gemms, head_gemm, kv_heads_per_rank, mtp_projection_gemm
 
-__all__ = ["Part", "Shape", "UnitWork", "unit_work", "mean_keys_per_query", "model_flops_per_token"]
+__all__ = ["UNQUANTIZED_GEMMS", "Part", "Shape", "UnitWork", "unit_work", "mean_keys_per_query", "model_flops_per_token"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class Shape:
     sequence_parallel: bool = False
     flash_attention: bool = True
     dtype_bytes: int = 2
+    quantized_bytes: float | None = None
+    """``--precision``'s bytes per element of a quantized GEMM operand (None: bf16 throughout;
+    :mod:`pipeplan.facts.precision`)."""
 
     @property
     def tokens(self) -> int:
@@ -54,6 +57,8 @@ class Part:
     """``gemm``, ``attention`` or ``memory`` (picks the efficiency that applies)."""
     flops: float
     bytes: float
+    quantized: bool = False
+    """A GEMM run at ``--precision``'s peak (its operands quantized)."""
 
 
 @dataclass
@@ -87,7 +92,33 @@ def mean_keys_per_query(seq_len: int, window: int | None) -> float:
     return (w * (w + 1) / 2 + (s - w) * w) / s
 
 
-def _gemm_parts(gemm: Gemm, cfg: ModelConfig, shape: Shape) -> tuple[Part, Part, Part]:
+#: GEMMs that stay in the training dtype under a quantized ``--precision``: Megatron-LM's router
+#: (fp32/bf16) and its output layer (not a Transformer Engine module), the OPT projections.
+UNQUANTIZED_GEMMS = frozenset({"router", "lm_head", "project_in", "project_out"})
+
+#: GEMMs whose input an earlier GEMM of the unit already cast (TE's fused LayerNormLinear casts
+#: the norm's output once for query, key and value; LayerNormMLP once for gate and up).
+_SHARED_INPUT_GEMMS = frozenset({"k_proj", "v_proj", "up_proj", "shared_up_proj", "kv_a_proj_with_mqa"})
+
+
+def _quantized_gemm_parts(gemm: Gemm, shape: Shape, routed: float, inp: int, out: int, weights: int,
+                          flops: float) -> tuple[list[Part], list[Part], list[Part]]:
+    """A GEMM at ``--precision`` (docs/analytic.md, "Precision"): its two operands quantized
+    (``q`` bytes each element), its output in the dtype (``e``); the forward first casts its input
+    (read ``e``, write row-wise and column-wise copies: ``e + 2q`` per element) unless a GEMM
+    before it cast the same input; the input gradient first casts the output gradient likewise.
+    The weights' casts happen once per iteration (TE's ``is_first_microbatch``) and are not counted."""
+    q, e = shape.quantized_bytes, shape.dtype_bytes
+    moved = q * (routed * inp + weights) + e * routed * out
+    forward = [Part(gemm.name, "gemm", flops, moved, True)]
+    if gemm.name not in _SHARED_INPUT_GEMMS:
+        forward.insert(0, Part(f"{gemm.name}_quantize", "memory", 0.0, (e + 2 * q) * routed * inp))
+    backward = [Part(f"{gemm.name}_grad_quantize", "memory", 0.0, (e + 2 * q) * routed * out),
+                Part(gemm.name, "gemm", flops, moved, True)]
+    return forward, backward, [Part(gemm.name, "gemm", flops, moved, True)]
+
+
+def _gemm_parts(gemm: Gemm, cfg: ModelConfig, shape: Shape) -> tuple[list[Part], list[Part], list[Part]]:
     t, e, tokens = shape.tensor_parallel, shape.dtype_bytes, shape.tokens
     inp, out = gemm.in_features, gemm.out_features
     if gemm.split == "column" or gemm.split == "vocab":
@@ -97,9 +128,11 @@ def _gemm_parts(gemm: Gemm, cfg: ModelConfig, shape: Shape) -> tuple[Part, Part,
     routed = tokens * gemm.route
     weights = gemm.weight_count(cfg, t)
     flops = 2.0 * routed * inp * out
+    if shape.quantized_bytes is not None and gemm.name not in UNQUANTIZED_GEMMS:
+        return _quantized_gemm_parts(gemm, shape, routed, inp, out, weights, flops)
     moved = e * (routed * inp + weights + routed * out)
-    return (Part(gemm.name, "gemm", flops, moved), Part(gemm.name, "gemm", flops, moved),
-            Part(gemm.name, "gemm", flops, moved))
+    return ([Part(gemm.name, "gemm", flops, moved)], [Part(gemm.name, "gemm", flops, moved)],
+            [Part(gemm.name, "gemm", flops, moved)])
 
 
 def _memory(name: str, elements: float, passes: float, shape: Shape, extra_bytes: float = 0.0) -> Part:
@@ -108,9 +141,9 @@ def _memory(name: str, elements: float, passes: float, shape: Shape, extra_bytes
 
 def _add_gemm(work: UnitWork, gemm: Gemm, cfg: ModelConfig, shape: Shape) -> None:
     f, b, w = _gemm_parts(gemm, cfg, shape)
-    work.forward.append(f)
-    work.backward_input.append(b)
-    work.backward_weight.append(w)
+    work.forward += f
+    work.backward_input += b
+    work.backward_weight += w
 
 
 def _add_memory(work: UnitWork, name: str, elements: float, shape: Shape, reads_writes: float = 2.0,

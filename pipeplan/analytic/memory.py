@@ -25,13 +25,19 @@ from pipeplan.analytic.flops import Shape
 from pipeplan.analytic.shapes import kv_heads_per_rank
 from pipeplan.facts.training_state import training_state
 
-__all__ = ["block_activation_terms", "unit_activation_bytes", "unit_routed_activation_bytes", "unit_output_bytes",
+__all__ = ["QUANTIZED_INPUT_TERMS", "block_activation_terms", "unit_activation_bytes", "unit_routed_activation_bytes",
+           "unit_output_bytes",
            "MEGATRON_ADAM_BYTES_PER_PARAM", "training_state_bytes", "ATTENTION_CORE_TERMS"]
 
 #: Megatron's mixed-precision Adam: 16-bit weight 2 + fp32 gradient 4 + fp32 master weight 4 +
 #: two fp32 moments 8 = 18 (Korthikanti et al. 2022 and the Megatron-LM distributed optimizer docs),
 #: from the one table of training state (:mod:`pipeplan.facts.training_state`).
 MEGATRON_ADAM_BYTES_PER_PARAM = int(training_state("adam-fp32-grads", 2).total_bytes)
+
+#: The saved inputs of the GEMMs a quantized ``--precision`` runs (pipeplan.analytic.flops): Transformer
+#: Engine keeps them quantized, column-wise (what the weight gradient reads): ``q`` bytes per element.
+QUANTIZED_INPUT_TERMS = ("qkv_input", "q_b_input", "kv_b_input", "out_proj_input", "mlp_input",
+                         "down_proj_input", "fc2_input", "shared_down_proj_input")
 
 #: The terms selective recomputation frees (recomputed in backward from Q, K and V).
 ATTENTION_CORE_TERMS = ("softmax_output", "softmax_dropout_mask", "softmax_dropout_output", "softmax_stats")
@@ -123,6 +129,11 @@ def block_activation_terms(cfg: ModelConfig, shape: Shape, index: int | None = N
     if cfg.sandwich_norms:
         terms["post_feedforward_norm_input"] = e * replicated
     terms["mlp_dropout_mask"] = mask * replicated
+    if shape.quantized_bytes is not None:
+        # docs/analytic.md, "Precision": TE saves these quantized (q bytes, not e).
+        for name in QUANTIZED_INPUT_TERMS:
+            if name in terms:
+                terms[name] = terms[name] * shape.quantized_bytes / e
     return {k: v for k, v in terms.items() if v}
 
 
@@ -145,7 +156,8 @@ def unit_activation_bytes(cfg: ModelConfig, kind: str, index: int, shape: Shape,
             # Its two norms' inputs, the projection's 2h input, its output norm's input, and the
             # shared head's input and fp32 softmax (as the head's).
             vocab_rank = -(-cfg.vocab_size // shape.tensor_parallel)
-            total += e * (2 * replicated + 2 * tokens * h + 2 * replicated) + 4.0 * tokens * vocab_rank
+            projection = shape.quantized_bytes if shape.quantized_bytes is not None else e
+            total += e * (2 * replicated + 2 * replicated) + projection * 2 * tokens * h + 4.0 * tokens * vocab_rank
         return int(round(total))
     if kind == "embedding":
         total = 8.0 * tokens + (replicated if cfg.hidden_dropout else 0.0)

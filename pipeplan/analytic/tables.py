@@ -15,7 +15,8 @@ def analytic_summary_table(profile: Profile):
     from rich.table import Table
 
     table = Table(title=f"{profile.model} on {profile.device.name}, sequence {profile.sequence_length}, "
-                        f"{profile.dtype} (one rank, all units)")
+                        f"{profile.dtype}" + (f", {profile.precision} GEMMs" if profile.precision else "")
+                        + " (one rank, all units)")
     for column in ("t", "b", "forward", "backward", "params", "activations", "selective", "TP bytes"):
         table.add_column(column, justify="right")
     for row in summary_rows(profile):

@@ -13,6 +13,7 @@ from pipeplan.cluster.iteration import model_flops_utilization, tokens_per_s_per
 from pipeplan.cluster.profile_view import DegreeView
 from pipeplan.errors import BadInputError
 from pipeplan.facts.gpus import get_gpu
+from pipeplan.facts.training_state import precision_of
 from pipeplan.formats.plan import Alternative, Parallelism, Plan, PlanSettings
 from pipeplan.plan.assemble import plan_cost_model, stage_state_memory
 from pipeplan.quantities import format_bytes
@@ -77,45 +78,77 @@ def infeasible_message(trials, settings: PlanSettings, cluster, usable: int, cap
     return "; ".join(lines)
 
 
-def _alternatives(best, trials, default_microbatch: int) -> list[Alternative]:
-    """The best trial of each (d, t, p) other than the winner's, and why it lost."""
+def _layout_rank(trial):
+    # Planned by their time and pruned by their bound, together: a layout shows a planned time only
+    # where none of its pruned trials could be faster, so that it is the layout's best; then the
+    # rest (infeasible, state over the cap).
+    return ((0, trial.parts.iteration_ms, 0, trial.order) if trial.status == "planned" else
+            (0, trial.lower_bound_ms, 1, trial.order) if trial.status == "pruned" else (1, 0.0, 0, trial.order))
+
+
+def _shown(trials):
+    """The trial that stands for a set of trials (a layout's): the best by :func:`_layout_rank`."""
+    return min(trials, key=_layout_rank)
+
+
+def _row(trial, best, default_microbatch: int, mfu, label: Optional[str] = None) -> Alternative:
+    """One runner-up (or ``--compare``) row: ``trial``'s plan, or why it has none, against ``best``."""
+    plan = trial.plan if trial.status == "planned" else None
+    if trial is best:
+        reason = "the winner"
+    elif plan is not None:
+        gap = trial.parts.iteration_ms - best.parts.iteration_ms
+        reason = (f"slower by {gap:.1f} ms ({gap / best.parts.iteration_ms:+.1%})" if gap >= 0 else
+                  f"faster by {-gap:.1f} ms ({gap / best.parts.iteration_ms:+.1%}), outside the layouts searched")
+    else:
+        reason = trial_reason(trial)
+    return Alternative(
+        schedule=plan.schedule if plan else "-", virtual_stages=plan.virtual_stages if plan else 1,
+        microbatch_size=plan.microbatch_size if plan else default_microbatch,
+        recompute=("selective" if trial.family == "selective" else
+                   ("some" if plan and any(s.recompute for s in plan.stages) else "none")),
+        iteration_ms=round(trial.parts.iteration_ms, 6) if plan else None,
+        lower_bound_ms=round(trial.lower_bound_ms, 6) if trial.status == "pruned" else None,
+        peak_memory_bytes=max(r.peak_memory_bytes for r in plan.ranks) if plan and plan.ranks else None,
+        reason=f"d={trial.data} t={trial.tensor} p={trial.pipeline}" + (f" E={trial.expert}" if trial.moe else "")
+               + f" ZeRO {trial.zero_stage}: {reason}",
+        data=trial.data, tensor=trial.tensor, pipeline=trial.pipeline, expert=trial.expert if trial.moe else None,
+        zero_stage=trial.zero_stage, label=label,
+        model_flops_utilization=None if plan is None or mfu is None else round(mfu(trial.parts.iteration_ms), 6),
+    )
+
+
+def _alternatives(best, trials, default_microbatch: int, runners, mfu) -> list[Alternative]:
+    """The runners-up planned in full (``runners``: label, the layout's trials, its exact best or
+    None where none fits), in the order of their times, then the best trial of each other
+    (d, t, p), and why it lost."""
     by_key: dict = {}
     for trial in trials:
-        current = by_key.get(trial.key)
-        # Planned by their time and pruned by their bound, together: a layout shows a planned
-        # time only where none of its pruned trials could be faster, so that it is the layout's
-        # best; then the rest (infeasible, state over the cap).
-        rank = ((0, trial.parts.iteration_ms, 0, trial.order) if trial.status == "planned" else
-                (0, trial.lower_bound_ms, 1, trial.order) if trial.status == "pruned" else (1, 0.0, 0, trial.order))
-        if current is None or rank < current[0]:
-            by_key[trial.key] = (rank, trial)
-    out = []
-    for key in sorted(by_key, key=lambda k: by_key[k][0]):
-        trial = by_key[key][1]
-        if trial is best:
-            continue
-        plan = trial.plan
-        if trial.status == "planned":
-            slower = trial.parts.iteration_ms - best.parts.iteration_ms
-            reason = f"slower by {slower:.1f} ms"
-        else:
-            reason = trial_reason(trial)
-        out.append(Alternative(
-            schedule=plan.schedule if plan else "-", virtual_stages=plan.virtual_stages if plan else 1,
-            microbatch_size=plan.microbatch_size if plan else default_microbatch,
-            recompute=("selective" if trial.family == "selective" else
-                       ("some" if plan and any(s.recompute for s in plan.stages) else "none")),
-            iteration_ms=round(trial.parts.iteration_ms, 6) if trial.status == "planned" else None,
-            lower_bound_ms=round(trial.lower_bound_ms, 6) if trial.status == "pruned" else None,
-            peak_memory_bytes=max(r.peak_memory_bytes for r in plan.ranks) if plan and plan.ranks else None,
-            reason=f"d={trial.data} t={trial.tensor} p={trial.pipeline}" + (f" E={trial.expert}" if trial.moe else "")
-                   + f" ZeRO {trial.zero_stage}: {reason}",
-        ))
+        by_key.setdefault(trial.key, []).append(trial)
+    listed = {best.key} | {group[0].key for _, group, _ in runners}
+    exact = sorted(((_layout_rank(found or _shown(group)), label, found or _shown(group))
+                    for label, group, found in runners), key=lambda item: item[0])
+    out = [_row(trial, best, default_microbatch, mfu, label) for _, label, trial in exact]
+    for key in sorted((k for k in by_key if k not in listed), key=lambda k: _layout_rank(_shown(by_key[k]))):
+        out.append(_row(_shown(by_key[key]), best, default_microbatch, mfu))
     return out
 
 
+def _mfu_of(profile, settings: PlanSettings, cluster):
+    """Iteration ms -> MFU on this request's GPUs, or None where the model FLOPs or the peak are unknown."""
+    flops_per_token = (profile.measurement or {}).get("model_flops_per_token")
+    peak = peak_flops_per_s(profile, cluster)
+    if not (profile.sequence_length and flops_per_token and peak):
+        return None
+    return lambda iteration_ms: model_flops_utilization(
+        flops_per_token * settings.global_batch * profile.sequence_length, iteration_ms, settings.num_gpus, peak)
+
+
 def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: DegreeView, cluster, cap: int,
-              state) -> Plan:
+                          state, runners=(), compared=()) -> Plan:
+    """The winner's plan with the cluster's parts; ``runners`` (label, a layout's trials, its exact
+    best or None) lead the runners-up, ``compared`` (text, exact best or None, trials) are the
+    ``--compare`` layouts."""
     plan, parts = best.plan, best.parts
     d, t, p = best.data, best.tensor, best.pipeline
     # The selective family's view bakes the attention core's recomputation into every unit's
@@ -137,11 +170,12 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
             memory, expert_state = moe_stage_memory(stage.param_bytes, experts, profile.dtype_bytes, state,
                                                     best.zero_stage, d, best.expert_data)
             static = math.ceil(moe_static_bytes(settings.optimizer, profile.dtype_bytes, best.zero_stage, d,
-                                                best.expert_data, stage.param_bytes, experts))
+                                                best.expert_data, stage.param_bytes, experts, *precision_of(settings)))
             update["expert_state_bytes"] = int(expert_state)
         stages.append(stage.model_copy(update={
             "weight_bytes": memory.weight_bytes + (best.extras["gathered"] if best.zero_stage == 3 else 0),
             "gradient_bytes": memory.gradient_bytes, "optimizer_bytes": memory.optimizer_bytes,
+            "quantized_weight_bytes": memory.quantized_weight_bytes or None,
             "peak_activation_bytes": max(0, stage.peak_memory_bytes - static), **update,
         }))
     iteration_ms = parts.iteration_ms
@@ -160,14 +194,14 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
         predicted = predicted.model_copy(update={
             name: round(getattr(parts, name), 6)
             for name in ("expert_dispatch_ms", "expert_compute_ms", "expert_combine_ms", "shared_expert_ms")})
+    if settings.precision is not None:
+        predicted = predicted.model_copy(update={"quantize_ms": round(parts.quantize_ms, 6)})
     if profile.sequence_length:
         predicted = predicted.model_copy(update={"tokens_per_second_per_gpu": round(
             tokens_per_s_per_gpu(G, profile.sequence_length, iteration_ms, settings.num_gpus), 6)})
-        flops_per_token = (profile.measurement or {}).get("model_flops_per_token")
-        peak = peak_flops_per_s(profile, cluster)
-        if flops_per_token and peak:
-            predicted = predicted.model_copy(update={"model_flops_utilization": round(model_flops_utilization(
-                flops_per_token * G * profile.sequence_length, iteration_ms, settings.num_gpus, peak), 6)})
+    mfu = _mfu_of(profile, settings, cluster)
+    if mfu is not None:
+        predicted = predicted.model_copy(update={"model_flops_utilization": round(mfu(iteration_ms), 6)})
     peak_rank = max(r.peak_memory_bytes for r in plan.ranks) if plan.ranks else max(s.peak_memory_bytes for s in plan.stages)
     fast_link, domain_text = _fast_link(cluster, settings.num_gpus)
     link_text = {"inter": "the network", "intra": fast_link, "local": "no link"}[best.extras["link"]]
@@ -182,13 +216,16 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
         notes.append(expert_note(profile, view.experts, best.expert_data, fast_link))
     if hbm_bytes_per_s(profile, cluster) is None:
         notes.append(f"optimizer step not timed: no HBM bandwidth known for {cluster.gpu}")
+    default_microbatch = settings.microbatch_size or min(profile.microbatch_sizes)
     out_settings = settings.model_copy(update={
         "stages": p, "search_stages": True if settings.stages is None else None,
         "bandwidth_bytes_per_s": plan.settings.bandwidth_bytes_per_s,
     })
     return plan.model_copy(update={
         "schema_version": 2, "settings": out_settings, "stages": stages, "predicted": predicted,
-        "alternatives": _alternatives(best, trials, settings.microbatch_size or min(profile.microbatch_sizes)), "notes": notes,
+        "alternatives": _alternatives(best, trials, default_microbatch, runners, mfu), "notes": notes,
+        "comparisons": [_row(found or _shown(group), best, default_microbatch, mfu, text)
+                        for text, found, group in compared] or None,
         "parallelism": Parallelism(num_gpus=settings.num_gpus, data=d, tensor=t, pipeline=p,
                                    virtual_stages=plan.virtual_stages, zero_stage=best.zero_stage,
                                    sequence_parallel=bool(t > 1 and _sequence_parallel(profile)),

@@ -5,8 +5,9 @@ Megatron-core's rules (``megatron.core.parallel_state.initialize_model_parallel`
 layers' ranks are ``ETP x E x EDP x PP = world``, with ``E`` ranks of each pipeline rank's
 ``t x d`` forming an expert-parallel group (expert-tensor innermost, then expert, then
 expert-data); each holds ``num_experts / E`` whole experts, so ``E`` divides the number of
-experts; the groups are carved out of the data-parallel ranks, so ``E`` divides ``d``; and
-``ETP`` divides ``t``. The expert-data-parallel degree is ``EDP = t x d / (E x ETP)``.
+experts; the expert layers' ranks are laid out afresh over each pipeline rank's ``t x d`` GPUs
+("MoE parallel folding"), so ``E x ETP`` divides ``t x d``; and ``ETP`` divides ``t``. The
+expert-data-parallel degree is ``EDP = t x d / (E x ETP)``.
 
 A dense profile (no ``experts``) has ``E = ETP = 1`` and none of this changes its plans.
 docs/cluster-model.md, expert parallelism.
@@ -46,9 +47,9 @@ def check_expert_request(profile, settings) -> None:
 
 
 def expert_choices(profile, settings, data: int, tensor: int) -> list[int]:
-    """The expert-parallel degrees a (d, t) layout allows: the fixed one where it divides ``d``,
-    else every divisor of both ``d`` and the number of experts; ``[1]`` for a dense profile, and
-    ``[]`` where the fixed ``ETP`` does not divide ``t``."""
+    """The expert-parallel degrees a (d, t) layout allows: the fixed one where ``E x ETP`` divides
+    ``t x d``, else every ``E`` dividing both ``t x d / ETP`` and the number of experts; ``[1]``
+    for a dense profile, and ``[]`` where the fixed ``ETP`` does not divide ``t``."""
     experts = getattr(profile, "experts", None)
     if experts is None:
         return [1]
@@ -56,8 +57,8 @@ def expert_choices(profile, settings, data: int, tensor: int) -> list[int]:
     if tensor % etp:
         return []
     if settings.expert_parallel is not None:
-        return [settings.expert_parallel] if data % settings.expert_parallel == 0 else []
-    return divisors(math.gcd(data, experts.num_experts))
+        return [settings.expert_parallel] if (tensor * data) % (settings.expert_parallel * etp) == 0 else []
+    return divisors(math.gcd(tensor * data // etp, experts.num_experts))
 
 
 def expert_data_degree(data: int, tensor: int, expert: int, expert_tensor: int) -> int:
@@ -88,11 +89,11 @@ def view_expert_bytes(view, layer_names) -> float:
 
 
 def moe_static_bytes(optimizer: str, dtype_bytes: int, zero_stage: int, data: int, expert_data: int,
-                     param_bytes: float, expert_bytes: float) -> float:
+                     param_bytes: float, expert_bytes: float, precision=None, quantized_params: bool = False) -> float:
     """Training state of ``param_bytes`` of which ``expert_bytes`` are routed experts: the dense
     part sharded over ``d``, the experts' over ``EDP`` (the cost model's state term)."""
-    dense = state_bytes_per_param_byte(optimizer, dtype_bytes, zero_stage, data)
-    expert = state_bytes_per_param_byte(optimizer, dtype_bytes, zero_stage, expert_data)
+    dense = state_bytes_per_param_byte(optimizer, dtype_bytes, zero_stage, data, precision, quantized_params)
+    expert = state_bytes_per_param_byte(optimizer, dtype_bytes, zero_stage, expert_data, precision, quantized_params)
     return dense * (param_bytes - expert_bytes) + expert * expert_bytes
 
 
@@ -149,7 +150,7 @@ def expert_note(profile, group: ExpertGroup, expert_data: int, fast_link: str = 
 
 def no_expert_layout_message(profile, settings) -> str:
     etp = settings.expert_tensor_parallel or 1
-    return (f"--expert-parallel: no layout has an expert-parallel degree that divides its data-parallel degree "
-            f"and the model's {profile.experts.num_experts} experts"
+    return (f"--expert-parallel: no layout has an expert-parallel degree E with E x ETP dividing its t x d "
+            f"and E dividing the model's {profile.experts.num_experts} experts"
             + (f" with --expert-tensor-parallel {etp} dividing t" if etp > 1 else "")
-            + (f" (E = {settings.expert_parallel} must divide d)" if settings.expert_parallel else ""))
+            + (f" (E = {settings.expert_parallel} x ETP {etp} must divide t x d)" if settings.expert_parallel else ""))

@@ -47,6 +47,9 @@ class IterationParts:
     """Its combine all-to-alls."""
     shared_expert_ms: float = 0.0
     """Its shared experts."""
+    quantize_ms: float = 0.0
+    """A quantized precision (``--precision``): its casts of the GEMMs' inputs and output gradients
+    outside the experts' parts (the quantized GEMMs themselves are in ``compute_ms``)."""
 
     @property
     def expert_ms(self) -> float:
@@ -56,8 +59,8 @@ class IterationParts:
     @property
     def pipeline_ms(self) -> float:
         """The make-span: everything before the sync."""
-        return (self.compute_ms + self.tensor_parallel_ms + self.expert_ms + self.pipeline_transfer_ms
-                + self.bubble_ms)
+        return (self.compute_ms + self.tensor_parallel_ms + self.expert_ms + self.quantize_ms
+                + self.pipeline_transfer_ms + self.bubble_ms)
 
     @property
     def iteration_ms(self) -> float:
@@ -82,7 +85,8 @@ def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: floa
     expert_ms : dict, optional
         The critical rank's mixture-of-experts parts of its busy time (``dispatch``, ``experts``,
         ``combine``, ``shared_expert``: :data:`pipeplan.cluster.profile_view.EXPERT_PARTS`); they
-        come out of ``compute_ms``, in that order, never below zero.
+        come out of ``compute_ms``, in that order, never below zero; then ``quantize`` (a quantized
+        precision's casts), likewise.
 
     Returns
     -------
@@ -115,7 +119,8 @@ def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: floa
     left = busy_ms - tensor_parallel_ms
     moe = {}
     for part, name in (("dispatch", "expert_dispatch_ms"), ("combine", "expert_combine_ms"),
-                       ("experts", "expert_compute_ms"), ("shared_expert", "shared_expert_ms")):
+                       ("experts", "expert_compute_ms"), ("shared_expert", "shared_expert_ms"),
+                       ("quantize", "quantize_ms")):
         value = min(max(0.0, (expert_ms or {}).get(part, 0.0)), left)
         moe[name] = value
         left -= value

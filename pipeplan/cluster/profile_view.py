@@ -144,6 +144,18 @@ class DegreeView:
                 total[part] += forward * (2 if recompute else 1) + backward
         return total
 
+    quantize_ms: dict = field(default_factory=dict)
+    """``{(unit name, micro-batch size): (forward ms, backward ms)}`` of a quantized precision's
+    casts (the profile's ``quantize_*_ms``; empty without one)."""
+
+    def stage_quantize_ms(self, layer_names, microbatch_size: int, recompute: bool) -> float:
+        """A quantized precision's casts in a stage per micro-batch (the forward's twice if it recomputes)."""
+        total = 0.0
+        for name in layer_names:
+            forward, backward = self.quantize_ms.get((name, microbatch_size), (0.0, 0.0))
+            total += forward * (2 if recompute else 1) + backward
+        return total
+
     def stage_tensor_parallel_ms(self, layer_names, microbatch_size: int, recompute: bool) -> float:
         """The collectives' time of a stage per micro-batch (the forward's twice if it recomputes)."""
         total = 0.0
@@ -166,7 +178,7 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
     """
     t = tensor_parallel
     link = cluster.intra_node
-    layers, tp_ms, ep_ms = [], {}, {}
+    layers, tp_ms, ep_ms, cast_ms = [], {}, {}, {}
     moe = getattr(profile, "experts", None) is not None
     for layer in profile.layers:
         entries = [c for c in layer.costs if _degree(c) == t]
@@ -209,6 +221,8 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
                 values["backward_input_ms"] += extra_input
             costs.append(LayerCost(**{k: v for k, v in values.items() if v is not None}))
             tp_ms[(layer.name, c.microbatch_size)] = (forward_tp, backward_tp)
+            if getattr(c, "quantize_forward_ms", None) is not None:
+                cast_ms[(layer.name, c.microbatch_size)] = (c.quantize_forward_ms, c.quantize_backward_ms or 0.0)
         param_bytes = layer.param_bytes if t == 1 else layer.param_bytes_at(t)
         expert_bytes = None
         if moe and layer.expert_param_bytes:
@@ -228,7 +242,7 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
                                   for tie in profile.tied_weights]
     view = profile.model_copy(update=update)
     return DegreeView(profile=view, tensor_parallel=t, selective=selective, tensor_parallel_ms=tp_ms,
-                      expert_ms=ep_ms, experts=experts,
+                      expert_ms=ep_ms, experts=experts, quantize_ms=cast_ms,
                       expert_bytes={layer.name: layer.expert_param_bytes for layer in layers
                                     if layer.expert_param_bytes})
 

@@ -33,10 +33,12 @@ from pipeplan.cluster.iteration import iteration_parts, pipeline_lower_bound_ms
 from pipeplan.cluster.memory import plannable_bytes, zero3_gathered_bytes
 from pipeplan.cluster.placement import cluster_layout
 from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, tensor_degrees
+from pipeplan.cluster.runners import compare_search, informative_layouts, kind_label
 from pipeplan.cluster.space import batch_divisor_note, candidates, parallel_degrees
 from pipeplan.errors import BadInputError, InfeasibleError
+from pipeplan.facts.launchers import launcher_zero_stages
 from pipeplan.facts.schedules import valid_virtual_stages
-from pipeplan.facts.training_state import optimizer_step_ms, state_bytes_per_param_byte, training_state
+from pipeplan.facts.training_state import optimizer_step_ms, precision_of, state_bytes_per_param_byte, training_state
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.plan import make_plan, plan_simulation, with_profile_defaults
 from pipeplan.plan.bound import Incumbent, PrunedError
@@ -56,6 +58,10 @@ PRUNE_AGAINST_BEST = True
 
 #: Trials planned before the branch and bound, by an estimate, to start it with an incumbent.
 SEED_TRIALS = 3
+
+#: Runner-up layouts planned in full after the search (runners.informative_layouts chooses them);
+#: each costs about one layout's pipeline search, mostly from the search's cache.
+RUNNER_UP_LAYOUTS = 5
 
 
 @dataclass
@@ -98,14 +104,11 @@ def _zero_stages(settings: PlanSettings, d: int, p: int) -> list[int]:
     # reduce-scatter plus an all-gather) and holds less; it pays one more call's fixed latency per
     # iteration (8.4 us on the presets), which the search gives up for a third fewer candidates:
     # --zero 0 plans ZeRO 0.
-    if d == 1:
-        return [0]
-    # A plan for a launcher holds only what that launcher shards: Megatron-LM's distributed optimizer
-    # keeps the whole gradient buffer (ZeRO 1 memory) and has no ZeRO 3; DeepSpeed's PipelineEngine
-    # asserts ZeRO < 2 under pipeline parallelism (the exports refuse the rest).
-    if settings.launcher == "megatron" or (settings.launcher == "deepspeed" and p > 1):
-        return [1]
-    return [1, 2, 3]
+    # A plan for a launcher holds only what that launcher shards (pipeplan.facts.launchers):
+    # Megatron-LM's distributed optimizer keeps the whole gradient buffer (ZeRO 1 memory) and has no
+    # ZeRO 3; DeepSpeed's PipelineEngine asserts ZeRO < 2 under pipeline parallelism; torchtitan's
+    # FSDP has no optimizer-only sharding (the exports refuse or re-express the rest).
+    return list(launcher_zero_stages(settings.launcher, d, p))
 
 
 def _families(settings: PlanSettings, view_has_selective: bool) -> list[tuple[str, str]]:
@@ -162,6 +165,8 @@ class _Search:
     trials: list = field(default_factory=list)
     batch_note: Optional[str] = None
     """The data-parallel degrees the global batch leaves out (:func:`batch_divisor_note`), if any."""
+    compares: list = field(default_factory=list)
+    """Each ``--compare`` layout's trials (:class:`pipeplan.cluster.runners.Compare`)."""
 
     def run(self, trial: _Trial, best_ms: Optional[float] = None) -> None:
         _run_trial(trial, self.profile, self.settings, self.views[trial.view_key], self.cluster,
@@ -171,17 +176,27 @@ class _Search:
 def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool) -> Plan:
     search = _start(profile, settings, profile_sha256, record_time)
     _bound_trials(search)
+    for compare in search.compares:
+        if compare.fresh:
+            _bound_trials(compare.search, compare.trials)
     best, unbounded = _branch_and_bound(search)
     settings, cluster, trials = search.settings, search.cluster, search.trials
     if best is None:
-        total_state = training_state(settings.optimizer, profile.dtype_bytes).total_bytes * sum(
+        total_state = training_state(settings.optimizer, profile.dtype_bytes, *precision_of(settings)).total_bytes * sum(
             layer.param_bytes for layer in profile.layers) / profile.dtype_bytes
         needs = min(((peak, key, zero) for key, (_, peak, zero) in unbounded.items()),
                     default=(math.inf, None, 0))
         raise InfeasibleError(infeasible_message(trials, settings, cluster, search.usable, search.cap, total_state,
                                                   needs))
+    # The runners-up worth a row (runners.informative_layouts), each planned exactly, and the
+    # --compare layouts; all inside the search's planning cache, so most of their work is shared.
+    runners = [(label, group, _exact_best(search, group, unbounded), rivals)
+               for label, group, rivals in informative_layouts(trials, best, RUNNER_UP_LAYOUTS)]
+    runners = [(kind_label(label, found, rivals), group, found) for label, group, found, rivals in runners]
+    compared = [(compare.text, _exact_best(compare.search, compare.trials, unbounded if compare.unbounded is None else compare.unbounded),
+                 compare.trials) for compare in search.compares]
     plan = assemble_cluster_plan(best, trials, profile, settings, search.views[best.view_key], cluster,
-                                 search.cap, search.state)
+                                 search.cap, search.state, runners=runners, compared=compared)
     return plan.model_copy(update={"notes": [*plan.notes, search.batch_note]}) if search.batch_note else plan
 
 
@@ -210,7 +225,8 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
     search = _Search(
         profile=profile, settings=settings, cluster=cluster, cap=cap,
         usable=plannable_bytes(cap, cluster.reserve_bytes, cluster.fragmentation),
-        state=training_state(settings.optimizer, profile.dtype_bytes), hbm=hbm_bytes_per_s(profile, cluster),
+        state=training_state(settings.optimizer, profile.dtype_bytes, *precision_of(settings)),
+        hbm=hbm_bytes_per_s(profile, cluster),
         overlap=DEFAULT_OVERLAP if settings.data_parallel_overlap is None else settings.data_parallel_overlap,
         sizes_all=profile.microbatch_sizes if settings.microbatch_size is None else [settings.microbatch_size],
         profile_sha256=profile_sha256, record_time=record_time,
@@ -221,36 +237,47 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
     # raises, naming the sizes, when none does).
     runnable = sorted({(c.data, c.tensor, c.pipeline) for c in candidates(degrees, settings.global_batch,
                                                                            search.sizes_all)})
+    for d, t, p in runnable:
+        search.trials.extend(_layout_trials(search, d, t, p, len(search.trials)))
+    if getattr(profile, "experts", None) is not None and not search.trials:
+        raise BadInputError(no_expert_layout_message(profile, settings))
+    search.compares = [compare_search(search, text, _layout_trials) for text in settings.compare or ()]
+    return search
+
+
+def _layout_trials(search: _Search, d: int, t: int, p: int, order: int, expert: Optional[int] = None,
+                   zero: Optional[int] = None) -> list[_Trial]:
+    """The trials of one layout (x E x ZeRO stage x recomputation family), numbered from ``order``;
+    ``expert`` and ``zero`` fix those (``--compare``)."""
+    profile, settings, cluster = search.profile, search.settings, search.cluster
     selective_ok = all(getattr(c, "selective_activation_bytes", None) is not None
                        for layer in profile.layers for c in layer.costs)
     moe = getattr(profile, "experts", None) is not None
     etp = settings.expert_tensor_parallel or 1
-    for d, t, p in runnable:
-        for e in expert_choices(profile, settings, d, t):
-            group = expert_group(settings, cluster, d, t, p, e)
-            search.groups[(t, e)] = group
-            if (t, "plain", e) not in search.views:
-                search.views[(t, "plain", e)] = degree_view(profile, t, cluster, experts=group)
-            for zero in _zero_stages(settings, d, p):
-                for family, _ in _families(settings, selective_ok):
-                    search.trials.append(_Trial(d, t, p, zero, family, len(search.trials), expert=e,
-                                                expert_tensor=etp, moe=moe,
-                                                expert_data=expert_data_degree(d, t, e, etp) if moe else d))
-    if moe and not search.trials:
-        raise BadInputError(no_expert_layout_message(profile, settings))
-    return search
+    out = []
+    for e in ([expert] if expert is not None else expert_choices(profile, settings, d, t)):
+        group = expert_group(settings, cluster, d, t, p, e)
+        search.groups[(t, e)] = group
+        if (t, "plain", e) not in search.views:
+            search.views[(t, "plain", e)] = degree_view(profile, t, cluster, experts=group)
+        for z in ([zero] if zero is not None else _zero_stages(settings, d, p)):
+            for family, _ in _families(settings, selective_ok):
+                out.append(_Trial(d, t, p, z, family, order + len(out), expert=e, expert_tensor=etp, moe=moe,
+                                  expert_data=expert_data_degree(d, t, e, etp) if moe else d))
+    return out
 
 
-def _bound_trials(search: _Search) -> None:
+def _bound_trials(search: _Search, trials: Optional[list] = None) -> None:
     """Each trial's lower bounds (per micro-batch size), its seed estimate, and the state-only
-    memory check (a trial whose training state alone is over the plannable bytes is dropped)."""
+    memory check (a trial whose training state alone is over the plannable bytes is dropped);
+    of ``trials``, else of the search's own."""
     profile, settings, cluster, views = search.profile, search.settings, search.cluster, search.views
     state, usable, hbm, overlap, G = search.state, search.usable, search.hbm, search.overlap, settings.global_batch
     bandwidth_only = cluster.model_copy(update={
         "intra_node": cluster.intra_node.model_copy(update={"latency_us": 0.0}),
         "inter_node": cluster.inter_node.model_copy(update={"latency_us": 0.0})})
     sums_of: dict = {}
-    for trial in search.trials:
+    for trial in search.trials if trials is None else trials:
         vkey = trial.view_key
         if vkey not in views:
             views[vkey] = degree_view(profile, trial.tensor, cluster, selective=trial.family == "selective",
@@ -265,10 +292,11 @@ def _bound_trials(search: _Search) -> None:
         expert_params = view_expert_bytes(view, [layer.name for layer in view.profile.layers]) / profile.dtype_bytes
         if trial.moe:
             static = moe_static_bytes(settings.optimizer, profile.dtype_bytes, trial.zero_stage, trial.data,
-                                      trial.expert_data, params * profile.dtype_bytes, expert_params * profile.dtype_bytes)
+                                      trial.expert_data, params * profile.dtype_bytes, expert_params * profile.dtype_bytes,
+                                      *precision_of(settings))
         else:
             static = state_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes, trial.zero_stage,
-                                                trial.data) * params * profile.dtype_bytes
+                                                trial.data, *precision_of(settings)) * params * profile.dtype_bytes
         trial.extras["state_per_gpu"] = static / trial.pipeline
         if static / trial.pipeline > usable:
             trial.status = "state-over-cap"
@@ -334,11 +362,12 @@ def _branch_and_bound(search: _Search):
     return best, unbounded
 
 
-def _search_heap(search: _Search, best, unbounded: dict, done):
-    """Branch and bound over the trials left, in the order of their lower bounds."""
+def _search_heap(search: _Search, best, unbounded: dict, done, trials: Optional[list] = None):
+    """Branch and bound over the trials left (of ``trials``, else all), in the order of their lower bounds."""
     profile, settings, cluster, views = search.profile, search.settings, search.cluster, search.views
     profile_sha256 = search.profile_sha256
-    heap = [(t.lower_bound_ms, t.order, False, t) for t in search.trials if t.status == "new"]
+    heap = [(t.lower_bound_ms, t.order, False, t) for t in (search.trials if trials is None else trials)
+            if t.status == "new"]
     heapq.heapify(heap)
     while heap:
         bound, _, refined, trial = heapq.heappop(heap)
@@ -362,6 +391,21 @@ def _search_heap(search: _Search, best, unbounded: dict, done):
             best = trial
         done(best)
     return best
+
+
+def _exact_best(search: _Search, trials: list, unbounded: dict):
+    """The best of ``trials`` (one layout's, or one ``--compare``'s) planned exactly: a branch and
+    bound among them alone, so a trial pruned against the overall best is planned again unless a
+    trial of its own set beats its bound. The same trial planning ``--data-parallel d
+    --tensor-parallel t --stages p`` would choose (the same trials, the same order of ties)."""
+    best = None
+    for trial in trials:
+        if trial.status == "pruned":
+            trial.status = "new"  # its bound (lower_bound_ms) stays: it is still one
+        elif trial.status == "planned" and (best is None or (trial.parts.iteration_ms, trial.order)
+                                            < (best.parts.iteration_ms, best.order)):
+            best = trial
+    return _search_heap(search, best, unbounded, lambda best: None, trials)
 
 
 def _fixed_split_stages(settings: PlanSettings) -> PlanSettings:
@@ -500,6 +544,9 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     for stage in plan.stages:
         rank_params[stage.rank] += stage.param_bytes / profile.dtype_bytes
         rank_tp[stage.rank] += m * view.stage_tensor_parallel_ms(stage.layers, plan.microbatch_size, stage.recompute)
+        if view.quantize_ms:
+            rank_moe[stage.rank]["quantize"] = rank_moe[stage.rank].get("quantize", 0.0) + m * view.stage_quantize_ms(
+                stage.layers, plan.microbatch_size, stage.recompute)
         if trial.moe:
             rank_experts[stage.rank] += view_expert_bytes(view, stage.layers) / profile.dtype_bytes
             for part, ms in view.stage_expert_ms(stage.layers, plan.microbatch_size, stage.recompute).items():
@@ -512,7 +559,7 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     critical = sim.critical_rank
     trial.parts = iteration_parts(sim.compute_ms, min(rank_tp[critical], sim.compute_ms), sim.transfer_ms,
                                   sim.bubble_ms + sim.overhead_ms, rank_end, sync, step,
-                                  expert_ms=rank_moe[critical] if trial.moe else None)
+                                  expert_ms=rank_moe[critical] if trial.moe or view.quantize_ms else None)
     trial.plan = plan
     trial.status = "planned"
     trial.extras = {"layout": layout, "link": "inter" if "inter" in links else ("intra" if links else "local"),

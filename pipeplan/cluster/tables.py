@@ -59,6 +59,9 @@ def cluster_plan_tables(plan):
         return f"{ms:.1f} ms ({ms / p.iteration_ms:.1%})" if p.iteration_ms else f"{ms:.1f} ms"
 
     rows = [
+        *([("precision", f"{plan.settings.precision} GEMMs, bf16 elsewhere"
+                         + (", quantized weights (--fp8-param-gather)" if plan.settings.fp8_param_gather else ""))]
+          if plan.settings.precision else []),
         ("global batch", f"{par.data * plan.num_microbatches * plan.microbatch_size} samples "
                          f"(d={par.data} replicas x {plan.num_microbatches} x {plan.microbatch_size})"),
         ("micro-batches per replica", f"{plan.num_microbatches} x {plan.microbatch_size} samples"),
@@ -69,6 +72,8 @@ def cluster_plan_tables(plan):
            ("  routed experts", share(p.expert_compute_ms or 0.0)),
            ("  expert combine (all-to-all)", share(p.expert_combine_ms or 0.0)),
            ("  shared experts", share(p.shared_expert_ms or 0.0))] if p.expert_dispatch_ms is not None else []),
+        *([(f"  {plan.settings.precision} casts (GEMM inputs, gradients)", share(p.quantize_ms or 0.0))]
+          if p.quantize_ms is not None else []),
         ("  pipeline bubble", share(p.bubble_ms + (p.overhead_ms or 0.0))),
         ("  pipeline transfers", share(p.transfer_ms)),
         ("  data-parallel sync", share(p.data_parallel_ms or 0.0)),
@@ -97,14 +102,18 @@ def cluster_plan_tables(plan):
 
     stages = Table(title="stages: memory per GPU by part")
     moe = any(s.expert_state_bytes is not None for s in plan.stages)
-    for column in ("stage", "rank", "layers", "first .. last", "fwd ms", "bwd ms", "weights", "grads",
+    quantized = any(s.quantized_weight_bytes is not None for s in plan.stages)
+    for column in ("stage", "rank", "layers", "first .. last", "fwd ms", "bwd ms", "weights",
+                   *((f"{plan.settings.precision} copies",) if quantized else ()), "grads",
                    "optimizer", *(("experts",) if moe else ()), "activations", "in flight", "peak"):
         stages.add_column(column, justify="left" if column == "first .. last" else "right")
     for s in plan.stages:
         span = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
         stages.add_row(str(s.index), str(s.rank), str(len(s.layers)), span, f"{s.forward_ms:.2f}",
                        f"{s.backward_ms:.2f}" + (" (rc)" if s.recompute else ""),
-                       *(format_bytes(v or 0) for v in (s.weight_bytes, s.gradient_bytes, s.optimizer_bytes,
+                       *(format_bytes(v or 0) for v in (s.weight_bytes,
+                                                       *((s.quantized_weight_bytes,) if quantized else ()),
+                                                       s.gradient_bytes, s.optimizer_bytes,
                                                        *((s.expert_state_bytes,) if moe else ()),
                                                        s.peak_activation_bytes)),
                        str(s.in_flight), format_bytes(s.peak_memory_bytes))
@@ -117,15 +126,52 @@ def cluster_plan_tables(plan):
                       format_bytes(r.peak_memory_bytes + reserve), format_bytes(cap) if cap else "none")
     parts = [summary, placement, stages, ranks]
     if plan.alternatives:
-        alt = Table(title="runners-up: the best plan of each layout")
-        for column in ("schedule", "v", "micro-batch", "recompute", "iteration ms", "why it lost"):
-            alt.add_column(column)
-        for a in plan.alternatives[:12]:
-            alt.add_row(a.schedule, str(a.virtual_stages), str(a.microbatch_size), a.recompute,
-                        _iteration_text(a), a.reason)
-        parts.append(alt)
+        parts.extend(_runner_up_tables(plan))
+    if plan.comparisons:
+        parts.append(_layout_table("compared layouts (--compare), each planned in full", plan.comparisons,
+                                   p.iteration_ms, "asked as"))
     parts.extend(f"note: {note}" for note in plan.notes)
     return Group(*parts)
+
+
+#: Layouts the search did not plan in full that ``show`` lists after the runners-up planned in full.
+SHOWN_BOUND_ROWS = 4
+
+
+def _runner_up_tables(plan) -> list:
+    """The runners-up planned in full (a label says why each is listed), then the first few of the
+    layouts cut by their bound, and how many more there are."""
+    labelled = [a for a in plan.alternatives if a.label is not None]
+    rest = [a for a in plan.alternatives if a.label is None]
+    out = []
+    if labelled:
+        out.append(_layout_table("runners-up planned in full: each layout's own best plan", labelled,
+                                 plan.predicted.iteration_ms, "listed as"))
+    if rest:
+        title = ("other layouts: the best of each" if labelled else "runners-up: the best plan of each layout")
+        out.append(_layout_table(title, rest[:SHOWN_BOUND_ROWS] if labelled else rest[:12],
+                                 plan.predicted.iteration_ms, None))
+        hidden = len(rest) - (SHOWN_BOUND_ROWS if labelled else 12)
+        if hidden > 0:
+            out.append(f"... and {hidden} more layouts (the plan file's alternatives list each; --compare plans one in full)")
+    return out
+
+
+def _layout_table(title: str, alternatives, winner_ms: float, label_column) -> Table:
+    """One row per layout: its plan's choices, time, gap to the winner, MFU, memory, and why."""
+    table = Table(title=title)
+    columns = ["layout", "schedule", "v", "micro-batch", "recompute", "iteration ms", "vs winner", "MFU",
+               "peak memory", "why it lost"]
+    for column in ([label_column] if label_column else []) + columns:
+        table.add_column(column, justify="right" if column in ("iteration ms", "vs winner", "MFU") else "left")
+    for a in alternatives:
+        layout, _, why = a.reason.partition(": ")
+        gap = "-" if a.iteration_ms is None or not winner_ms else f"{a.iteration_ms / winner_ms - 1:+.1%}"
+        table.add_row(*([a.label] if label_column else []), layout, a.schedule, str(a.virtual_stages),
+                      str(a.microbatch_size), a.recompute, _iteration_text(a), gap,
+                      "-" if a.model_flops_utilization is None else f"{a.model_flops_utilization:.1%}",
+                      "-" if a.peak_memory_bytes is None else format_bytes(a.peak_memory_bytes), why or a.reason)
+    return table
 
 
 def _iteration_text(alternative) -> str:

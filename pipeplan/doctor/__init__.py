@@ -37,7 +37,7 @@ from pipeplan.doctor.torchtitan import load_toml, parse_torchtitan, torchtitan_l
 from pipeplan.doctor.units import unit_positions
 from pipeplan.formats.reading import read_input_text
 
-__all__ = ["LAUNCHERS", "DoctorOptions", "read_config", "doctor_file", "run_doctor_command", "Diagnosis", "Finding"]
+__all__ = ["LAUNCHERS", "launcher_precision", "DoctorOptions", "read_config", "doctor_file", "run_doctor_command", "Diagnosis", "Finding"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,8 @@ class DoctorOptions:
     """A cluster preset or TOML file: cost the layout at its real d x t x p and ZeRO stage."""
     search_layouts: bool = True
     """With ``cluster``: also search every d x t x p of the same GPUs for the best plan."""
+    optimizer_auto: bool = False
+    """``--optimizer auto``: the launcher's own gradient dtype (Megatron's ``--grad-reduce-in-bf16``: adam)."""
 
 
 def read_config(launcher: str, path: str | Path, profile, options: DoctorOptions = DoctorOptions()
@@ -102,6 +104,28 @@ def read_config(launcher: str, path: str | Path, profile, options: DoctorOptions
     types = [" ".join(filter(None, (layer.name, layer.kind, layer.description))) for layer in layers]
     params = [layer.param_bytes // profile.dtype_bytes for layer in layers]
     return config, deepspeed_layout_of(config, [layer.name for layer in layers], params, types)
+
+
+def launcher_precision(config: LauncherConfig, profile, settings, optimizer_auto: bool = False):
+    """The plan settings with the config's precision recipe, and what doctor says of it.
+
+    ``--grad-reduce-in-bf16`` (Megatron) makes ``--optimizer auto`` ``adam`` (bf16 gradients);
+    ``--fp8-param-gather`` keeps the weights quantized where the profile's GEMMs are; a config whose
+    GEMMs run in another precision than the profile's is said (its time and memory are the profile's).
+    """
+    update, findings = {}, []
+    if optimizer_auto and config.gradient_reduce_dtype == "bf16" and settings.optimizer == "adam-fp32-grads":
+        update["optimizer"] = "adam"
+    made = getattr(profile, "precision", None)
+    if config.quantized_params and made is not None:
+        update["fp8_param_gather"] = True
+    if config.precision != made:
+        runs, has = config.precision or "bf16", made or "bf16"
+        findings.append(Finding(
+            "precision", "warning", f"precision {runs}",
+            f"the config's GEMMs run in {runs}, the profile's in {has}: time and memory here are {has}'s",
+            f"profile with --precision {runs} (pipeplan profile --analytic ... --precision {runs})"))
+    return (settings.model_copy(update=update) if update else settings), findings
 
 
 def doctor_file(launcher: str, path: str | Path, profile_path: str | Path, settings, *,
@@ -148,8 +172,10 @@ def doctor_file(launcher: str, path: str | Path, profile_path: str | Path, setti
     if options.cluster is not None:
         cluster = resolve_cluster(options.cluster)
     config, layout = read_config(launcher, path, profile, options)
+    settings, precision_findings = launcher_precision(config, profile, settings, options.optimizer_auto)
     result = diagnose(config, layout, profile, settings, profile_sha256=file_sha256(profile_path), cluster=cluster,
                       search_layouts=options.search_layouts)
+    result.findings[:0] = precision_findings
     outputs: dict[str | Path, str] = {}
     if fix_output is not None:
         if result.best is None:
@@ -178,8 +204,10 @@ def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: 
     BadInputError
         Bad options or files (exit 2).
     """
+    optimizer_auto = optimizer == "auto"
     if optimizer == "auto":
-        # Megatron-LM keeps fp32 main gradients in 16-bit training (--accumulate-allreduce-grads-in-fp32).
+        # Megatron-LM keeps fp32 main gradients in 16-bit training (--accumulate-allreduce-grads-in-fp32)
+        # unless the script says --grad-reduce-in-bf16 (launcher_precision).
         optimizer = "adam-fp32-grads" if launcher == "megatron" else "adam"
     if optimizer not in OPTIMIZERS:
         raise BadInputError(f"--optimizer: {optimizer!r} is not one of auto, {', '.join(OPTIMIZERS)}")
@@ -219,7 +247,7 @@ def run_doctor_command(launcher: str, config_path, profile_path, *, memory_cap: 
                             activation_checkpoint_interval=checkpoint_interval, tensor_degree=tensor_degree,
                             ep_size=ep_size,
                             cluster=cluster,
-                            search_layouts=search_layouts)
+                            search_layouts=search_layouts, optimizer_auto=optimizer_auto)
     result, text, written = doctor_file(launcher, config_path, profile_path, settings, options=options,
                                         fix_output=fix_output, output_format=output_format, junit_path=junit)
     return text, written, result.exit_code

@@ -53,11 +53,13 @@ class RankMemory:
     expert_bytes: int = 0
     """Mixture of experts: the routed experts' weights, gradients and optimizer state it holds
     (1 / E of them); the other parts are then the dense layers'."""
+    quantized_weight_bytes: int = 0
+    """A quantized precision's weight copies (pipeplan.facts.training_state)."""
 
     @property
     def planned_bytes(self) -> int:
         return (self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.expert_bytes
-                + self.activation_bytes)
+                + self.quantized_weight_bytes + self.activation_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -87,23 +89,26 @@ def rank_memory(plan: Plan, profile, cluster) -> tuple[RankMemory, ...]:
     out = []
     for r in sorted(plan.ranks, key=lambda r: r.rank):
         stages = [s for s in plan.stages if s.rank == r.rank]
-        weights = gradients = optimizer = static = gathered = experts = 0
+        weights = gradients = optimizer = static = gathered = experts = quantized = 0
         for s in stages:
             if s.expert_state_bytes is not None:
                 # A mixture-of-experts plan's stage: its dense parts and its experts, as the search split them.
                 weights, gradients = weights + s.weight_bytes, gradients + s.gradient_bytes
                 optimizer, experts = optimizer + s.optimizer_bytes, experts + s.expert_state_bytes
+                quantized += s.quantized_weight_bytes or 0
                 continue
             own = stage_state_memory(plan, s, profile.dtype_bytes)
+            quantized += own.quantized_weight_bytes
             gathered = max(gathered, (s.weight_bytes or own.weight_bytes) - own.weight_bytes)
             weights += own.weight_bytes
             gradients += s.gradient_bytes if s.gradient_bytes is not None else own.gradient_bytes
             optimizer += s.optimizer_bytes if s.optimizer_bytes is not None else own.optimizer_bytes
-        static = weights + gradients + optimizer + experts
+        static = weights + gradients + optimizer + experts + quantized
         activations = max(0, r.peak_memory_bytes - static)
         planned = static + gathered + activations
         out.append(RankMemory(rank=r.rank, weight_bytes=weights + gathered, gradient_bytes=gradients,
                               optimizer_bytes=optimizer, activation_bytes=activations, expert_bytes=experts,
+                              quantized_weight_bytes=quantized,
                               reserve_bytes=reserve_bytes(planned, cluster.reserve_bytes, cluster.fragmentation)))
     return tuple(out)
 

@@ -59,6 +59,14 @@ class LauncherConfig:
     """The ZeRO stage the launcher runs: Megatron's distributed optimizer is 1, DeepSpeed's
     ``zero_optimization.stage`` as given, torchtitan's FSDP (``data_parallel_shard_degree`` above 1) 3."""
     sequence_parallel: bool = False
+    precision: str | None = None
+    """The GEMMs' recipe the launcher trains with (``fp8``, ``mxfp8``, ``nvfp4``:
+    :mod:`pipeplan.facts.precision`); None: the training dtype (bf16)."""
+    quantized_params: bool = False
+    """The weights kept quantized (Megatron's ``--fp8-param-gather`` / ``--fp4-param-gather``)."""
+    gradient_reduce_dtype: str | None = None
+    """``bf16`` where the launcher reduces gradients in bf16 (Megatron's ``--grad-reduce-in-bf16``);
+    None: its default."""
     """Megatron's sequence parallelism (``--sequence-parallel``; torchtitan's tensor parallelism
     always shards the norms' activations this way)."""
     settings: dict[str, str] = field(default_factory=dict)

@@ -97,6 +97,21 @@ def _deepspeed_partitioners():
         return partition_uniform, partition_balanced, "pipeplan's restatement"
 
 
+def _from_export(export: dict, parts, interval, ep_size: int, tensor_degree: int, num_stages):
+    """pipeplan's own DeepSpeed export: its ds_config, and the PipelineModule arguments, expert
+    and tensor degrees written beside it (options given on the command line win)."""
+    if parts is None and num_stages is None and isinstance(export.get("parts"), list):
+        parts = [int(x) for x in export["parts"] if isinstance(x, int)]
+    if interval is None:
+        written = (export.get("pipeline_module") or {}).get("activation_checkpoint_interval")
+        interval = written if isinstance(written, int) else None
+    if ep_size == 1 and isinstance(export.get("moe"), dict) and isinstance(export["moe"].get("ep_size"), int):
+        ep_size = export["moe"]["ep_size"]
+    if tensor_degree == 1 and isinstance((export.get("topology") or {}).get("num_mp"), int):
+        tensor_degree = export["topology"]["num_mp"]
+    return dict(export["ds_config"]), parts, interval, ep_size, tensor_degree
+
+
 def parse_deepspeed(path: str, text: str, *, num_stages: int | None = None, partition_method: str | None = None,
                     parts: list[int] | None = None, activation_checkpoint_interval: int | None = None,
                     world_size: int | None = None, tensor_degree: int = 1, ep_size: int = 1) -> LauncherConfig:
@@ -132,6 +147,10 @@ def parse_deepspeed(path: str, text: str, *, num_stages: int | None = None, part
     data = parse_json_text(text, path)
     if not isinstance(data, dict):
         raise BadInputError(f"{path}: a ds_config is a JSON object, not {type(data).__name__}")
+    if isinstance(data.get("pipeplan"), dict) and isinstance(data.get("ds_config"), dict):
+        data, parts, activation_checkpoint_interval, ep_size, tensor_degree = _from_export(
+            data, parts, activation_checkpoint_interval, ep_size, tensor_degree,
+            num_stages)
     # DeepSpeed reads a null batch key as not set (its config getters default on None).
     data = {k: v for k, v in data.items() if not (k in _INT_KEYS and v is None)}
     for key in _INT_KEYS:

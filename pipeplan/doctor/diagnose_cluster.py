@@ -44,6 +44,7 @@ def _gib(n: float) -> str:
 
 def _memory_text(r) -> str:
     experts = f" + experts {_gib(r.expert_bytes)}" if r.expert_bytes else ""
+    experts += f" + quantized weight copies {_gib(r.quantized_weight_bytes)}" if r.quantized_weight_bytes else ""
     return (f"weights {_gib(r.weight_bytes)} + gradients {_gib(r.gradient_bytes)} + optimizer "
             f"{_gib(r.optimizer_bytes)}{experts} + activations {_gib(r.activation_bytes)} + reserve "
             f"{_gib(r.reserve_bytes)} GiB")
@@ -204,9 +205,11 @@ def _layout_gap_findings(result, global_batch: int) -> list:
         return []
     mine = result.plan if result.plan is not None else result.best
     par = best_any.parallelism
-    what = (f"d={par.data} x t={par.tensor} x p={par.pipeline}, ZeRO {par.zero_stage}, {best_any.schedule}"
-            + (f" v = {best_any.virtual_stages}" if best_any.virtual_stages > 1 else "")
-            + f", {best_any.num_microbatches} micro-batches of {best_any.microbatch_size} per replica")
+    what = (f"d={par.data} x t={par.tensor} x p={par.pipeline}, ZeRO {par.zero_stage}, "
+            + (f"{best_any.schedule}" + (f" v = {best_any.virtual_stages}" if best_any.virtual_stages > 1 else "")
+               + f", {best_any.num_microbatches} micro-batches" if par.pipeline > 1
+               else f"no pipeline, {best_any.num_microbatches} batches")
+            + f" of {best_any.microbatch_size} per replica")
     same = (par.data, par.tensor, par.pipeline) == (config.data_degree or 1, config.tensor_degree, config.pipeline_degree)
     if mine is None or same:
         return []

@@ -20,7 +20,7 @@ from pipeplan.doctor.config import LauncherConfig, Layout, LayoutStage, Problem
 from pipeplan.doctor.shell import read_script
 from pipeplan.errors import BadInputError
 
-__all__ = ["parse_megatron", "megatron_layout_of", "MEGATRON_INT_FLAGS"]
+__all__ = ["megatron_precision", "parse_megatron", "megatron_layout_of", "MEGATRON_INT_FLAGS"]
 
 #: Flags doctor reads that take an integer.
 MEGATRON_INT_FLAGS = (
@@ -29,15 +29,23 @@ MEGATRON_INT_FLAGS = (
     "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
     "--micro-batch-size", "--global-batch-size", "--recompute-num-layers", "--context-parallel-size",
     "--microbatch-group-size-per-virtual-pipeline-stage", "--seq-length", "--expert-model-parallel-size",
+    "--fp8-amax-history-len",
 )
 _CHOICE_FLAGS = {
     "--recompute-granularity": ("full", "selective"),
     "--recompute-method": ("uniform", "block"),
+    # Megatron-LM's _add_transformer_engine_args.
+    "--fp8-format": ("e4m3", "hybrid"),
+    "--fp8-recipe": ("tensorwise", "delayed", "mxfp8", "blockwise"),
+    "--fp8-amax-compute-algo": ("most_recent", "max"),
+    "--fp4-format": ("e2m1",),
+    "--fp4-recipe": ("nvfp4",),
 }
 _STR_FLAGS = ("--pipeline-model-parallel-layout",)
 _BOOL_FLAGS = (
     "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
     "--use-distributed-optimizer", "--sequence-parallel", "--recompute-activations", "--fp16", "--bf16",
+    "--fp8-param-gather", "--fp4-param-gather", "--grad-reduce-in-bf16",
 )
 _MULTI_FLAGS = {"--rampup-batch-size": 3}
 _LAUNCHERS = ("torchrun", "python", "python3", "deepspeed")
@@ -69,6 +77,11 @@ def _launch_command(script) -> tuple[list[str], list[str]]:
                for w in words):
             best = words
     if best is None:
+        # pipeplan's own Megatron export (or a file like it) defines the flags as an array for
+        # the user's command and runs nothing: read the array that holds them.
+        for name, words in script.arrays.items():
+            if any(w in ("--num-layers", "--pipeline-model-parallel-size") for w in words):
+                return [], list(words)
         return [], []
     for i, word in enumerate(best):
         if word.endswith(".py"):
@@ -124,6 +137,18 @@ def _int(path: str, flags: dict[str, str], name: str, default: int | None = None
             if raw == "" else ""
         raise BadInputError(f"{path}: {name}: {raw!r} is not a non-negative integer{hint}")
     return int(raw)
+
+
+def megatron_precision(flags: dict[str, str]) -> str | None:
+    """The recipe Megatron-LM's flags train with (:mod:`pipeplan.facts.precision`):
+    ``--fp4-format`` is nvfp4; ``--fp8-format`` with ``--fp8-recipe mxfp8`` is mxfp8, with the
+    per-tensor recipes (``delayed``, Megatron's default, and ``tensorwise``) and ``blockwise`` fp8
+    (costed alike: one byte per element); neither: the dtype (None)."""
+    if flags.get("--fp4-format"):
+        return "nvfp4"
+    if flags.get("--fp8-format"):
+        return "mxfp8" if flags.get("--fp8-recipe") == "mxfp8" else "fp8"
+    return None
 
 
 def parse_megatron(path: str, text: str, *, variables: dict[str, str] | None = None,
@@ -211,6 +236,9 @@ def parse_megatron(path: str, text: str, *, variables: dict[str, str] | None = N
         sharded_optimizer="--use-distributed-optimizer" in flags,
         zero_stage=1 if "--use-distributed-optimizer" in flags else 0,
         sequence_parallel="--sequence-parallel" in flags, settings=settings,
+        precision=megatron_precision(flags),
+        quantized_params="--fp8-param-gather" in flags or "--fp4-param-gather" in flags,
+        gradient_reduce_dtype="bf16" if "--grad-reduce-in-bf16" in flags else None,
     )
 
 

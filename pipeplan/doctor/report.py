@@ -67,9 +67,11 @@ def _summary(result: Diagnosis) -> list[str]:
                      + (f" (ZeRO {b.parallelism.zero_stage})" if b.parallelism is not None else ""))
     if result.best_any is not None:
         b, par = result.best_any, result.best_any.parallelism
+        shape = (f"{b.schedule}, v = {b.virtual_stages}, {b.num_microbatches} micro-batches" if par.pipeline > 1
+                 else f"no pipeline, {b.num_microbatches} batches")
         lines.append(f"best plan for the same {par.num_gpus} GPUs: d={par.data} x t={par.tensor} x p={par.pipeline}, "
-                     f"ZeRO {par.zero_stage}, {b.schedule}, v = {b.virtual_stages}, {b.num_microbatches} "
-                     f"micro-batches of {b.microbatch_size} per replica, predicted {b.predicted.iteration_ms:.6g} ms")
+                     f"ZeRO {par.zero_stage}, {shape} of {b.microbatch_size} per replica, predicted "
+                     f"{b.predicted.iteration_ms:.6g} ms")
     return lines
 
 
@@ -79,9 +81,11 @@ _MEMORY_HEADER = ("rank", "weights", "gradients", "optimizer", "activations", "r
 def _memory_header(result: Diagnosis) -> tuple[str, ...]:
     """The memory table's columns: an "experts" part for a mixture-of-experts layout."""
     cost = result.cluster_cost
-    if cost is None or not any(r.expert_bytes for r in cost.memory):
+    if cost is None:
         return _MEMORY_HEADER
-    return (*_MEMORY_HEADER[:4], "experts", *_MEMORY_HEADER[4:])
+    quantized = ("quantized copies",) if any(r.quantized_weight_bytes for r in cost.memory) else ()
+    experts = ("experts",) if any(r.expert_bytes for r in cost.memory) else ()
+    return (*_MEMORY_HEADER[:2], *quantized, *_MEMORY_HEADER[2:4], *experts, *_MEMORY_HEADER[4:])
 
 
 def _memory_rows(result: Diagnosis) -> list[tuple[str, ...]]:
@@ -90,7 +94,10 @@ def _memory_rows(result: Diagnosis) -> list[tuple[str, ...]]:
     if cost is None:
         return []
     moe = any(r.expert_bytes for r in cost.memory)
-    return [(str(r.rank), format_bytes(r.weight_bytes), format_bytes(r.gradient_bytes), format_bytes(r.optimizer_bytes),
+    quantized = any(r.quantized_weight_bytes for r in cost.memory)
+    return [(str(r.rank), format_bytes(r.weight_bytes),
+             *((format_bytes(r.quantized_weight_bytes),) if quantized else ()),
+             format_bytes(r.gradient_bytes), format_bytes(r.optimizer_bytes),
              *((format_bytes(r.expert_bytes),) if moe else ()),
              format_bytes(r.activation_bytes), format_bytes(r.reserve_bytes), format_bytes(r.total_bytes),
              format_bytes(cost.cap_bytes) + (" OVER" if r.total_bytes > cost.cap_bytes else ""))
@@ -125,7 +132,8 @@ def as_dict(result: Diagnosis) -> dict:
                    "virtual_stages": c.virtual_stages, "schedule": c.schedule, "tensor_degree": c.tensor_degree,
                    "data_degree": c.data_degree, "microbatch_size": c.microbatch_size,
                    "num_microbatches": c.num_microbatches, "recompute": c.recompute, "zero_stage": c.zero_stage,
-                   "sequence_parallel": c.sequence_parallel},
+                   "sequence_parallel": c.sequence_parallel,
+                   **({"precision": c.precision} if c.precision else {})},
         "layout": [{"index": s.index, "rank": s.rank, "vstage": s.vstage, "units": list(s.units)}
                    for s in result.layout.stages],
         "findings": [f.__dict__ for f in _findings(result)],
@@ -136,6 +144,7 @@ def as_dict(result: Diagnosis) -> dict:
             {"rank": r.rank, "weight_bytes": r.weight_bytes, "gradient_bytes": r.gradient_bytes,
              "optimizer_bytes": r.optimizer_bytes, "activation_bytes": r.activation_bytes,
              **({"expert_bytes": r.expert_bytes} if r.expert_bytes else {}),
+             **({"quantized_weight_bytes": r.quantized_weight_bytes} if r.quantized_weight_bytes else {}),
              "reserve_bytes": r.reserve_bytes, "total_bytes": r.total_bytes} for r in result.cluster_cost.memory],
         "memory_cap_bytes": None if result.cluster_cost is None else result.cluster_cost.cap_bytes,
         "speedup": result.speedup,

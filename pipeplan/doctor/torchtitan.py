@@ -18,7 +18,8 @@ from pipeplan.doctor.config import LauncherConfig, Layout, LayoutStage, Problem
 from pipeplan.errors import BadInputError
 from pipeplan.formats.reading import load_toml as load_limited_toml
 
-__all__ = ["parse_torchtitan", "torchtitan_layout_of", "load_toml", "TORCHTITAN_SCHEDULES", "llm_fqns_per_stage",
+__all__ = ["torchtitan_precision",
+           "parse_torchtitan", "torchtitan_layout_of", "load_toml", "TORCHTITAN_SCHEDULES", "llm_fqns_per_stage",
            "model_layer_count"]
 
 #: torchtitan schedule name (torch's ``get_schedule_class`` names) to pipeplan's.
@@ -38,6 +39,7 @@ _TYPES = {
     ("parallelism", "tensor_parallel_degree"): int,
     ("parallelism", "context_parallel_degree"): int,
     ("parallelism", "expert_parallel_degree"): int,
+    ("parallelism", "fsdp_reshard_after_forward"): str,
     ("parallelism", "expert_tensor_parallel_degree"): int,
     ("parallelism", "data_parallel_replicate_degree"): int,
     ("parallelism", "data_parallel_shard_degree"): int,
@@ -56,6 +58,30 @@ _TYPES = {
     ("model", "name"): str,
     ("model", "flavor"): str,
 }
+
+
+def _table(data, *keys) -> dict:
+    """A nested TOML table (``[quantize.linear.float8]``), or {} where a level is absent or not a table."""
+    for key in keys:
+        data = data.get(key) if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else {}
+
+
+def torchtitan_precision(data: dict) -> tuple[str | None, bool]:
+    """``(precision, quantized weights)`` of a job config's model converters (torchao):
+    ``quantize.linear.float8`` (0.1: ``float8``) is fp8, with
+    ``enable_fsdp_float8_all_gather`` its weights gathered in fp8; ``quantize.linear.mx`` (``mx``)
+    mxfp8; neither: the dtype (None)."""
+    converters = _table(data, "model").get("converters") or []
+    if isinstance(converters, str):
+        converters = [c.strip() for c in converters.split(",")]
+    names = {c for c in converters if isinstance(c, str)} if isinstance(converters, list) else set()
+    if names & {"quantize.linear.float8", "float8"}:
+        float8 = _table(data, "quantize", "linear", "float8") or _table(data, "float8")
+        return "fp8", float8.get("enable_fsdp_float8_all_gather") is True
+    if names & {"quantize.linear.mx", "mx"}:
+        return "mxfp8", False
+    return None, False
 
 
 def load_toml(path: str, text: str) -> dict:
@@ -175,7 +201,10 @@ def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
                             f"parallelism.pipeline_parallel_microbatch_size ({mbs}) must be at least 1")
     model_name = _get(path, data, "model", "name", "llama3")
     flavor = _get(path, data, "model", "flavor", "debugmodel")
-    layers = num_layers if num_layers is not None else model_layer_count(model_name, flavor)
+    # No [model] table: a fragment to merge into the user's job (pipeplan's own export is one),
+    # whose model is the profile's, not torchtitan's default debug model.
+    known = "model" in data
+    layers = num_layers if num_layers is not None else (model_layer_count(model_name, flavor) if known else None)
     replicate = par("data_parallel_replicate_degree", 1)
     shard = par("data_parallel_shard_degree", -1)
     if shard == -1 and world_size and world_size % (replicate * t * p * cp) == 0:
@@ -210,14 +239,31 @@ def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
         if value is not None:
             settings[f"{section}.{key}"] = repr(value) if isinstance(value, list) else str(value)
     settings["parallelism.pipeline_parallel_schedule"] = name
+    precision, quantized = torchtitan_precision(data)
     return LauncherConfig(
         launcher="torchtitan", path=path, pipeline_degree=p, virtual_stages=v, schedule=schedule,
         microbatch_size=mbs, num_microbatches=microbatches,
         tensor_degree=t, data_degree=d, context_degree=cp, expert_degree=ep, num_layers=layers,
         recompute={"full": "full", "selective": "selective", "memory_budget": "selective"}.get(mode, "none"),
-        sharded_optimizer=shard != 1, zero_stage=3 if d and shard > 1 else 0,
-        sequence_parallel=t > 1, settings=settings,
+        sharded_optimizer=shard != 1, zero_stage=_zero_stage(path, data, shard, p),
+        sequence_parallel=t > 1, settings=settings, precision=precision, quantized_params=quantized,
     )
+
+
+def _zero_stage(path: str, data: dict, shard: int, p: int) -> int:
+    """The ZeRO stage whose memory torchtitan's FSDP keeps (pipeplan.facts.launchers): "always"
+    reshards the weights after forward (ZeRO 3); "never" keeps them whole, and the gradients whole
+    until the step under a pipeline (ZeRO 1) or reduce-scattered per micro-batch (ZeRO 2);
+    "default" is "always" without a pipeline and "never" with one (parallelize.py)."""
+    if shard <= 1:
+        return 0
+    policy = _get(path, data, "parallelism", "fsdp_reshard_after_forward", "default")
+    if policy not in ("default", "always", "never"):
+        raise BadInputError(f"{path}: parallelism.fsdp_reshard_after_forward: {policy!r} is not one of default, "
+                            f"always, never")
+    if policy == "always" or (policy == "default" and p == 1):
+        return 3
+    return 1 if p > 1 else 2
 
 
 def _accumulation_steps(path: str, data: dict, local: int, d: int | None) -> int:

@@ -14,7 +14,7 @@ from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import Plan, PlanStage
 from pipeplan.facts.schedules import SCHEDULE_INFO, SCHEDULES
 
-__all__ = [
+__all__ = ["precision_notes", 
     "TORCH_SCHEDULE_NAME",
     "PipelineShape",
     "pipeline_shape",
@@ -139,6 +139,22 @@ def check_profile_matches(plan: Plan, profile, profile_sha256: str | None) -> No
             f"--profile: plan layers {missing[:5]} are not in profile {profile.model!r}; "
             f"give the profile the plan was made from"
         )
+
+
+#: The Transformer Engine recipe class of each quantized precision (pipeplan.facts.precision).
+_TE_RECIPES = {"fp8": "Float8CurrentScaling", "mxfp8": "MXFP8BlockScaling", "nvfp4": "NVFP4BlockScaling"}
+
+
+def precision_notes(plan, launcher: str) -> list[str]:
+    """For a launcher whose config has no precision setting (DeepSpeed, torch): how to run the
+    plan's quantized GEMMs, which its time and memory assume (empty for a plan in its dtype)."""
+    precision = getattr(plan.settings, "precision", None)
+    if precision is None:
+        return []
+    return [f"the plan's block GEMMs run in {precision} (docs/cost-model.md, 'Precision'); {launcher}'s config "
+            f"has no such setting: build them as Transformer Engine modules and run the forward under "
+            f"te.autocast / fp8_autocast with recipe {_TE_RECIPES[precision]}"
+            + (" and quantized weights (quantized_model_init)" if plan.settings.fp8_param_gather else "")]
 
 
 def header_lines(plan: Plan, launcher: str) -> list[str]:

@@ -18,7 +18,8 @@ split a layer over ``t`` GPUs itself (the layers must be tensor-parallel, e.g. M
 from __future__ import annotations
 
 from pipeplan.errors import BadInputError
-from pipeplan.export.common import compact_json, header_lines, pipeline_shape, tied_weight_notes
+from pipeplan.export.common import compact_json, header_lines, pipeline_shape, precision_notes, tied_weight_notes
+from pipeplan.facts.launchers import LAUNCHERS
 from pipeplan.export.degrees import degree_line, degrees_of, recompute_of
 from pipeplan.formats.plan import Plan
 
@@ -119,8 +120,9 @@ def export_deepspeed(plan: Plan, profile=None) -> str:
     for stage in shape.stages:
         parts.append(parts[-1] + len(stage.layers))
     notes = list(header_lines(plan, "DeepSpeed")) + [degree_line(degrees)]
-    if plan.schedule not in ("1f1b", "gpipe"):
+    if plan.schedule not in LAUNCHERS["deepspeed"].schedules:
         notes.append(f"DeepSpeed runs its own 1F1B-like TrainSchedule; the plan's numbers are for {plan.schedule}")
+    notes += precision_notes(plan, "DeepSpeed")
     zero = _zero(degrees, notes)
     interval = _activation_checkpoint_interval(plan, notes)
     notes += tied_weight_notes(plan, profile, "deepspeed")

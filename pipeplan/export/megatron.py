@@ -27,10 +27,11 @@ import shlex
 from pipeplan.errors import BadInputError
 from pipeplan.export.common import check_profile_matches, header_lines, pipeline_shape, tied_weight_notes
 from pipeplan.export.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
+from pipeplan.facts.precision import get_precision
 from pipeplan.formats.plan import Plan
 from pipeplan.facts.schedules import megatron_interleaved_refusal as interleaved_refusal
 
-__all__ = ["export_megatron", "megatron_layout", "expand_layout", "interleaved_refusal"]
+__all__ = ["export_megatron", "precision_flags", "megatron_layout", "expand_layout", "interleaved_refusal"]
 
 
 def _compress_stage(symbols: list[str]) -> str:
@@ -223,6 +224,21 @@ def _expert_flags(plan: Plan, profile) -> list[tuple[str, str | None]]:
     return flags
 
 
+def precision_flags(plan: Plan) -> list[tuple[str, str | None]]:
+    """The plan's precision as Megatron-LM's Transformer Engine flags (its
+    ``_add_transformer_engine_args``): ``--fp8-format``/``--fp8-recipe`` (fp8: ``hybrid`` +
+    ``tensorwise``, current scaling; mxfp8: ``e4m3`` + ``mxfp8``) or ``--fp4-format e2m1
+    --fp4-recipe nvfp4``, and ``--fp8-param-gather`` / ``--fp4-param-gather`` for quantized
+    weights (:mod:`pipeplan.facts.precision`). None for a plan in its dtype."""
+    precision = plan.settings.precision
+    if precision is None:
+        return []
+    flags = list(get_precision(precision).megatron_flags)
+    if plan.settings.fp8_param_gather:
+        flags.append(("--fp4-param-gather" if precision == "nvfp4" else "--fp8-param-gather", None))
+    return flags
+
+
 def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -> str:
     """The plan as a bash array of Megatron-LM flags.
 
@@ -308,7 +324,7 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
     flags.append(("--num-layers", str(num_layers)))
     if degrees.sequence_parallel:
         flags.append(("--sequence-parallel", None))
-    flags += optimizer + recompute + _expert_flags(plan, profile)
+    flags += optimizer + recompute + _expert_flags(plan, profile) + precision_flags(plan)
     flags += [
         ("--micro-batch-size", str(degrees.microbatch_size)),
         ("--global-batch-size", str(degrees.global_batch)),
@@ -316,6 +332,14 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
     if profile.sequence_length:
         # The sequence the plan's costs and memory were profiled at (Megatron-LM has no default).
         flags.append(("--seq-length", str(profile.sequence_length)))
+    # The profile's training precision: Megatron-LM trains in fp32 without one of these.
+    precision = {"bf16": "--bf16", "fp16": "--fp16"}.get(getattr(profile, "dtype", None))
+    if precision:
+        flags.append((precision, None))
+    if precision == "--bf16" and plan.settings.optimizer == "adam":
+        # The plan keeps 16-bit gradients; Megatron-LM keeps fp32 main gradients for bf16 unless
+        # told (megatron/training/arguments.py: accumulate_allreduce_grads_in_fp32).
+        flags.append(("--grad-reduce-in-bf16", None))
     lines.append("PIPEPLAN_MEGATRON_ARGS=(")
     lines += [f"    {flag}" + ("" if value is None else f" {shlex.quote(value)}") for flag, value in flags]
     lines.append(")")

@@ -8,7 +8,8 @@ See docs/launchers.md.
 
 from __future__ import annotations
 
-from pipeplan.export.common import compact_json, TORCH_SCHEDULE_NAME, header_lines, pipeline_shape, tied_weight_notes
+from pipeplan.export.common import (compact_json, TORCH_SCHEDULE_NAME, header_lines, pipeline_shape, precision_notes,
+                                    tied_weight_notes)
 from pipeplan.export.degrees import degree_line, degrees_of
 from pipeplan.formats.plan import Plan
 from pipeplan.facts.schedules import TORCH_SCHEDULE_CLASS
@@ -47,7 +48,7 @@ def export_torch(plan: Plan, profile=None) -> str:
         notes.append("torch.distributed.pipelining builds one pipeline: apply tensor parallelism to each stage's "
                      "module (parallelize_module) and wrap it for the data-parallel replicas (fully_shard for ZeRO "
                      "1-3, replicate/DDP for ZeRO 0) yourself; n_microbatches is per replica")
-    notes += tied_weight_notes(plan, profile, "torch")
+    notes += tied_weight_notes(plan, profile, "torch") + precision_notes(plan, "torch")
     data = {
         "pipeplan": {"launcher": "torch", "model": plan.profile.model,
                      "profile_sha256": plan.profile.sha256, "notes": notes},

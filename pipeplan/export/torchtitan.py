@@ -184,6 +184,33 @@ def _expert_lines(plan: Plan) -> list[str]:
     return [f"expert_parallel_degree = {par.expert}", f"expert_tensor_parallel_degree = {etp}"]
 
 
+def _precision_lines(plan: Plan, notes: list[str]) -> list[str]:
+    """The plan's precision as torchtitan's model converters (torchao): fp8 as
+    ``quantize.linear.float8`` with the tensorwise (current scaling) recipe, mxfp8 as
+    ``quantize.linear.mx`` (``mxfp8_cublas``), the output head left in bf16 as planned; quantized
+    weights (``--fp8-param-gather``) as ``enable_fsdp_float8_all_gather``. NVFP4 has no torchtitan
+    converter (0.2): refused."""
+    precision = plan.settings.precision
+    if precision is None:
+        return []
+    gather = bool(plan.settings.fp8_param_gather)
+    if precision == "nvfp4" or (precision == "mxfp8" and gather):
+        what = "NVFP4 training" if precision == "nvfp4" else "an MXFP8 all-gather (enable_fsdp_float8_all_gather is fp8's)"
+        raise BadInputError(f"plan: torchtitan has no {what}; export --format megatron, or re-plan "
+                            + ("a profile made with --precision fp8 or mxfp8" if precision == "nvfp4"
+                               else "without --fp8-param-gather"))
+    notes.append("torchtitan's float8/mx linears (torchao) cast the weights every micro-batch and keep no copies, "
+                 "and save the inputs in bf16: less weight memory, more activation memory than the Transformer "
+                 "Engine accounting this plan was costed with (docs/cost-model.md, 'Precision')")
+    if precision == "fp8":
+        table = ["", "[quantize.linear.float8]", 'recipe_name = "tensorwise"', 'filter_fqns = ["output"]']
+        if gather:
+            table += ["enable_fsdp_float8_all_gather = true", "precompute_float8_dynamic_scale_for_fsdp = true"]
+        return ["", "[model]", 'converters = ["quantize.linear.float8"]', *table]
+    return ["", "[model]", 'converters = ["quantize.linear.mx"]',
+            "", "[quantize.linear.mx]", 'recipe_name = "mxfp8_cublas"', 'filter_fqns = ["output"]']
+
+
 def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profile=None) -> str:
     """The plan as torchtitan TOML (``[parallelism]``, ``[training]`` and ``[activation_checkpoint]``).
 
@@ -243,6 +270,7 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profi
     notes: list[str] = []
     replicate, shard, reshard = _data_parallel(plan, degrees, notes)
     checkpoint = _activation_checkpoint(plan, notes)
+    precision = _precision_lines(plan, notes)
     notes += tied_weight_notes(plan, profile, "torchtitan")
     if degrees.tensor > 1 and not degrees.sequence_parallel:
         notes.append("torchtitan's tensor parallelism always shards the norms' sequence (sequence parallel): "
@@ -294,5 +322,5 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profi
     if profile is not None and profile.sequence_length:
         # The sequence the plan was profiled at; without it torchtitan trains at its default, 2048.
         lines.append(f"seq_len = {profile.sequence_length}")
-    lines += ["", "[activation_checkpoint]", *checkpoint]
+    lines += ["", "[activation_checkpoint]", *checkpoint, *precision]
     return "\n".join(lines) + "\n"

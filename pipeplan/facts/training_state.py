@@ -25,15 +25,39 @@ The optimizer step is memory-bound. Per parameter of the rank's shard it touches
   fp32 training the update steps the weights in place instead (read and written, 2 w);
 - with fp16 loss scaling (:func:`optimizer_step_ms`'s ``loss_scaling``): unscaling the gradients
   and checking them for inf/nan, read and written once (2 x gradient bytes).
+
+A quantized ``--precision`` (:mod:`pipeplan.facts.precision`, ``q`` bytes per quantized element)
+adds Transformer Engine's quantized weight copies, a part of their own
+(:attr:`TrainingState.quantized_weight_bytes`):
+
+    bf16 weights (default)    weights w, copies 2 q (row-wise and column-wise, kept across
+                              micro-batches); the step re-casts them: + (w + 2 q)
+    --fp8-param-gather        weights q (the row-wise copy is the parameter), copies q (the
+                              column-wise one); the step writes q instead of w and the
+                              transpose: + 2 q
+
+so fp8 adds 2 bytes per parameter to ``adam``'s 16 without the gather (18), none with it (1 + 1 for the 2).
+They are counted on every parameter (the embedding and the output head, which stay bf16 and keep
+no copies, are counted as if they did: an overestimate of ``2 q`` per parameter of theirs without
+the gather, none with it). ZeRO 3 shards them as the weights.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
-__all__ = ["OPTIMIZERS", "TrainingState", "training_state", "optimizer_step_ms",
+from pipeplan.facts.precision import precision_or_default
+
+__all__ = ["precision_of", "OPTIMIZERS", "TrainingState", "training_state", "optimizer_step_ms",
            "ZERO_STAGES", "StateMemory", "state_memory", "state_bytes_per_param_byte"]
+
+def precision_of(settings) -> tuple[Optional[str], bool]:
+    """``(precision, quantized_params)`` of plan settings (``PlanSettings.precision`` and
+    ``fp8_param_gather``), the two arguments :func:`training_state` takes after the dtype."""
+    return getattr(settings, "precision", None), bool(getattr(settings, "fp8_param_gather", None))
+
 
 #: The ``--optimizer`` values.
 OPTIMIZERS = ("adam", "adam-fp32-grads", "sgd", "none")
@@ -51,13 +75,16 @@ class TrainingState:
     """fp32 master weights (16-bit training) and the optimizer's moments (ZeRO 1 shards them)."""
     step_bytes: float
     """Bytes the optimizer step reads and writes per parameter of its shard."""
+    quantized_weight_bytes: float = 0
+    """A quantized ``--precision``'s weight copies (Transformer Engine's; module docstring)."""
 
     @property
     def total_bytes(self) -> float:
-        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
+        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.quantized_weight_bytes
 
 
-def training_state(optimizer: str, dtype_bytes: int) -> TrainingState:
+def training_state(optimizer: str, dtype_bytes: int, precision: Optional[str] = None,
+                   quantized_params: bool = False) -> TrainingState:
     """Bytes per parameter of ``optimizer`` training in a dtype of ``dtype_bytes``.
 
     Parameters
@@ -65,6 +92,10 @@ def training_state(optimizer: str, dtype_bytes: int) -> TrainingState:
     optimizer : {"adam", "adam-fp32-grads", "sgd", "none"}
     dtype_bytes : int
         2 for bf16/fp16, 4 for fp32.
+    precision : str, optional
+        The profile's ``--precision`` (None or ``bf16``: no quantized copies).
+    quantized_params : bool
+        ``--fp8-param-gather``: the weights are kept quantized (module docstring).
 
     Raises
     ------
@@ -83,6 +114,12 @@ def training_state(optimizer: str, dtype_bytes: int) -> TrainingState:
     12
     >>> training_state("none", 2).total_bytes
     4
+    >>> fp8 = training_state("adam", 2, "fp8")               # + fp8 copy and its transpose
+    >>> fp8.quantized_weight_bytes, fp8.total_bytes, fp8.step_bytes - 38
+    (2.0, 18.0, 4.0)
+    >>> gather = training_state("adam", 2, "fp8", quantized_params=True)   # --fp8-param-gather
+    >>> gather.weight_bytes, gather.quantized_weight_bytes, gather.total_bytes, gather.step_bytes - 38
+    (1.0, 1.0, 16.0, 1.0)
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
@@ -95,7 +132,14 @@ def training_state(optimizer: str, dtype_bytes: int) -> TrainingState:
     state = master + moments
     # Module docstring: clipping (3 grad), the update (2 state + grad), the weight copy.
     step = 3 * grad + 2 * state + grad + (4 + w if master else 2 * w)
-    return TrainingState(w, grad, state, step)
+    recipe = precision_or_default(precision)
+    if not recipe.quantized:
+        return TrainingState(w, grad, state, step)
+    q = recipe.operand_bytes
+    if quantized_params:
+        # The step writes the q-byte parameter instead of the w-byte copy, then its transpose.
+        return TrainingState(q, grad, state, step - w + q + 2 * q, quantized_weight_bytes=q)
+    return TrainingState(w, grad, state, step + w + 2 * q, quantized_weight_bytes=2 * q)
 
 
 def optimizer_step_ms(shard_params: float, state: TrainingState, hbm_bytes_per_s: float,
@@ -145,10 +189,12 @@ class StateMemory:
     weight_bytes: int
     gradient_bytes: int
     optimizer_bytes: int
+    quantized_weight_bytes: int = 0
+    """A quantized ``--precision``'s weight copies (sharded as the weights)."""
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
+        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.quantized_weight_bytes
 
 
 def state_memory(params: float, state: TrainingState, zero_stage: int, data_parallel: int) -> StateMemory:
@@ -193,11 +239,13 @@ def state_memory(params: float, state: TrainingState, zero_stage: int, data_para
         weight_bytes=part(state.weight_bytes, zero_stage >= 3),
         gradient_bytes=part(state.gradient_bytes, zero_stage >= 2),
         optimizer_bytes=part(state.optimizer_bytes, zero_stage >= 1),
+        quantized_weight_bytes=part(state.quantized_weight_bytes, zero_stage >= 3) if state.quantized_weight_bytes else 0,
     )
 
 
 def state_bytes_per_param_byte(optimizer: str, dtype_bytes: int, zero_stage: int = 0,
-                               data_parallel: int = 1) -> float:
+                               data_parallel: int = 1, precision: Optional[str] = None,
+                               quantized_params: bool = False) -> float:
     """Training state one GPU holds per byte of its parameters: the cost model's static factor.
 
     With ``zero_stage = 0`` it is the pipeline planner's long-standing factor (16 bytes per
@@ -214,9 +262,11 @@ def state_bytes_per_param_byte(optimizer: str, dtype_bytes: int, zero_stage: int
     """
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage: {zero_stage} is not one of 0, 1, 2, 3")
-    state = training_state(optimizer, dtype_bytes)
+    state = training_state(optimizer, dtype_bytes, precision, quantized_params)
     d = float(data_parallel)
     per_param = (state.weight_bytes / (d if zero_stage >= 3 else 1.0)
                  + state.gradient_bytes / (d if zero_stage >= 2 else 1.0)
                  + state.optimizer_bytes / (d if zero_stage >= 1 else 1.0))
+    if state.quantized_weight_bytes:
+        per_param += state.quantized_weight_bytes / (d if zero_stage >= 3 else 1.0)
     return per_param / float(dtype_bytes)

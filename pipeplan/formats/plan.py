@@ -24,6 +24,7 @@ from pipeplan.formats.limits import (Bandwidth, Count, FiniteFloat, Fraction, Mi
 # Schedule names, one per torch.distributed.pipelining class; the records (torch class,
 # stages per rank, placement) are pipeplan.facts.schedules.SCHEDULE_INFO.
 from pipeplan.facts.schedules import SCHEDULES
+from pipeplan.formats.profile import PRECISION_NAMES
 
 __all__ = [
     "SCHEDULES",
@@ -202,6 +203,18 @@ class PlanSettings(_Strict):
         default=None, ge=1, le=64,
         description="--expert-imbalance: the busiest rank's routed tokens over the balanced share (>= 1); "
                     "null: 1 (balanced routing).")
+    precision: Optional[Literal[PRECISION_NAMES]] = Field(
+        default=None,
+        description="The profile's precision (how its GEMMs ran: fp8, mxfp8, nvfp4), recorded from it: it sets "
+                    "the quantized weight copies (pipeplan.facts.training_state); null: bf16 throughout.")
+    fp8_param_gather: Optional[bool] = Field(
+        default=None,
+        description="--fp8-param-gather (a quantized precision): the weights are kept quantized (Megatron-LM's "
+                    "--fp8-param-gather, torchtitan's enable_fsdp_float8_all_gather) and gathered so; null: no.")
+    compare: Optional[list[Text]] = Field(
+        default=None,
+        description="--compare: layouts to plan beside the winner, each 'd=..,t=..,p=..' with optional "
+                    "zero=.., mbs=.. and e=..; null: none.")
     expert_data_parallel: Optional[PositiveCount] = Field(
         default=None,
         description="Internal: the expert-data-parallel degree t x d / (E x ETP) of one replica's cost model "
@@ -278,6 +291,9 @@ class PlanStage(_Strict):
     weight_bytes: Optional[PlanBytes] = Field(default=None, description="Weights held (ZeRO 3: the shard and the gathered units).")
     gradient_bytes: Optional[PlanBytes] = Field(default=None, description="Gradients held (ZeRO 2-3: the shard).")
     optimizer_bytes: Optional[PlanBytes] = Field(default=None, description="Optimizer state held (ZeRO 1-3: the shard).")
+    quantized_weight_bytes: Optional[PlanBytes] = Field(
+        default=None, description="A quantized precision's weight copies held (Transformer Engine's row-wise and "
+                                  "column-wise fp8/mxfp8/nvfp4 copies; ZeRO 3: the shard); null: none.")
     peak_activation_bytes: Optional[PlanBytes] = Field(default=None, description="Activations at the stage's peak.")
     expert_state_bytes: Optional[PlanBytes] = Field(
         default=None, description="Mixture-of-experts plans: the routed experts' weights, gradients and optimizer "
@@ -317,6 +333,9 @@ class Predicted(_Strict):
         default=None, description="Mixture of experts: the combine all-to-alls (forward and backward).")
     shared_expert_ms: Optional[PlanMs] = Field(
         default=None, description="Mixture of experts: the shared experts' MLP.")
+    quantize_ms: Optional[PlanMs] = Field(
+        default=None, description="A quantized precision (settings.precision): the casts of the GEMMs' inputs and "
+                                  "output gradients outside the experts' parts; null: none.")
     tokens_per_second_per_gpu: Optional[NonNegativeFloat] = Field(default=None, description="Training throughput per GPU.")
     model_flops_utilization: Optional[FiniteFloat] = Field(
         default=None, ge=0, description="Model FLOPs per iteration (no recompute) over the GPUs' peak (MFU).")
@@ -350,6 +369,17 @@ class Alternative(_Strict):
                                   "predicted time; iteration_ms is then null). Null where it was planned.")
     peak_memory_bytes: Optional[PlanBytes] = None
     reason: Text
+    # --- cluster runners-up and --compare layouts (null in pipeline-only plans) ---
+    data: Optional[PositiveCount] = Field(default=None, description="Cluster plans: the layout's data-parallel degree d.")
+    tensor: Optional[PositiveCount] = Field(default=None, description="Cluster plans: the layout's tensor-parallel degree t.")
+    pipeline: Optional[PositiveCount] = Field(default=None, description="Cluster plans: the layout's pipeline ranks p.")
+    expert: Optional[PositiveCount] = Field(default=None, description="Mixture-of-experts cluster plans: E.")
+    zero_stage: Optional[int] = Field(default=None, ge=0, le=3, description="Cluster plans: the ZeRO stage of its plan.")
+    model_flops_utilization: Optional[FiniteFloat] = Field(
+        default=None, ge=0, description="Cluster plans: its MFU, where it was planned in full and the GPU's peak is known.")
+    label: Optional[Text] = Field(
+        default=None, description="Cluster plans: why this layout is listed (e.g. 'best at t=8', 'pure data "
+                                  "parallel', 'next best layout', or the --compare text that named it).")
 
 
 class SolverInfo(_Strict):
@@ -387,6 +417,9 @@ class Plan(_Strict):
         default=None, description="The cluster layout (schema_version 2); null: d = t = 1 on `stages` GPUs.")
     reserve_bytes: Optional[PlanBytes] = Field(
         default=None, description="Per GPU, the memory not planned (the cluster's reserve and fragmentation share).")
+    comparisons: Optional[list[Alternative]] = Field(
+        default=None, description="Cluster plans with --compare: each named layout planned in full under the same "
+                                  "rules (or why it does not fit), beside the winner; null when none was named.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":

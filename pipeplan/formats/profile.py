@@ -17,11 +17,12 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, TypeAdapter, ValidationError, field_validator, model_validator
 
+from pipeplan.facts.precision import PRECISIONS
 from pipeplan.formats.limits import (Bandwidth, Bytes, Ms, Name, NonNegativeFloat, OptionalRatio, PositiveCount,
                                      Text)
 
 __all__ = ["Device", "LayerCost", "Layer", "Profile", "TiedWeight", "Experts", "ParameterCounts", "NonNegativeMs",
-           "LAYER_KINDS", "DTYPES", "SCHEMA_VERSIONS", "V2_COST_FIELDS", "TP_COLLECTIVES"]
+           "LAYER_KINDS", "DTYPES", "PRECISION_NAMES", "SCHEMA_VERSIONS", "V2_COST_FIELDS", "TP_COLLECTIVES"]
 
 
 # Finite ranges (pipeplan.formats.limits): 0..1e9 ms, 0..2**53 bytes, no booleans or strings.
@@ -32,6 +33,9 @@ NonNegativeBytes = Bytes
 ParameterCount = Bytes
 
 #: Training dtypes a profile may name (bytes per element: 8, 4, 2 or 1).
+#: The quantized ``--precision`` recipes a profile may name (pipeplan.facts.precision; bf16 is absent).
+PRECISION_NAMES = tuple(name for name, recipe in PRECISIONS.items() if recipe.quantized)
+
 DTYPES = ("fp64", "float64", "fp32", "float32", "tf32", "bf16", "bfloat16", "fp16", "float16")
 
 #: Profile versions this pipeplan reads; it writes 2 only where a version-2 field is set.
@@ -147,6 +151,12 @@ class LayerCost(_Strict):
         default=None, description="Of forward_ms, the shared experts' MLP every token passes through.")
     shared_expert_backward_ms: Optional[NonNegativeMs] = Field(
         default=None, description="Of backward_ms, the shared experts' part.")
+    quantize_forward_ms: Optional[NonNegativeMs] = Field(
+        default=None,
+        description="Of forward_ms, a quantized precision's casts (the GEMMs' inputs to fp8/mxfp8/nvfp4) outside "
+        "the routed and shared experts' parts. Absent: no quantized GEMMs (the profile's precision).")
+    quantize_backward_ms: Optional[NonNegativeMs] = Field(
+        default=None, description="Of backward_ms, the casts of the output gradients (as quantize_forward_ms).")
     expert_dispatch_bytes: Optional[NonNegativeBytes] = Field(
         default=None,
         description="Bytes one rank sends to the experts per micro-batch and pass in one dispatch "
@@ -197,7 +207,7 @@ V2_COST_FIELDS = tuple(
     name for name in LayerCost.model_fields
     if name.startswith(("tensor_parallel", "selective_")) or name in ("param_bytes", "sequence_parallel",
                                                                        "expert_param_bytes")
-    or name.startswith(("expert_", "shared_expert_"))
+    or name.startswith(("expert_", "shared_expert_", "quantize_"))
 )
 
 
@@ -390,6 +400,10 @@ class Profile(_Strict):
     source: Literal["measured", "analytic", "imported"] = Field(description="How the numbers were obtained.")
     device: Device
     dtype: Literal[DTYPES] = Field(description="Training dtype: fp32, bf16, fp16, ...")
+    precision: Optional[Literal[PRECISION_NAMES]] = Field(
+        default=None,
+        description="How the transformer blocks' GEMMs ran (--precision: fp8, mxfp8, nvfp4; "
+                    "pipeplan.facts.precision); absent: in the training dtype (bf16).")
     sequence_length: Optional[PositiveCount] = Field(default=None, description="Tokens per sample, for LMs.")
     layers: list[Layer] = Field(min_length=1)
     edges: Optional[list[tuple[Name, Name]]] = Field(

@@ -15,7 +15,8 @@ import math
 from typing import Optional
 
 from pipeplan.errors import BadInputError
-from pipeplan.facts.training_state import StateMemory, state_memory, training_state
+from pipeplan.facts.precision import plan_precision
+from pipeplan.facts.training_state import StateMemory, precision_of, state_memory, training_state
 from pipeplan.formats.plan import Plan, PlanProfileRef, PlanSettings, PlanStage, Predicted, RankSummary, SolverInfo
 from pipeplan.plan.costmodel import CostModel
 from pipeplan.plan.memory import stage_in_flight
@@ -25,7 +26,7 @@ from pipeplan.plan.simulate import Simulation, StageCost, simulate
 from pipeplan.quantities import format_bytes
 
 __all__ = ["plan_from_partition", "plan_given_split", "plan_stage_costs", "plan_simulation", "plan_effective_settings",
-           "plan_recompute_modes", "plan_cost_model", "stage_state_memory"]
+           "plan_recompute_modes", "plan_cost_model", "stage_state_memory", "precision_update"]
 
 
 def plan_from_partition(profile, settings, problem: PartitionProblem, partition: Partition, *, schedule: str,
@@ -205,12 +206,19 @@ def plan_cost_model(plan: Plan, dtype_bytes: int, graph=None, *,
     return CostModel.from_settings(settings, dtype_bytes, graph)
 
 
+def precision_update(profile, settings) -> dict:
+    """``{"precision": the profile's}`` where ``settings`` do not record it yet, else ``{}``
+    (:func:`pipeplan.facts.precision.plan_precision`: what a plan records, and its checks)."""
+    precision = plan_precision(getattr(profile, "precision", None), settings.fp8_param_gather)
+    return {} if settings.precision == precision else {"precision": precision}
+
+
 def stage_state_memory(plan: Plan, stage: PlanStage, dtype_bytes: int) -> StateMemory:
     """A stage's training state by part (weights, gradients, optimizer state) under the plan's
     optimizer, ZeRO stage and data-parallel degree: what the cost model's static term counts,
     split as ZeRO shards it (:func:`pipeplan.facts.training_state.state_memory`)."""
     settings = plan_effective_settings(plan)
-    return state_memory(stage.param_bytes / dtype_bytes, training_state(settings.optimizer, dtype_bytes),
+    return state_memory(stage.param_bytes / dtype_bytes, training_state(settings.optimizer, dtype_bytes, *precision_of(settings)),
                         settings.zero_stage or 0, settings.data_parallel or 1)
 
 

@@ -60,7 +60,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-from pipeplan.facts.training_state import state_bytes_per_param_byte
+from pipeplan.facts.training_state import precision_of, state_bytes_per_param_byte
 from pipeplan.plan.graph import LAYER_ARRAYS
 from pipeplan.plan.simulate import StageCost
 
@@ -360,13 +360,13 @@ class CostModel:
             working = float(max(0.0, (graph.activation_bytes - graph.selective_activation_bytes).max()))
         # The training state's conventions and ZeRO's sharding over d: docs/cluster-model.md.
         static = state_bytes_per_param_byte(settings.optimizer, dtype_bytes, settings.zero_stage or 0,
-                                            settings.data_parallel or 1)
+                                            settings.data_parallel or 1, *precision_of(settings))
         expert = None
         expert_data = getattr(settings, "expert_data_parallel", None)
         if expert_data is not None:
             # The experts' state is sharded over their own data-parallel group (d x t / (E x ETP)).
             expert = state_bytes_per_param_byte(settings.optimizer, dtype_bytes, settings.zero_stage or 0,
-                                                expert_data)
+                                                expert_data, *precision_of(settings))
             expert = None if expert == static else expert
         return cls(
             bandwidth_bytes_per_s=math.inf if bandwidth is None else float(bandwidth),

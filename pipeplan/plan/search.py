@@ -45,7 +45,7 @@ import time
 
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.plan import Plan, PlanSettings
-from pipeplan.plan.assemble import plan_from_partition
+from pipeplan.plan.assemble import plan_from_partition, precision_update
 from pipeplan.plan.ranks import (balance_ranks, balanced_note, busy_lower_bound_ms, rank_end_lower_bounds_ms,
                                  rank_peaks, try_balanced)
 from pipeplan.plan.bound import Incumbent, PrunedError, above
@@ -318,11 +318,11 @@ def with_profile_defaults(profile, settings: PlanSettings) -> PlanSettings:
     - ``action_overhead_ms``: the schedule's own time per action that a calibrated profile
       carries from its run (``measurement.action_overhead_ms``, written by ``pipeplan calibrate``),
       else the measured default for the device and backend the profile was measured on
-      (:mod:`pipeplan.plan.runnable`: 1.0 ms on cpu/gloo).
+      (:mod:`pipeplan.plan.runnable`: 1.0 ms on cpu/gloo); and ``precision``, the profile's.
 
     A plan records the settings after this, so re-planning from a plan file is reproducible.
     """
-    update = {}
+    update = precision_update(profile, settings)
     if settings.global_batch is None:
         update["global_batch"] = DEFAULT_GLOBAL_BATCH_PER_MICROBATCH * max(profile.microbatch_sizes)
     measured_ms = (profile.measurement or {}).get("action_overhead_ms")

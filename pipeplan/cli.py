@@ -150,7 +150,7 @@ _DEFAULT = {name: field.default for name, field in PipelineRequest.model_fields.
 _OPTIMIZER = typer.Option(_DEFAULT["optimizer"], "--optimizer", help="auto (adam-fp32-grads with --launcher megatron, else adam), adam (16 B/param), adam-fp32-grads (18, Megatron's), sgd (12) or none.")
 _BANDWIDTH = typer.Option(f"{_DEFAULT['bandwidth_bytes_per_s'] / 1e9:g}GB/s", "--bandwidth", help="Point-to-point bandwidth, e.g. 25GB/s; inf ignores transfers.")
 _SCHEDULE = typer.Option(_DEFAULT["schedule"], "--schedule", help="auto, gpipe, 1f1b, interleaved, zb, zbv or dualpipev.")
-_VIRTUAL = typer.Option(None, "--virtual-stages", "-v", help="Stages per rank (interleaved/zero-bubble); default: search.")
+_VIRTUAL = typer.Option(None, "--virtual-stages", "-v", help="Stages per rank: interleaved 2 or more, zb 1 or more, zbv and dualpipev 2; default: search (to 4; interleaved to 8 where v divides the layers per rank).")
 _RECOMPUTE = typer.Option(_DEFAULT["recompute"], "--recompute", help="Activation recomputation: auto, none, selective (the attention core; analytic profiles) or all.")
 _SOLVER = typer.Option(_DEFAULT["solver"], "--solver", help="auto, dp (chain / ideal-lattice DP) or ilp (PuLP + HiGHS).")
 _ACTION_OVERHEAD = typer.Option(

@@ -307,3 +307,14 @@ def test_a_global_batch_that_leaves_out_data_parallel_degrees_says_so():
     assert "only d = 1 was searched; a global batch of 992 or 1008 keeps every d" in note
     assert not any(n.startswith("global batch") for n in _plan(global_batch=64).notes)
 
+
+
+def test_fixed_virtual_stages_leave_out_pipelines_too_deep_for_them():
+    """With --virtual-stages v a rank needs v units: deeper pipelines are no layout (not an error), and a
+    fixed --stages that leaves a stage without a unit is refused naming both options."""
+    from pipeplan.errors import BadInputError
+
+    plan = _plan(schedule="interleaved", virtual_stages=5, num_gpus=8)  # 35 units: at most 7 ranks of 5
+    assert plan.virtual_stages == 5 and plan.parallelism.pipeline * 5 <= 35
+    with pytest.raises(BadInputError, match="--virtual-stages: 8 ranks x 5 stages per rank = 40 stages"):
+        _plan(schedule="interleaved", virtual_stages=5, num_gpus=8, stages=8)

@@ -93,7 +93,7 @@ def _core():
 
 
 @settings(max_examples=40, deadline=None)
-@given(p=st.integers(2, 6), v=st.integers(1, 3), per=st.integers(1, 4), first=st.integers(0, 5),
+@given(p=st.integers(2, 6), v=st.sampled_from([1, 2, 3, 5, 8]), per=st.integers(1, 4), first=st.integers(0, 5),
        last=st.integers(0, 5), mode=st.sampled_from(["even", "uneven", "account"]))
 def test_layout_matches_megatron_core(p, v, per, first, last, mode):
     """Every (rank, virtual stage) builds the layers megatron-core's own helpers say."""
@@ -337,3 +337,28 @@ def test_fix_edits_are_what_megatron_reads(style, mbs, gbs, vp, new_mbs, layout)
     for flag in ("--num-layers", "--pipeline-model-parallel-size", "--global-batch-size", "--hidden-size"):
         assert after.settings.get(flag) == before.settings.get(flag)
     assert not megatron_layout_of(after).problems
+
+
+@pytest.mark.parametrize("layers, p, flags, v", [
+    (80, 4, ["--num-layers-per-virtual-pipeline-stage", "4"], 5),   # Llama 3 70B at PP 4 VP 5
+    (126, 8, ["--num-virtual-stages-per-pipeline-rank", "8", "--account-for-embedding-in-pipeline-split",
+              "--account-for-loss-in-pipeline-split"], 8),          # Llama 3.1 405B at PP 8 VP 8
+])
+def test_published_virtual_stage_counts_read_as_megatron_builds_them(layers, p, flags, v):
+    """The recipes' VP 5 and VP 8 are read, not refused, and each (rank, virtual stage) builds
+    the layers megatron-core's own helpers say."""
+    torch, TransformerConfig, num_to_build, offset = _core()
+    account = "--account-for-loss-in-pipeline-split" in flags
+    core = TransformerConfig(num_layers=layers, hidden_size=64, num_attention_heads=8, pipeline_dtype=torch.bfloat16,
+                             pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v,
+                             account_for_embedding_in_pipeline_split=account, account_for_loss_in_pipeline_split=account)
+    text = " ".join(["--num-layers", str(layers), "--pipeline-model-parallel-size", str(p),
+                     "--micro-batch-size", "1", *flags])
+    config = parse_megatron("a.args", text)
+    assert config.virtual_stages == v
+    layout = megatron_layout_of(config)
+    assert not layout.problems and len(layout.stages) == p * v
+    for stage in layout.stages:
+        decoders = [int(u.split(".")[1]) for u in stage.units if u.startswith("decoder.")]
+        start, count = offset(core, stage.vstage, stage.rank), num_to_build(core, stage.vstage, stage.rank)
+        assert decoders == list(range(start, start + count))

@@ -86,8 +86,10 @@ SCHEDULE_CASES = [
     ("1f1b", 4, 1, 8),
     ("interleaved", 2, 2, 4),
     ("interleaved", 3, 2, 6),
+    ("interleaved", 2, 5, 4),
     ("zb", 2, 1, 4),
     ("zb", 2, 2, 4),
+    ("zb", 2, 3, 6),
     ("zbv", 2, 2, 4),
     ("dualpipev", 2, 2, 4),
 ]

@@ -413,3 +413,26 @@ def test_exports_carry_the_profiles_sequence_length(tmp_path):
     bare = profile.model_copy(update={"sequence_length": None})
     assert "--seq-length" not in megatron_flags(export_plan(plan, bare, "megatron")[".sh"])
     assert "seq_len" not in export_plan(plan, None, "torchtitan")[".toml"]
+
+
+def test_llama_405b_shape_at_eight_stages_per_rank_exports_to_megatron_and_torchtitan(tmp_path):
+    """Llama 3.1 405B's published layout, TP 8 PP 8 VP 8: 126 blocks (129 units) on 64 stages, not all
+    alike; Megatron's layout and torchtitan's TOML say 8 stages per rank, each with the plan's layers."""
+    pytest.importorskip("torch")
+    profile, plan = degree_plan(16, 8, 8, 8, "interleaved", 1, 96, 1, True, "none", blocks=126)
+    assert len({len(s.layers) for s in plan.stages}) == 2
+    flags = megatron_flags(export_plan(plan, profile, "megatron")[".sh"])
+    assert megatron_accepts(flags, plan) == 96
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    layout = PipelineParallelLayerLayout(flags["--pipeline-model-parallel-layout"], 8)
+    assert layout.virtual_pipeline_model_parallel_size == 8
+    layout.validate_layer_layout(126, None)
+    kinds = {layer.name: layer.kind for layer in profile.layers}
+    for stage in plan.stages:
+        built = layout.layout[stage.index % 8][stage.index // 8]
+        assert built.count(LayerType.decoder) == sum(kinds[n] == "block" for n in stage.layers)
+    config, dims, microbatches = torchtitan_accepts(tmp_path, export_plan(plan, None, "torchtitan")[".toml"], 1024)
+    assert (microbatches, dims.pp, config.parallelism.pipeline_parallel_schedule) == (96, 8, "Interleaved1F1B")
+    assert config.parallelism.module_fqns_per_model_part == [s.layers for s in plan.stages]

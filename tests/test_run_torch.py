@@ -23,10 +23,12 @@ from tiny_profiles import SEQ_LEN, tiny_gpt2_profile  # noqa: E402
 pytestmark = pytest.mark.torch
 
 TINY = {"hidden": 32, "heads": 2, "vocab": 64}
-def _every_schedule(layers: int, ranks: int, microbatch_size: int, num_microbatches: int):
+def _every_schedule(layers: int, ranks: int, microbatch_size: int, num_microbatches: int, more=()):
+    """A plan per schedule at its least stages per rank, then one per ``(schedule, v)`` of ``more``."""
     profile = tiny_gpt2_profile(layers)
     return [balanced_plan(profile, schedule=s, ranks=ranks, microbatch_size=microbatch_size,
-                          num_microbatches=num_microbatches) for s in SCHEDULES]
+                          num_microbatches=num_microbatches, virtual_stages=v)
+            for s, v in [(s, None) for s in SCHEDULES] + list(more)]
 
 
 def _reference(layers: int, microbatch_size: int, num_microbatches: int):
@@ -90,20 +92,23 @@ def _no_process_mentions(text: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("ranks, layers, microbatch_size, num_microbatches", [
-    (2, 2, 2, 4),   # 2 ranks, 4 stages for the 2-stage-per-rank schedules (5 units)
-    (4, 6, 1, 8),   # 4 ranks, 8 stages for those (9 units); dualpipev needs m >= 8
+@pytest.mark.parametrize("ranks, layers, microbatch_size, num_microbatches, more", [
+    # 2 ranks, 10 units: 4 stages for the 2-stage-per-rank schedules, and interleaved with 5
+    # stages per rank and zb with 3 (torch's classes build any number; Megatron's recipes run VP 5)
+    (2, 7, 2, 4, (("interleaved", 5), ("zb", 3))),
+    (4, 6, 1, 8, ()),   # 4 ranks, 8 stages for those (9 units); dualpipev needs m >= 8
 ])
 def test_every_schedule_equals_a_single_process_step(tmp_path, ranks, layers, microbatch_size,
-                                                     num_microbatches):
-    plans = _every_schedule(layers, ranks, microbatch_size, num_microbatches)
+                                                     num_microbatches, more):
+    plans = _every_schedule(layers, ranks, microbatch_size, num_microbatches, more)
     # A generous peer timeout: on the shared 2-core machine under load a rank can wait long for
     # a starved peer; a real hang is tested below with its own short timeout.
     reports = run_plans(plans, model="gpt2-tiny", model_options={**TINY, "layers": layers}, seq_len=SEQ_LEN,
                         steps=2, work_dir=tmp_path, dump_grads=True, echo=False, timeout_s=300, verify=True,
                         env={"PIPEPLAN_RUN_EXIT_REPORT": "1"})
     loss, grads = _reference(layers, microbatch_size, num_microbatches)
-    assert [r["schedule"] for r in reports] == list(SCHEDULES)
+    assert [(r["schedule"], r["virtual_stages"]) for r in reports] == [(p.schedule, p.virtual_stages) for p in plans]
+    assert [r["schedule"] for r in reports][:len(SCHEDULES)] == list(SCHEDULES)
     for index, report in enumerate(reports):
         assert report["num_ranks"] == ranks and len(report["loss"]) == 2
         assert all(row["busy_ms"] > 0 and row["pipeline_ms"] >= row["busy_ms"] * 0.5 for row in report["ranks"])

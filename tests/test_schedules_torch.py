@@ -26,6 +26,7 @@ from pipeplan.plan.actions import Action, rank_actions  # noqa: E402
 from pipeplan.facts.schedules import (  # noqa: E402
     SCHEDULES,
     TORCH_SCHEDULE_CLASS,
+    allows_virtual_stages,
     check_schedule,
     stage_ranks,
 )
@@ -176,6 +177,14 @@ def test_interleaved_classes_match_pipeline_order(schedule):
         assert _ours(schedule, p, m, v) == _runtime_order(schedule, p, m, v), (p, m, v)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zb"])
+def test_interleaved_classes_match_pipeline_order_at_many_stages_per_rank(schedule):
+    """Megatron's recipes run VP 5, 8 (and more); torch's classes build any v: the orders agree."""
+    for p, v, m in itertools.product((1, 2, 3, 4, 8), (5, 8), (1, 2, 3, 4, 5, 8, 9, 12, 16, 24, 32)):
+        if _accepted(schedule, p, m, v):
+            assert _ours(schedule, p, m, v) == _runtime_order(schedule, p, m, v), (p, m, v)
+
+
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
 def test_v_classes_match_pipeline_order(schedule):
     for p, m in itertools.product(RANKS, MICROBATCHES):
@@ -187,14 +196,25 @@ def test_v_classes_match_pipeline_order(schedule):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_check_schedule_agrees_with_torch_constructors(schedule):
     """Where pipeplan accepts (p, m, v), torch builds the class; where torch refuses m, pipeplan refuses."""
-    for p, m, v in itertools.product(RANKS, MICROBATCHES, (1, 2, 3, 4)):
+    for p, m, v in itertools.product(RANKS, MICROBATCHES, (1, 2, 3, 4, 5, 8)):
+        if v > 4 and (p > 4 or m not in (1, 3, 4, 5, 8, 16)):
+            continue  # the large v: fewer cases, the same rules
         ours = _accepted(schedule, p, m, v)
         if ours:
             assert _torch_accepts(schedule, p, m, v), (schedule, p, m, v)
-        elif v in {"gpipe": (1,), "1f1b": (1,), "zbv": (2,), "dualpipev": (2,)}.get(schedule, (1, 2, 3, 4)):
+        elif allows_virtual_stages(schedule, v):
             # pipeplan refused the micro-batch count: torch must refuse it too.
-            if not (schedule == "interleaved" and v == 1):
-                assert not _torch_accepts(schedule, p, m, v), (schedule, p, m, v)
+            assert not _torch_accepts(schedule, p, m, v), (schedule, p, m, v)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_classes_refuse_other_than_two_stages_per_rank(schedule):
+    """The V classes' own rule (``n_local_stages != 2`` raises), kept as a fact."""
+    for v in (1, 3, 4):
+        assert not allows_virtual_stages(schedule, v)
+        cls = _torch_class(schedule)
+        with pytest.raises(ValueError, match="exactly 2 stages per rank"):
+            cls([_Stage(s, 2 * v, 2, 0) for s in range(v)], 8)
 
 
 def test_torch_parses_our_action_strings():

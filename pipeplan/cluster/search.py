@@ -214,7 +214,12 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
         settings = _fixed_split_stages(settings)
     units = len(profile.layers)
     check_expert_request(profile, settings)
-    degrees = parallel_degrees(settings.num_gpus, cluster.gpus_per_node, units, head_counts(profile),
+    # With --virtual-stages v a pipeline rank needs v units: at most units // v ranks.
+    v = settings.virtual_stages or 1
+    if settings.stages is not None and settings.stages * v > units:
+        raise BadInputError(f"--virtual-stages: {settings.stages} ranks x {v} stages per rank = {settings.stages * v} "
+                            f"stages but the profile has only {units} units; use fewer stages per rank or ranks")
+    degrees = parallel_degrees(settings.num_gpus, cluster.gpus_per_node, units // v, head_counts(profile),
                                tensor_degrees(profile), data=settings.data_parallel, tensor=settings.tensor_parallel,
                                pipeline=settings.stages, gpus_per_domain=cluster.domain_gpus_for(settings.num_gpus))
     cap = settings.cap_bytes()

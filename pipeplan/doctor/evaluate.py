@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.plan.given import plan_split
-from pipeplan.facts.schedules import valid_virtual_stages
+from pipeplan.facts.schedules import searched_virtual_stages
 from pipeplan.plan import candidate_microbatch_sizes, make_plan
 
 __all__ = ["cost_split", "best_plan"]
@@ -94,9 +94,7 @@ def best_plan(profile, settings: PlanSettings, schedules: tuple[str, ...], *,
     except BadInputError as exc:
         return None, [str(exc)]
     for schedule in schedules:
-        for v in valid_virtual_stages(schedule):
-            if p * v > len(profile.layers):
-                continue
+        for v in searched_virtual_stages(schedule, p, len(profile.layers)):
             for b in sizes:
                 m = settings.global_batch // b
                 why = refuse(schedule, p, m, v) if refuse else None

@@ -31,6 +31,11 @@ __all__ = [
     "schedule_info",
     "check_schedule",
     "valid_virtual_stages",
+    "allows_virtual_stages",
+    "virtual_stages_rule",
+    "searched_virtual_stages",
+    "SEARCHED_VIRTUAL_STAGES_ALWAYS",
+    "SEARCHED_VIRTUAL_STAGES_MAX",
     "stage_ranks",
     "num_rounds",
     "LAUNCHER_SCHEDULES",
@@ -49,9 +54,12 @@ class ScheduleInfo:
     """The ``torch.distributed.pipelining.schedules`` class that runs it."""
     torch_name: str
     """The name ``get_schedule_class`` (and torchtitan's ``pipeline_parallel_schedule``) accepts."""
-    virtual_stages: tuple[int, ...]
-    """Stages per rank it takes. torch's interleaved classes take any ``v``, but beyond 4 the
-    extra transfers outweigh the smaller bubble on real links."""
+    min_virtual_stages: int
+    """The fewest stages per rank it takes (``interleaved``: 2, pipeplan's rule: torch's class
+    takes 1 too, but that is ``1f1b`` with more bookkeeping)."""
+    max_virtual_stages: int | None
+    """The most stages per rank its torch class takes; None: any number (the interleaved classes
+    build their order for any ``len(stages)``; the V classes raise unless it is exactly 2)."""
     split_backward: bool
     """Runs input and weight gradients as separate actions, so its prediction depends on the
     profile's B/W split."""
@@ -67,17 +75,17 @@ class ScheduleInfo:
 SCHEDULE_INFO: dict[str, ScheduleInfo] = {
     info.name: info
     for info in (
-        ScheduleInfo("1f1b", "Schedule1F1B", "1F1B", (1,), False, False,
+        ScheduleInfo("1f1b", "Schedule1F1B", "1F1B", 1, 1, False, False,
                      "one forward, one backward after a warm-up of p - s forwards"),
-        ScheduleInfo("gpipe", "ScheduleGPipe", "GPipe", (1,), False, False,
+        ScheduleInfo("gpipe", "ScheduleGPipe", "GPipe", 1, 1, False, False,
                      "every forward, then every backward"),
-        ScheduleInfo("interleaved", "ScheduleInterleaved1F1B", "Interleaved1F1B", (2, 3, 4), False, False,
+        ScheduleInfo("interleaved", "ScheduleInterleaved1F1B", "Interleaved1F1B", 2, None, False, False,
                      "1F1B over v stages per rank (Megatron's interleaving)"),
-        ScheduleInfo("zb", "ScheduleInterleavedZeroBubble", "InterleavedZeroBubble", (1, 2, 3, 4), True, False,
+        ScheduleInfo("zb", "ScheduleInterleavedZeroBubble", "InterleavedZeroBubble", 1, None, True, False,
                      "zero-bubble (ZB-H1 when v = 1): weight gradients delayed into the bubble"),
-        ScheduleInfo("zbv", "ScheduleZBVZeroBubble", "ZBVZeroBubble", (2,), True, True,
+        ScheduleInfo("zbv", "ScheduleZBVZeroBubble", "ZBVZeroBubble", 2, 2, True, True,
                      "zero-bubble on the V placement"),
-        ScheduleInfo("dualpipev", "ScheduleDualPipeV", "DualPipeV", (2,), True, True,
+        ScheduleInfo("dualpipev", "ScheduleDualPipeV", "DualPipeV", 2, 2, True, True,
                      "DeepSeek's DualPipe on the V placement"),
     )
 }
@@ -122,8 +130,50 @@ def num_rounds(num_ranks: int, num_microbatches: int) -> int:
     return max(1, num_microbatches // num_ranks)
 
 
+#: Stages per rank every search tries where the class takes them and each stage gets a layer.
+SEARCHED_VIRTUAL_STAGES_ALWAYS = 4
+
+#: The most stages per rank a search tries unasked (``--virtual-stages`` reaches any number the
+#: class takes). Beyond 4 only ``interleaved``, at values that give every rank's stages the same
+#: whole number of layers, is searched (the recipes' VP 5 and 8, Megatron's ``--num-layers-per-virtual-pipeline-
+#: stage``): the transfers grow with ``v`` while the bubble left is already small, and each value
+#: costs the search a simulation per layout.
+SEARCHED_VIRTUAL_STAGES_MAX = 8
+
+
+def allows_virtual_stages(schedule: str, virtual_stages: int) -> bool:
+    """Whether the schedule's class takes ``virtual_stages`` stages per rank.
+
+    Examples
+    --------
+    >>> allows_virtual_stages("interleaved", 24), allows_virtual_stages("zbv", 3)
+    (True, False)
+    """
+    info = schedule_info(schedule)
+    top = info.max_virtual_stages
+    return info.min_virtual_stages <= virtual_stages and (top is None or virtual_stages <= top)
+
+
+def virtual_stages_rule(schedule: str) -> str:
+    """The stages-per-rank rule in words: ``exactly 2``, ``2 or more``.
+
+    Examples
+    --------
+    >>> virtual_stages_rule("interleaved"), virtual_stages_rule("zbv"), virtual_stages_rule("gpipe")
+    ('2 or more', 'exactly 2', 'exactly 1')
+    """
+    info = schedule_info(schedule)
+    if info.max_virtual_stages is None:
+        return f"{info.min_virtual_stages} or more"
+    if info.max_virtual_stages == info.min_virtual_stages:
+        return f"exactly {info.min_virtual_stages}"
+    return f"{info.min_virtual_stages} to {info.max_virtual_stages}"
+
+
 def valid_virtual_stages(schedule: str) -> tuple[int, ...]:
-    """The stages-per-rank values a schedule accepts.
+    """The small stages-per-rank values the schedule takes, the default first: those from its
+    least up to :data:`SEARCHED_VIRTUAL_STAGES_ALWAYS` (the class may take more:
+    :func:`allows_virtual_stages`).
 
     Examples
     --------
@@ -132,7 +182,43 @@ def valid_virtual_stages(schedule: str) -> tuple[int, ...]:
     >>> valid_virtual_stages("zbv")
     (2,)
     """
-    return schedule_info(schedule).virtual_stages
+    info = schedule_info(schedule)
+    top = info.max_virtual_stages
+    last = SEARCHED_VIRTUAL_STAGES_ALWAYS if top is None else min(top, SEARCHED_VIRTUAL_STAGES_ALWAYS)
+    return tuple(range(info.min_virtual_stages, last + 1))
+
+
+def searched_virtual_stages(schedule: str, num_ranks: int, num_layers: int) -> tuple[int, ...]:
+    """The stages-per-rank values a search tries for ``schedule`` with ``p`` ranks and ``n`` layers.
+
+    Those of :func:`valid_virtual_stages` with ``p * v <= n`` (a layer per stage), then, for the
+    schedules that run the whole backward (``interleaved``), the larger ones up to
+    :data:`SEARCHED_VIRTUAL_STAGES_MAX` that divide the layers per rank rounded down, ``n // p``
+    (the same whole number of layers on each stage but for the few units left over: embedding,
+    final norm, head). The split itself is per stage and need not be even. The split-backward
+    schedules (``zb``) fill the bubble with weight gradients already, so a larger ``v`` buys them
+    little; left out, they keep the added cost of a cluster search to about a tenth more chain
+    DPs (Llama 3 70B on 1,024 GPUs: 2,468 against 2,243; 2,687 with ``zb`` too).
+
+    Examples
+    --------
+    >>> searched_virtual_stages("interleaved", 4, 83)     # Llama 3 70B's units: 20 per rank
+    (2, 3, 4, 5)
+    >>> searched_virtual_stages("interleaved", 8, 129)    # Llama 3.1 405B's: 16 per rank
+    (2, 3, 4, 8)
+    >>> searched_virtual_stages("zb", 8, 129)
+    (1, 2, 3, 4)
+    >>> searched_virtual_stages("interleaved", 4, 65)     # DeepSeek-V3's: 16 per rank
+    (2, 3, 4, 8)
+    >>> searched_virtual_stages("zbv", 8, 12)
+    ()
+    """
+    p, n = num_ranks, num_layers
+    small = tuple(v for v in valid_virtual_stages(schedule) if p * v <= n)
+    large = tuple(v for v in range(SEARCHED_VIRTUAL_STAGES_ALWAYS + 1, SEARCHED_VIRTUAL_STAGES_MAX + 1)
+                  if allows_virtual_stages(schedule, v) and not schedule_info(schedule).split_backward
+                  and (n // p) % v == 0)
+    return small + large
 
 
 def check_schedule(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
@@ -170,12 +256,12 @@ def check_schedule(schedule: str, num_ranks: int, num_microbatches: int, virtual
     for name, value in (("ranks", p), ("micro-batches", m), ("virtual stages", v)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise BadInputError(f"schedule {schedule}: {name} = {value!r} must be an integer >= 1")
-    allowed = info.virtual_stages
-    if v not in allowed:
+    if not allows_virtual_stages(schedule, v):
+        least = info.min_virtual_stages
         raise BadInputError(
             f"schedule {schedule}: virtual stages = {v} is not allowed; "
-            f"{info.torch_class} takes {' or '.join(map(str, allowed))} stages per rank: "
-            f"use --virtual-stages {allowed[0]}"
+            f"{info.torch_class} takes {virtual_stages_rule(schedule)} stages per rank: "
+            f"use --virtual-stages {least if v < least else info.max_virtual_stages}"
         )
     if schedule == "1f1b" and m < p:
         raise BadInputError(

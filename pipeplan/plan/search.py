@@ -10,9 +10,9 @@ memory cap is never returned.
 
 Search
 ------
-- ``--schedule auto`` tries every schedule with every ``v`` it accepts (:func:`pipeplan.facts.
-  schedules.valid_virtual_stages`) where its class accepts ``(p, m, v)``, and at ``p = 1`` only
-  1F1B at ``v = 1``; a named schedule fixes it, ``--virtual-stages`` fixes ``v``.
+- ``--schedule auto`` tries every schedule with the ``v`` of :func:`pipeplan.facts.schedules.
+  searched_virtual_stages` (to 4; interleaved to 8 where v divides the layers per rank), and at ``p = 1``
+  only 1F1B at ``v = 1``; a named schedule fixes it, ``--virtual-stages`` any ``v`` the class takes.
 - Micro-batch sizes: every profiled size that divides the global batch (or the fixed one).
 - Recomputation (``--recompute auto``): stages are ranked by the micro-batches they hold in
   flight (the early stages first); the candidates are prefixes of that ranking: none, the
@@ -58,8 +58,9 @@ from pipeplan.plan.memory import stage_in_flight
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, build_problem, stage_costs
 from pipeplan.plan.recompute import (block_layers, full_mode, megatron_runs, recompute_order, recompute_prefix,
                                      uniform_recompute, uniform_recompute_sets)
-from pipeplan.facts.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, check_launcher, check_schedule,
-                                     stage_ranks, valid_virtual_stages)
+from pipeplan.facts.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, allows_virtual_stages, check_launcher,
+                                     check_schedule, schedule_info, searched_virtual_stages, stage_ranks,
+                                     virtual_stages_rule)
 from pipeplan.plan.simulate import simulate
 from pipeplan.plan.solve import search_partition, solve_partition
 from pipeplan.quantities import format_bytes
@@ -130,21 +131,20 @@ def schedule_space(settings: PlanSettings, num_layers: int) -> list[tuple[str, i
         return [("1f1b", 1)]
     space = []
     for schedule in schedules:
-        allowed = valid_virtual_stages(schedule)
-        vs = allowed if settings.virtual_stages is None else tuple(v for v in allowed if v == settings.virtual_stages)
-        if not vs and settings.schedule != "auto":
-            raise BadInputError(
-                f"--virtual-stages: {schedule} takes {' or '.join(map(str, allowed))} stages per rank, "
-                f"not {settings.virtual_stages}; use one of those or leave it unset"
-            )
-        for v in vs:
-            if p * v <= num_layers:
-                space.append((schedule, v))
-            elif settings.schedule != "auto" and settings.virtual_stages is not None:
-                raise BadInputError(
-                    f"--virtual-stages: {p} ranks x {v} stages per rank = {p * v} stages but the profile "
-                    f"has only {num_layers} layers; use fewer stages per rank or ranks"
-                )
+        v = settings.virtual_stages
+        if v is None:
+            space.extend((schedule, v) for v in searched_virtual_stages(schedule, p, num_layers))
+        elif not allows_virtual_stages(schedule, v) and settings.schedule != "auto":
+            info = schedule_info(schedule)
+            raise BadInputError(f"--virtual-stages: {schedule} ({info.torch_class}) takes {virtual_stages_rule(schedule)} "
+                                f"stages per rank, not {v}; use {info.min_virtual_stages if v < info.min_virtual_stages else info.max_virtual_stages} or leave it unset")
+        elif not allows_virtual_stages(schedule, v):
+            continue
+        elif p * v <= num_layers:
+            space.append((schedule, v))
+        elif settings.schedule != "auto":
+            raise BadInputError(f"--virtual-stages: {p} ranks x {v} stages per rank = {p * v} stages but the profile "
+                                f"has only {num_layers} layers; use fewer stages per rank or ranks")
     if not space:
         raise BadInputError(
             f"--schedule {settings.schedule}: no stages-per-rank value fits {p} ranks and "

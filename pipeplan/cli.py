@@ -114,7 +114,7 @@ def _counts(text: str) -> list[int]:
 
 def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_parallel=None, zero=None,
                      data_parallel_overlap=None, expert_parallel=None, expert_tensor_parallel=None,
-                     expert_imbalance=None):
+                     expert_imbalance=None, context_parallel=None):
     """The cluster options of ``pipeplan plan`` (docs/cluster-model.md); empty without --gpus."""
     if num_gpus is None:
         given = [name for name, value in (("--cluster", cluster), ("--data-parallel", data_parallel),
@@ -122,7 +122,8 @@ def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_par
                                           ("--data-parallel-overlap", data_parallel_overlap),
                                           ("--expert-parallel", expert_parallel),
                                           ("--expert-tensor-parallel", expert_tensor_parallel),
-                                          ("--expert-imbalance", expert_imbalance)) if value is not None]
+                                          ("--expert-imbalance", expert_imbalance),
+                                          ("--context-parallel", context_parallel)) if value is not None]
         if given:
             raise BadInputError(f"{given[0]}: needs --gpus (the cluster's GPU count)")
         return {}
@@ -132,7 +133,8 @@ def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_par
             "tensor_parallel": tensor_parallel, "zero_stage": zero, "data_parallel_overlap": data_parallel_overlap,
             **{name: value for name, value in (("expert_parallel", expert_parallel),
                                                ("expert_tensor_parallel", expert_tensor_parallel),
-                                               ("expert_imbalance", expert_imbalance)) if value is not None}}
+                                               ("expert_imbalance", expert_imbalance),
+                                               ("context_parallel", context_parallel)) if value is not None}}
 
 
 _PROFILE_ARG = typer.Argument(..., help="Profile JSON file.", show_default=False)
@@ -243,6 +245,7 @@ def plan(
     expert_parallel: Optional[int] = typer.Option(None, "--expert-parallel", help="With --gpus, a mixture-of-experts profile: fix the expert-parallel degree E (divides d and the experts); default: search."),
     expert_tensor_parallel: Optional[int] = typer.Option(None, "--expert-tensor-parallel", help="With --gpus: the experts' tensor-parallel degree (divides t; default 1)."),
     expert_imbalance: Optional[float] = typer.Option(None, "--expert-imbalance", help="With --gpus: the busiest rank's routed tokens over the balanced share (>= 1; default 1)."),
+    context_parallel: Optional[int] = typer.Option(None, "--context-parallel", help="With --gpus: the context-parallel degree C (the sequence split over C GPUs; 2 C divides it; default 1)."),
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
     refuse_overwriting_input(output, profile)
@@ -251,7 +254,8 @@ def plan(
                             action_overhead_ms, launcher=launcher, num_gpus=gpus, cluster=cluster,
                             data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero=zero,
                             data_parallel_overlap=data_parallel_overlap, expert_parallel=expert_parallel,
-                            expert_tensor_parallel=expert_tensor_parallel, expert_imbalance=expert_imbalance)
+                            expert_tensor_parallel=expert_tensor_parallel, expert_imbalance=expert_imbalance,
+                            context_parallel=context_parallel)
     if layers_per_stage is not None:
         request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
     with reporting(terminal_progress(quiet)):

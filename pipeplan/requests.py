@@ -49,7 +49,7 @@ def _required(name: str, description: str):
 #: Fields only a cluster request has.
 CLUSTER_ONLY_FIELDS = ("cluster", "data_parallel", "tensor_parallel", "zero_stage", "data_parallel_overlap",
                        "search_stages", "expert_parallel", "expert_tensor_parallel", "expert_imbalance",
-                       "expert_data_parallel")
+                       "expert_data_parallel", "context_parallel")
 
 
 class _Request(BaseModel):
@@ -121,6 +121,7 @@ class ClusterRequest(_Request):
     expert_parallel: _FIELDS["expert_parallel"].annotation = _FIELDS["expert_parallel"]
     expert_tensor_parallel: _FIELDS["expert_tensor_parallel"].annotation = _FIELDS["expert_tensor_parallel"]
     expert_imbalance: _FIELDS["expert_imbalance"].annotation = _FIELDS["expert_imbalance"]
+    context_parallel: _FIELDS["context_parallel"].annotation = _FIELDS["context_parallel"]
 
     @model_validator(mode="after")
     def _expert_rules(self) -> "ClusterRequest":
@@ -133,6 +134,10 @@ class ClusterRequest(_Request):
                                 f"(expert-parallel groups are carved out of the data-parallel ranks of a stage)")
         if e is not None and self.num_gpus % e:
             raise BadInputError(f"--expert-parallel: {e} does not divide --gpus {self.num_gpus}")
+        c = self.context_parallel
+        if c is not None and self.num_gpus % c:
+            raise BadInputError(f"--context-parallel: {c} does not divide --gpus {self.num_gpus} "
+                                f"(d x t x p x C = the GPUs)")
         etp = self.expert_tensor_parallel
         if etp is not None and self.tensor_parallel is not None and self.tensor_parallel % etp:
             raise BadInputError(f"--expert-tensor-parallel: {etp} does not divide --tensor-parallel "

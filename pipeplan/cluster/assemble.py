@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from pipeplan.cluster.context import context_buffer_bytes, context_link
 from pipeplan.cluster.experts import expert_note, moe_stage_memory, moe_static_bytes, view_expert_bytes
 from pipeplan.cluster.iteration import model_flops_utilization, tokens_per_s_per_gpu
 from pipeplan.cluster.profile_view import DegreeView
@@ -109,6 +110,7 @@ def _alternatives(best, trials, default_microbatch: int) -> list[Alternative]:
             lower_bound_ms=round(trial.lower_bound_ms, 6) if trial.status == "pruned" else None,
             peak_memory_bytes=max(r.peak_memory_bytes for r in plan.ranks) if plan and plan.ranks else None,
             reason=f"d={trial.data} t={trial.tensor} p={trial.pipeline}" + (f" E={trial.expert}" if trial.moe else "")
+                   + (f" C={trial.context}" if trial.context > 1 else "")
                    + f" ZeRO {trial.zero_stage}: {reason}",
         ))
     return out
@@ -122,6 +124,9 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
     # costs, so its pipeline plan says "none"; the plan must say what runs (every stage selective),
     # or exports and doctor would drop --recompute-granularity selective.
     selective = best.family == "selective"
+    c = best.context
+    # The ring's received KV chunks (context parallelism), at the plan's micro-batch size.
+    buffers = context_buffer_bytes(profile, plan.microbatch_size, t, c)
     stages = []
     for stage in plan.stages:
         if selective:
@@ -139,10 +144,12 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
             static = math.ceil(moe_static_bytes(settings.optimizer, profile.dtype_bytes, best.zero_stage, d,
                                                 best.expert_data, stage.param_bytes, experts))
             update["expert_state_bytes"] = int(expert_state)
+        if c > 1:
+            update.update({"context_buffer_bytes": buffers, "peak_memory_bytes": stage.peak_memory_bytes + buffers})
         stages.append(stage.model_copy(update={
             "weight_bytes": memory.weight_bytes + (best.extras["gathered"] if best.zero_stage == 3 else 0),
             "gradient_bytes": memory.gradient_bytes, "optimizer_bytes": memory.optimizer_bytes,
-            "peak_activation_bytes": max(0, stage.peak_memory_bytes - static), **update,
+            "peak_activation_bytes": max(0, stage.peak_memory_bytes - static) + buffers, **update,
         }))
     iteration_ms = parts.iteration_ms
     G = settings.global_batch
@@ -160,6 +167,8 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
         predicted = predicted.model_copy(update={
             name: round(getattr(parts, name), 6)
             for name in ("expert_dispatch_ms", "expert_compute_ms", "expert_combine_ms", "shared_expert_ms")})
+    if c > 1:
+        predicted = predicted.model_copy(update={"context_exchange_ms": round(parts.context_exchange_ms, 6)})
     if profile.sequence_length:
         predicted = predicted.model_copy(update={"tokens_per_second_per_gpu": round(
             tokens_per_s_per_gpu(G, profile.sequence_length, iteration_ms, settings.num_gpus), 6)})
@@ -168,7 +177,8 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
         if flops_per_token and peak:
             predicted = predicted.model_copy(update={"model_flops_utilization": round(model_flops_utilization(
                 flops_per_token * G * profile.sequence_length, iteration_ms, settings.num_gpus, peak), 6)})
-    peak_rank = max(r.peak_memory_bytes for r in plan.ranks) if plan.ranks else max(s.peak_memory_bytes for s in plan.stages)
+    ranks = [r.model_copy(update={"peak_memory_bytes": r.peak_memory_bytes + buffers}) for r in plan.ranks]
+    peak_rank = max(r.peak_memory_bytes for r in ranks) if ranks else max(s.peak_memory_bytes for s in stages)
     link_text = {"inter": "the network", "intra": "the intra-node link", "local": "no link"}[best.extras["link"]]
     notes = [note.replace(", recompute none", ", recompute selective on every stage") if selective else note
              for note in plan.notes] + [
@@ -177,6 +187,15 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
         f"data-parallel sync: {int(round(100 * (settings.data_parallel_overlap or 0)))}% assumed hidden behind "
         f"compute (--data-parallel-overlap)" if d > 1 else "no data parallelism: no gradient sync",
     ]
+    if c > 1:
+        span = context_link(t, c, cluster.gpus_per_node)
+        notes[len(plan.notes)] = notes[len(plan.notes)].replace(f"d={d} x t={t} x p={p}", f"d={d} x t={t} x C={c} x p={p}").replace(
+            "(tensor, data, pipeline)", "(tensor, context, data, pipeline)")
+        notes.append(f"context parallel C={c}: each rank holds {profile.sequence_length // c} tokens of each sequence "
+                     f"(2C chunks, causal load balance); KV exchanged on a ring of point-to-point sends overlapped "
+                     f"with attention (Megatron's cp_comm_type p2p) on "
+                     f"{'the network' if span.link == 'inter' else 'the intra-node link'}; gradients reduced and "
+                     f"state sharded over d x C = {d * c}")
     if best.moe:
         notes.append(expert_note(profile, view.experts, best.expert_data))
     if hbm_bytes_per_s(profile, cluster) is None:
@@ -193,7 +212,9 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
                                    sequence_parallel=bool(t > 1 and _sequence_parallel(profile)),
                                    gpus_per_node=cluster.gpus_per_node,
                                    expert=best.expert if best.moe else None,
-                                   expert_tensor=best.expert_tensor if best.moe else None),
+                                   expert_tensor=best.expert_tensor if best.moe else None,
+                                   context=c if c > 1 else None),
+        **({"ranks": ranks} if c > 1 else {}),
         "reserve_bytes": cluster.reserve_bytes + math.ceil(cluster.fragmentation * peak_rank),
     })
 

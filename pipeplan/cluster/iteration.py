@@ -47,6 +47,8 @@ class IterationParts:
     """Its combine all-to-alls."""
     shared_expert_ms: float = 0.0
     """Its shared experts."""
+    context_exchange_ms: float = 0.0
+    """Context parallelism: the critical rank's KV ring sends not hidden behind attention."""
 
     @property
     def expert_ms(self) -> float:
@@ -56,8 +58,8 @@ class IterationParts:
     @property
     def pipeline_ms(self) -> float:
         """The make-span: everything before the sync."""
-        return (self.compute_ms + self.tensor_parallel_ms + self.expert_ms + self.pipeline_transfer_ms
-                + self.bubble_ms)
+        return (self.compute_ms + self.tensor_parallel_ms + self.expert_ms + self.context_exchange_ms
+                + self.pipeline_transfer_ms + self.bubble_ms)
 
     @property
     def iteration_ms(self) -> float:
@@ -66,7 +68,8 @@ class IterationParts:
 
 def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: float, bubble_ms: float,
                     rank_end_ms: Sequence[float], rank_sync_ms: Sequence[float],
-                    rank_optimizer_ms: Sequence[float], expert_ms: Optional[dict] = None) -> IterationParts:
+                    rank_optimizer_ms: Sequence[float], expert_ms: Optional[dict] = None,
+                    context_ms: float = 0.0) -> IterationParts:
     """The iteration's parts from the pipeline's simulation and each rank's sync and step.
 
     Parameters
@@ -83,6 +86,9 @@ def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: floa
         The critical rank's mixture-of-experts parts of its busy time (``dispatch``, ``experts``,
         ``combine``, ``shared_expert``: :data:`pipeplan.cluster.profile_view.EXPERT_PARTS`); they
         come out of ``compute_ms``, in that order, never below zero.
+    context_ms : float
+        The critical rank's exposed context-parallel KV exchange (:mod:`pipeplan.cluster.context`),
+        out of ``compute_ms`` too, never below zero.
 
     Returns
     -------
@@ -119,10 +125,13 @@ def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: floa
         value = min(max(0.0, (expert_ms or {}).get(part, 0.0)), left)
         moe[name] = value
         left -= value
+    exchange = min(max(0.0, context_ms), left)
+    left -= exchange
     return IterationParts(
         compute_ms=left, tensor_parallel_ms=tensor_parallel_ms,
         pipeline_transfer_ms=transfer_ms, bubble_ms=bubble_ms,
         data_parallel_ms=synced - makespan, optimizer_ms=max(rank_optimizer_ms), **moe,
+        context_exchange_ms=exchange,
     )
 
 

@@ -25,6 +25,8 @@ from typing import Optional
 
 from pipeplan.cluster.assemble import assemble_cluster_plan, hbm_bytes_per_s, infeasible_message
 from pipeplan.cluster.bounds import seed_estimate_ms, unit_sums
+from pipeplan.cluster.context import (add_context_exchange, check_context_request, context_buffer_bytes,
+                                      context_profile, stage_context_ms)
 from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
 from pipeplan.cluster.experts import (check_expert_request, expert_choices, expert_data_degree, expert_group,
                                       moe_rank_tails, moe_static_bytes, moe_tails_lower_bound,
@@ -81,6 +83,13 @@ class _Trial:
     """EDP = t x d / (E x ETP) (d for a dense profile)."""
     moe: bool = False
     """Whether the profile has experts (their state and sync are split from the dense ones)."""
+    context: int = 1
+    """C: the context-parallel degree (1: none)."""
+
+    @property
+    def shard(self) -> int:
+        """The ranks that hold the same weights: d x C (ZeRO and the gradient sync run over them)."""
+        return self.data * self.context
 
     @property
     def key(self):
@@ -162,6 +171,17 @@ class _Search:
     trials: list = field(default_factory=list)
     batch_note: Optional[str] = None
     """The data-parallel degrees the global batch leaves out (:func:`batch_divisor_note`), if any."""
+    context: int = 1
+    """C, the same for every trial (:mod:`pipeplan.cluster.context`)."""
+    context_source: object = None
+    """The profile one GPU of a context-parallel group sees, before the tensor-parallel view."""
+
+    def view(self, tensor: int, selective: bool, experts) -> DegreeView:
+        """The profile one GPU sees at degree ``tensor`` (and C), collectives and exchange timed."""
+        if self.context == 1:
+            return degree_view(self.profile, tensor, self.cluster, selective=selective, experts=experts)
+        view = degree_view(self.context_source, tensor, self.cluster, selective=selective, experts=experts)
+        return add_context_exchange(view, self.profile, self.context, self.cluster)
 
     def run(self, trial: _Trial, best_ms: Optional[float] = None) -> None:
         _run_trial(trial, self.profile, self.settings, self.views[trial.view_key], self.cluster,
@@ -198,9 +218,10 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
         settings = _fixed_split_stages(settings)
     units = len(profile.layers)
     check_expert_request(profile, settings)
+    context = check_context_request(profile, settings)
     degrees = parallel_degrees(settings.num_gpus, cluster.gpus_per_node, units, head_counts(profile),
                                tensor_degrees(profile), data=settings.data_parallel, tensor=settings.tensor_parallel,
-                               pipeline=settings.stages)
+                               pipeline=settings.stages, context=context)
     cap = settings.cap_bytes()
     search = _Search(
         profile=profile, settings=settings, cluster=cluster, cap=cap,
@@ -211,7 +232,8 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
         profile_sha256=profile_sha256, record_time=record_time,
         batch_note=batch_divisor_note(degrees, settings.global_batch,
                                       profile.microbatch_sizes if settings.microbatch_size is None
-                                      else [settings.microbatch_size]))
+                                      else [settings.microbatch_size]),
+        context=context, context_source=context_profile(profile, context))
     # The (d, t, p) that some micro-batch size b runs with d x b dividing the batch (space.candidates
     # raises, naming the sizes, when none does).
     runnable = sorted({(c.data, c.tensor, c.pipeline) for c in candidates(degrees, settings.global_batch,
@@ -225,11 +247,11 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
             group = expert_group(settings, cluster, d, t, p, e)
             search.groups[(t, e)] = group
             if (t, "plain", e) not in search.views:
-                search.views[(t, "plain", e)] = degree_view(profile, t, cluster, experts=group)
+                search.views[(t, "plain", e)] = search.view(t, False, group)
             for zero in _zero_stages(settings, d, p):
                 for family, _ in _families(settings, selective_ok):
                     search.trials.append(_Trial(d, t, p, zero, family, len(search.trials), expert=e,
-                                                expert_tensor=etp, moe=moe,
+                                                expert_tensor=etp, moe=moe, context=context,
                                                 expert_data=expert_data_degree(d, t, e, etp) if moe else d))
     if moe and not search.trials:
         raise BadInputError(no_expert_layout_message(profile, settings))
@@ -248,8 +270,8 @@ def _bound_trials(search: _Search) -> None:
     for trial in search.trials:
         vkey = trial.view_key
         if vkey not in views:
-            views[vkey] = degree_view(profile, trial.tensor, cluster, selective=trial.family == "selective",
-                                      experts=search.groups[(trial.tensor, trial.expert)])
+            views[vkey] = search.view(trial.tensor, trial.family == "selective",
+                                      search.groups[(trial.tensor, trial.expert)])
         view = views[vkey]
         replica_batch = G // trial.data
         sizes = tuple(b for b in search.sizes_all if replica_batch % b == 0)
@@ -263,19 +285,19 @@ def _bound_trials(search: _Search) -> None:
                                       trial.expert_data, params * profile.dtype_bytes, expert_params * profile.dtype_bytes)
         else:
             static = state_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes, trial.zero_stage,
-                                                trial.data) * params * profile.dtype_bytes
+                                                trial.shard) * params * profile.dtype_bytes
         trial.extras["state_per_gpu"] = static / trial.pipeline
         if static / trial.pipeline > usable:
             trial.status = "state-over-cap"
             trial.reason = (f"training state alone is {format_bytes(static / trial.pipeline)} per GPU on average, "
                             f"over the {format_bytes(usable)} plannable")
             continue
-        shard = params / trial.pipeline / (trial.data if trial.zero_stage >= 1 else 1)
+        shard = params / trial.pipeline / (trial.shard if trial.zero_stage >= 1 else 1)
         if trial.moe and trial.zero_stage >= 1:
             shard = ((params - expert_params) / trial.data + expert_params / trial.expert_data) / trial.pipeline
         step = optimizer_step_ms(shard, state, hbm, OPTIMIZER_HBM_EFFICIENCY, profile.dtype == "fp16") if hbm else 0.0
         trial.extras["step_lb"] = step
-        span = Layout(trial.data, trial.tensor, trial.pipeline, cluster.gpus_per_node).data_span()
+        span = Layout(trial.shard, trial.tensor, trial.pipeline, cluster.gpus_per_node).data_span()
         by_size, pipeline_by_size = {}, {}
         for b, at in sums.items():
             m, work, largest = replica_batch // b, at.work_ms, at.largest_unit_ms
@@ -392,7 +414,9 @@ def _pipeline_plan(view: DegreeView, sub: PlanSettings, settings: PlanSettings, 
 
 
 def _pipeline_link(cluster, trial):
-    layout = Layout(trial.data, trial.tensor, trial.pipeline, cluster.gpus_per_node)
+    # Ranks ordered tensor, context, data, pipeline: a layout of d x C "data" ranks has the same
+    # pipeline ranks, and its data groups are the d x C ranks the gradients are reduced over.
+    layout = Layout(trial.shard, trial.tensor, trial.pipeline, cluster.gpus_per_node)
     links = {layout.pipeline_link(i, (i + 1) % trial.pipeline) for i in range(trial.pipeline)} - {"local"}
     return layout, links, (cluster.inter_node if "inter" in links else cluster.intra_node)
 
@@ -402,10 +426,10 @@ def _sub_settings(settings: PlanSettings, trial, link, cap, recompute: str) -> P
     return settings.model_copy(update={
         "stages": trial.pipeline, "global_batch": settings.global_batch // trial.data,
         "memory_cap_bytes": cap, "bandwidth_bytes_per_s": link.achieved_bytes_per_s,
-        "recompute": recompute, "zero_stage": trial.zero_stage, "data_parallel": trial.data,
+        "recompute": recompute, "zero_stage": trial.zero_stage, "data_parallel": trial.shard,
         "num_gpus": None, "cluster": None, "tensor_parallel": None, "layers_per_stage": None,
         "data_parallel_overlap": None, "search_stages": None, "expert_parallel": None,
-        "expert_tensor_parallel": None, "expert_imbalance": None,
+        "expert_tensor_parallel": None, "expert_imbalance": None, "context_parallel": None,
         "expert_data_parallel": trial.expert_data if trial.moe else None,
     })
 
@@ -448,7 +472,7 @@ def _makespan_ms(rank_end_ms, rank_param_bytes, num_microbatches) -> float:
 def _rank_tails(trial: _Trial, rank_params, m: int, span, cluster, state, hbm, overlap: float, fp16: bool):
     """Each pipeline rank's exposed data-parallel sync and optimizer step, from its parameters."""
     sync = [data_parallel_sync(p, state, trial.zero_stage, span, cluster, m, overlap).exposed_ms for p in rank_params]
-    shard = [p / (trial.data if trial.zero_stage >= 1 else 1) for p in rank_params]
+    shard = [p / (trial.shard if trial.zero_stage >= 1 else 1) for p in rank_params]
     step = [optimizer_step_ms(s, state, hbm, OPTIMIZER_HBM_EFFICIENCY, fp16) if hbm else 0.0 for s in shard]
     return sync, step
 
@@ -457,9 +481,13 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
                hbm, overlap: float, profile_sha256: str, record_time: bool, best_ms: Optional[float] = None) -> None:
     layout, links, link = _pipeline_link(cluster, trial)
     largest_unit_params = max(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes
-    gathered = zero3_gathered_bytes(largest_unit_params, state, trial.data) if trial.zero_stage == 3 else 0
+    gathered = zero3_gathered_bytes(largest_unit_params, state, trial.shard) if trial.zero_stage == 3 else 0
+    # The ring's received KV chunks, at the largest micro-batch size the replica may run (a bound).
+    buffers = max((context_buffer_bytes(profile, b, trial.tensor, trial.context)
+                   for b in (profile.microbatch_sizes if settings.microbatch_size is None
+                             else [settings.microbatch_size])), default=0) if trial.context > 1 else 0
     recompute = dict(_families(settings, True))[trial.family]
-    sub = _sub_settings(settings, trial, link, max(1, usable - gathered), recompute)
+    sub = _sub_settings(settings, trial, link, max(1, usable - gathered - buffers), recompute)
     span, fp16 = layout.data_span(), profile.dtype == "fp16"
     incumbent = None
     if best_ms is not None and settings.layers_per_stage is None:
@@ -491,10 +519,12 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     rank_params = [0.0] * trial.pipeline
     rank_experts = [0.0] * trial.pipeline
     rank_tp = [0.0] * trial.pipeline
+    rank_cp = [0.0] * trial.pipeline
     rank_moe = [dict() for _ in range(trial.pipeline)]
     for stage in plan.stages:
         rank_params[stage.rank] += stage.param_bytes / profile.dtype_bytes
         rank_tp[stage.rank] += m * view.stage_tensor_parallel_ms(stage.layers, plan.microbatch_size, stage.recompute)
+        rank_cp[stage.rank] += m * stage_context_ms(view, stage.layers, plan.microbatch_size, stage.recompute)
         if trial.moe:
             rank_experts[stage.rank] += view_expert_bytes(view, stage.layers) / profile.dtype_bytes
             for part, ms in view.stage_expert_ms(stage.layers, plan.microbatch_size, stage.recompute).items():
@@ -507,10 +537,11 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     critical = sim.critical_rank
     trial.parts = iteration_parts(sim.compute_ms, min(rank_tp[critical], sim.compute_ms), sim.transfer_ms,
                                   sim.bubble_ms + sim.overhead_ms, rank_end, sync, step,
-                                  expert_ms=rank_moe[critical] if trial.moe else None)
+                                  expert_ms=rank_moe[critical] if trial.moe else None,
+                                  context_ms=rank_cp[critical])
     trial.plan = plan
     trial.status = "planned"
     trial.extras = {"layout": layout, "link": "inter" if "inter" in links else ("intra" if links else "local"),
-                    "gathered": gathered}
+                    "gathered": gathered, "buffers": buffers}
 
 

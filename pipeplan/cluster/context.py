@@ -1,0 +1,193 @@
+"""Context parallelism: each sequence split over ``C`` GPUs, its KV exchanged on a ring.
+
+Megatron-core's context parallelism (``--context-parallel-size C``, ``parallel_state``: ranks
+ordered tensor, context, expert, data, pipeline; gradients reduced over the data x context
+group) gives each rank ``s / C`` tokens of every sequence: the sequence is cut into ``2 C``
+chunks and rank ``i`` holds chunks ``i`` and ``2 C - 1 - i``
+(``megatron.core.utils.get_batch_on_this_cp_rank``), so under a causal mask every rank does the
+same share of the attention. One GPU of a context-parallel group therefore sees (docs/cluster-model.md,
+"Context parallelism"):
+
+- every token-wise part of the profile at sequence ``s`` (GEMMs, norms, activations, boundary
+  bytes, the tensor-parallel collectives' payloads) at ``1 / C``, and the attention core at
+  ``1 / C`` of the whole sequence's (the balanced causal share), :func:`context_profile`;
+- the KV exchange of Megatron-core's default ``cp_comm_type = "p2p"`` (Transformer Engine's ring
+  attention): ``C - 1`` steps, each sending the rank's KV chunk to the ring's next rank while the
+  attention of the chunk received before runs; the backward passes the KV and its gradient dKV
+  the same way. Exposed is what a step's send takes beyond the attention block it overlaps::
+
+      chunk_bytes  = b x s / C x 2 x kv_heads_per_rank x head_dim x dtype_bytes    (K and V)
+      forward_ms  += (C - 1) x max(0, send(chunk_bytes)     - attention_forward_ms / C)
+      backward_ms += (C - 1) x max(0, send(2 x chunk_bytes) - 2.5 x attention_forward_ms / C)
+
+  with ``attention_forward_ms`` the rank's attention core (the profile's ``selective_recompute_ms``
+  at ``1 / C``), its backward 2.5 times it (FlashAttention-2's, as the analytic profile counts),
+  and ``send`` one point-to-point hop on the link the group spans (:func:`context_link`);
+- the received chunks: two buffers of one chunk's K and V in the forward, and of its K, V and
+  dK, dV in the backward, while one layer's attention runs: ``4 x chunk_bytes`` of the largest
+  unit, once per GPU (:func:`context_buffer_bytes`).
+
+Parameters are not divided by ``C``; the training state is sharded (ZeRO, the distributed
+optimizer) and the gradients reduced over the ``d x C`` ranks that hold the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from pipeplan.cluster.collectives import send_ms
+from pipeplan.cluster.placement import GroupSpan
+from pipeplan.errors import BadInputError
+from pipeplan.formats.profile import LayerCost
+
+__all__ = ["context_profile", "context_link", "add_context_exchange", "context_buffer_bytes",
+           "check_context_request", "stage_context_ms", "chunk_bytes", "ATTENTION_BACKWARD_FACTOR"]
+
+#: The attention core's backward over its forward (FlashAttention-2: QK^T again, then 2 x the
+#: forward's GEMMs; the analytic profile's own factor, pipeplan/analytic/flops.py).
+ATTENTION_BACKWARD_FACTOR = 2.5
+
+#: LayerCost fields that scale with the rank's tokens (everything but the parameters and counts).
+_TOKEN_FIELDS = ("forward_ms", "backward_ms", "activation_bytes", "output_bytes", "backward_input_ms",
+                 "backward_weight_ms", "tensor_parallel_forward_bytes", "tensor_parallel_backward_bytes",
+                 "selective_activation_bytes", "selective_recompute_ms")
+
+
+def check_context_request(profile, settings) -> int:
+    """The request's context-parallel degree ``C`` (1 when not given), after Megatron's rules.
+
+    Raises
+    ------
+    BadInputError
+        If ``2 C`` does not divide the profile's sequence (Megatron's load-balanced split needs
+        ``2 C`` equal chunks), the profile gives no sequence, no attention core
+        (``selective_recompute_ms``: an analytic profile), no KV shape, or has experts.
+    """
+    c = getattr(settings, "context_parallel", None) or 1
+    if c == 1:
+        return 1
+    s = getattr(profile, "sequence_length", None)
+    if not s:
+        raise BadInputError("--context-parallel: the profile gives no sequence_length to split")
+    if s % (2 * c):
+        raise BadInputError(f"--context-parallel: 2 x {c} does not divide the profile's sequence {s} (Megatron "
+                            f"splits each sequence into 2 C chunks for the causal load balance)")
+    if getattr(profile, "experts", None) is not None:
+        raise BadInputError("--context-parallel: context parallelism with experts is not modelled; give 1")
+    shape = (profile.measurement or {}).get("config_shape") or {}
+    if not shape.get("head_dim") or not (shape.get("num_kv_heads") or shape.get("num_heads")):
+        raise BadInputError("--context-parallel: the profile records no attention shape (config_shape's "
+                            "head_dim, num_kv_heads): use an analytic profile (pipeplan profile --analytic)")
+    if any(getattr(cost, "selective_recompute_ms", None) is None for layer in profile.layers for cost in layer.costs):
+        raise BadInputError("--context-parallel: the profile gives no attention core time (selective_recompute_ms): "
+                            "use an analytic profile (pipeplan profile --analytic)")
+    return c
+
+
+def context_profile(profile, context: int):
+    """The profile one GPU of a context-parallel group of ``context`` sees: every token-wise
+    field at ``1 / C`` (bytes rounded up), parameters as they are (module docstring)."""
+    if context == 1:
+        return profile
+    layers = []
+    for layer in profile.layers:
+        costs = []
+        for cost in layer.costs:
+            update = {}
+            for name in _TOKEN_FIELDS:
+                value = getattr(cost, name, None)
+                if value is None:
+                    continue
+                update[name] = int(math.ceil(value / context)) if name.endswith("_bytes") else value / context
+            costs.append(cost.model_copy(update=update))
+        layers.append(layer.model_copy(update={"costs": costs}))
+    return profile.model_copy(update={"layers": layers})
+
+
+def context_link(tensor: int, context: int, gpus_per_node: int) -> GroupSpan:
+    """The context-parallel group's shape: ``C`` GPUs ``t`` apart (tensor innermost, then
+    context), on one node while ``t x C <= gpus_per_node``, else ``gpus_per_node / t`` per node.
+
+    Examples
+    --------
+    >>> context_link(8, 16, 8)
+    GroupSpan(ranks_per_node=1, nodes=16)
+    >>> context_link(2, 4, 8).link
+    'intra'
+    """
+    if tensor * context <= gpus_per_node:
+        return GroupSpan(ranks_per_node=context, nodes=1)
+    per_node = max(1, gpus_per_node // tensor)
+    return GroupSpan(ranks_per_node=per_node, nodes=context // per_node)
+
+
+def chunk_bytes(profile, microbatch_size: int, tensor: int, context: int) -> int:
+    """One rank's K and V of one unit's attention: ``b x s / C`` tokens x both x its KV heads."""
+    shape = (profile.measurement or {}).get("config_shape") or {}
+    head_dim = int(shape["head_dim"])
+    if shape.get("latent_attention"):
+        # Multi-head latent attention exchanges the up-projected keys and values of every head.
+        heads = int(shape["num_heads"]) // tensor
+        width = heads * (head_dim + int(shape.get("v_head_dim") or head_dim))
+    else:
+        kv_heads = int(shape.get("num_kv_heads") or shape["num_heads"])
+        width = 2 * max(kv_heads // tensor, 1) * head_dim
+    return microbatch_size * (profile.sequence_length // context) * width * profile.dtype_bytes
+
+
+def _exchange_ms(attention_forward_ms: float, chunk: int, context: int, link) -> tuple[float, float]:
+    """The ring's exposed forward and backward time of one unit (module docstring)."""
+    steps = context - 1
+    forward = steps * max(0.0, send_ms(chunk, link) - attention_forward_ms / context)
+    backward = steps * max(0.0, send_ms(2 * chunk, link) - ATTENTION_BACKWARD_FACTOR * attention_forward_ms / context)
+    return forward, backward
+
+
+def add_context_exchange(view, profile, context: int, cluster):
+    """``view`` (a :class:`pipeplan.cluster.profile_view.DegreeView` of the
+    :func:`context_profile`) with each attention unit's exposed exchange added to its forward,
+    backward and input-gradient pass (the exchange is on the input-gradient path; selective
+    recomputation runs the forward's again in the backward), kept apart in ``context_ms``."""
+    if context == 1:
+        return view
+    span = context_link(view.tensor_parallel, context, cluster.gpus_per_node)
+    link = cluster.inter_node if span.link == "inter" else cluster.intra_node
+    scaled = {layer.name: layer for layer in context_profile(profile, context).layers}
+    layers, parts = [], {}
+    for layer in view.profile.layers:
+        source = {c.microbatch_size: c for c in scaled[layer.name].costs
+                  if (getattr(c, "tensor_parallel", None) or 1) == view.tensor_parallel}
+        costs = []
+        for cost in layer.costs:
+            attention_ms = source[cost.microbatch_size].selective_recompute_ms or 0.0
+            forward = backward = 0.0
+            if attention_ms > 0:
+                chunk = chunk_bytes(profile, cost.microbatch_size, view.tensor_parallel, context)
+                forward, backward = _exchange_ms(attention_ms, chunk, context, link)
+                if view.selective:
+                    backward += forward
+            parts[(layer.name, cost.microbatch_size)] = (forward, backward)
+            update = {"forward_ms": cost.forward_ms + forward, "backward_ms": cost.backward_ms + backward}
+            if cost.backward_input_ms is not None:
+                update["backward_input_ms"] = cost.backward_input_ms + backward
+            costs.append(LayerCost(**{**cost.model_dump(exclude_none=True), **update}))
+        layers.append(layer.model_copy(update={"costs": costs}))
+    return replace(view, profile=view.profile.model_copy(update={"layers": layers}), context_ms=parts)
+
+
+def stage_context_ms(view, layer_names, microbatch_size: int, recompute: bool) -> float:
+    """The exchange's exposed time of a stage per micro-batch (the forward's twice if it recomputes)."""
+    total = 0.0
+    for name in layer_names:
+        forward, backward = view.context_ms.get((name, microbatch_size), (0.0, 0.0))
+        total += forward * (2 if recompute else 1) + backward
+    return total
+
+
+def context_buffer_bytes(profile, microbatch_size: int, tensor: int, context: int) -> int:
+    """The received KV chunks one GPU holds while a unit's attention runs: two buffers of one
+    chunk's K and V, and in the backward of its dK and dV too (``4 x chunk_bytes``); 0 at C = 1."""
+    if context == 1:
+        return 0
+    return 4 * chunk_bytes(profile, microbatch_size, tensor, context)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from pipeplan.cluster.context import context_buffer_bytes, context_link
+from pipeplan.cluster.context import context_buffer_bytes, context_notes
 from pipeplan.cluster.experts import expert_note, moe_stage_memory, moe_static_bytes, view_expert_bytes
 from pipeplan.cluster.iteration import model_flops_utilization, tokens_per_s_per_gpu
 from pipeplan.cluster.profile_view import DegreeView
@@ -188,14 +188,7 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
         f"compute (--data-parallel-overlap)" if d > 1 else "no data parallelism: no gradient sync",
     ]
     if c > 1:
-        span = context_link(t, c, cluster.gpus_per_node)
-        notes[len(plan.notes)] = notes[len(plan.notes)].replace(f"d={d} x t={t} x p={p}", f"d={d} x t={t} x C={c} x p={p}").replace(
-            "(tensor, data, pipeline)", "(tensor, context, data, pipeline)")
-        notes.append(f"context parallel C={c}: each rank holds {profile.sequence_length // c} tokens of each sequence "
-                     f"(2C chunks, causal load balance); KV exchanged on a ring of point-to-point sends overlapped "
-                     f"with attention (Megatron's cp_comm_type p2p) on "
-                     f"{'the network' if span.link == 'inter' else 'the intra-node link'}; gradients reduced and "
-                     f"state sharded over d x C = {d * c}")
+        notes = context_notes(notes, len(plan.notes), profile, d, t, p, c, cluster.gpus_per_node)
     if best.moe:
         notes.append(expert_note(profile, view.experts, best.expert_data))
     if hbm_bytes_per_s(profile, cluster) is None:

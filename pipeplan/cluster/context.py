@@ -42,7 +42,8 @@ from pipeplan.errors import BadInputError
 from pipeplan.formats.profile import LayerCost
 
 __all__ = ["context_profile", "context_link", "add_context_exchange", "context_buffer_bytes",
-           "check_context_request", "stage_context_ms", "chunk_bytes", "ATTENTION_BACKWARD_FACTOR"]
+           "check_context_request", "stage_context_ms", "chunk_bytes", "ATTENTION_BACKWARD_FACTOR",
+           "context_notes"]
 
 #: The attention core's backward over its forward (FlashAttention-2: QK^T again, then 2 x the
 #: forward's GEMMs; the analytic profile's own factor, pipeplan/analytic/flops.py).
@@ -191,3 +192,18 @@ def context_buffer_bytes(profile, microbatch_size: int, tensor: int, context: in
     if context == 1:
         return 0
     return 4 * chunk_bytes(profile, microbatch_size, tensor, context)
+
+
+def context_notes(notes: list, layout_index: int, profile, d: int, t: int, p: int, c: int,
+                  gpus_per_node: int) -> list:
+    """A cluster plan's notes with the layout's (at ``layout_index``) naming C, and one on the exchange."""
+    out = list(notes)
+    out[layout_index] = out[layout_index].replace(f"d={d} x t={t} x p={p}", f"d={d} x t={t} x C={c} x p={p}").replace(
+        "(tensor, data, pipeline)", "(tensor, context, data, pipeline)")
+    span = context_link(t, c, gpus_per_node)
+    out.append(f"context parallel C={c}: each rank holds {profile.sequence_length // c} tokens of each sequence "
+               f"(2C chunks, causal load balance); KV exchanged on a ring of point-to-point sends overlapped "
+               f"with attention (Megatron's cp_comm_type p2p) on "
+               f"{'the network' if span.link == 'inter' else 'the intra-node link'}; gradients reduced and "
+               f"state sharded over d x C = {d * c}")
+    return out

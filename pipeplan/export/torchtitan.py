@@ -269,6 +269,8 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profi
     lines += [f"tensor_parallel_degree = {degrees.tensor}",
               f"pipeline_parallel_degree = {shape.num_ranks}"]
     lines += _expert_lines(plan)
+    if degrees.context > 1:
+        lines.append(f"context_parallel_degree = {degrees.context}")
     if pipelined:
         # With a CSV, torchtitan still reads the schedule name to place stages (loop or V).
         placement_name = name or ("ZBVZeroBubble" if shape.v_placement else "Interleaved1F1B")

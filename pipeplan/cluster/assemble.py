@@ -144,8 +144,7 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
             static = math.ceil(moe_static_bytes(settings.optimizer, profile.dtype_bytes, best.zero_stage, d,
                                                 best.expert_data, stage.param_bytes, experts))
             update["expert_state_bytes"] = int(expert_state)
-        if c > 1:
-            update.update({"context_buffer_bytes": buffers, "peak_memory_bytes": stage.peak_memory_bytes + buffers})
+        update.update({"context_buffer_bytes": buffers, "peak_memory_bytes": stage.peak_memory_bytes + buffers} if c > 1 else {})
         stages.append(stage.model_copy(update={
             "weight_bytes": memory.weight_bytes + (best.extras["gathered"] if best.zero_stage == 3 else 0),
             "gradient_bytes": memory.gradient_bytes, "optimizer_bytes": memory.optimizer_bytes,
@@ -167,8 +166,8 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
         predicted = predicted.model_copy(update={
             name: round(getattr(parts, name), 6)
             for name in ("expert_dispatch_ms", "expert_compute_ms", "expert_combine_ms", "shared_expert_ms")})
-    if c > 1:
-        predicted = predicted.model_copy(update={"context_exchange_ms": round(parts.context_exchange_ms, 6)})
+    predicted = predicted.model_copy(update={"context_exchange_ms": round(parts.context_exchange_ms, 6)}) \
+        if c > 1 else predicted
     if profile.sequence_length:
         predicted = predicted.model_copy(update={"tokens_per_second_per_gpu": round(
             tokens_per_s_per_gpu(G, profile.sequence_length, iteration_ms, settings.num_gpus), 6)})

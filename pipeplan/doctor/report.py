@@ -43,7 +43,7 @@ def _summary(result: Diagnosis) -> list[str]:
     if result.plan is not None and result.plan.parallelism is not None:
         par, plan = result.plan.parallelism, result.plan
         lines.append(f"on {plan.settings.cluster.name}: {par.num_gpus} GPUs as d={par.data} x t={par.tensor} x "
-                     f"p={par.pipeline}, ZeRO {par.zero_stage}" + (", sequence parallel" if par.sequence_parallel else "")
+                     + (f"C={par.context} x " if par.context else "") + f"p={par.pipeline}, ZeRO {par.zero_stage}" + (", sequence parallel" if par.sequence_parallel else "")
                      + f", optimizer {plan.settings.optimizer}, cap {format_bytes(result.cluster_cost.cap_bytes)} per GPU")
         lines.append(f"predicted: {parts_text(plan)}; {plan.predicted.samples_per_second:.6g} samples/s")
     elif result.plan is not None:
@@ -61,7 +61,8 @@ def _summary(result: Diagnosis) -> list[str]:
                      + (f" (ZeRO {b.parallelism.zero_stage})" if b.parallelism is not None else ""))
     if result.best_any is not None:
         b, par = result.best_any, result.best_any.parallelism
-        lines.append(f"best plan for the same {par.num_gpus} GPUs: d={par.data} x t={par.tensor} x p={par.pipeline}, "
+        lines.append(f"best plan for the same {par.num_gpus} GPUs: d={par.data} x t={par.tensor} x "
+                     + (f"C={par.context} x " if par.context else "") + f"p={par.pipeline}, "
                      f"ZeRO {par.zero_stage}, {b.schedule}, v = {b.virtual_stages}, {b.num_microbatches} "
                      f"micro-batches of {b.microbatch_size} per replica, predicted {b.predicted.iteration_ms:.6g} ms")
     return lines

@@ -38,12 +38,12 @@ from dataclasses import replace
 
 from pipeplan.cluster.collectives import send_ms
 from pipeplan.cluster.placement import GroupSpan
-from pipeplan.errors import BadInputError
+from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.profile import LayerCost
 
 __all__ = ["context_profile", "context_link", "add_context_exchange", "context_buffer_bytes",
            "check_context_request", "stage_context_ms", "chunk_bytes", "ATTENTION_BACKWARD_FACTOR",
-           "context_notes"]
+           "context_notes", "context_choices", "MIN_TOKENS_PER_RANK", "best_over_context"]
 
 #: The attention core's backward over its forward (FlashAttention-2: QK^T again, then 2 x the
 #: forward's GEMMs; the analytic profile's own factor, pipeplan/analytic/flops.py).
@@ -53,6 +53,27 @@ ATTENTION_BACKWARD_FACTOR = 2.5
 _TOKEN_FIELDS = ("forward_ms", "backward_ms", "activation_bytes", "output_bytes", "backward_input_ms",
                  "backward_weight_ms", "tensor_parallel_forward_bytes", "tensor_parallel_backward_bytes",
                  "selective_activation_bytes", "selective_recompute_ms")
+
+
+#: The fewest tokens of each sequence a rank keeps where the search tries C (``--context-parallel``
+#: unset): Meta's Llama 3 405B long-context stage ran 131,072 tokens at C = 16, 8,192 per rank, the
+#: sequence its short-context stage trained at without context parallelism. Below it the search
+#: keeps C = 1 (so plans of sequences under 16,384 are as before); ``--context-parallel`` fixes any C.
+MIN_TOKENS_PER_RANK = 8192
+
+
+def context_choices(profile, settings) -> list[int]:
+    """The degrees the search tries: the request's C, else 1 and every C dividing the GPUs with
+    ``2 C`` dividing the sequence and at least :data:`MIN_TOKENS_PER_RANK` tokens per rank, for a
+    dense analytic profile (one with the attention core's time and shape)."""
+    if getattr(settings, "context_parallel", None) is not None:
+        return [settings.context_parallel]
+    s, n = getattr(profile, "sequence_length", None), settings.num_gpus or 1
+    shape = (profile.measurement or {}).get("config_shape") or {}
+    if (not s or getattr(profile, "experts", None) is not None or not shape.get("head_dim")
+            or any(getattr(c, "selective_recompute_ms", None) is None for layer in profile.layers for c in layer.costs)):
+        return [1]
+    return [1] + [c for c in range(2, n + 1) if n % c == 0 and s % (2 * c) == 0 and s // c >= MIN_TOKENS_PER_RANK]
 
 
 def check_context_request(profile, settings) -> int:
@@ -207,3 +228,36 @@ def context_notes(notes: list, layout_index: int, profile, d: int, t: int, p: in
                f"{'the network' if span.link == 'inter' else 'the intra-node link'}; gradients reduced and "
                f"state sharded over d x C = {d * c}")
     return out
+
+
+def best_over_context(plan_at, choices):
+    """The fastest plan over the context-parallel degrees ``choices`` (C searched): ``plan_at(C)``
+    is one exact cluster search at that C; the fastest is kept (ties to the smaller C) and records
+    C as searched (``settings.context_parallel`` null, ``parallelism.context`` the choice).
+
+    Raises
+    ------
+    BadInputError
+        What the search at C = 1 raises for bad input.
+    InfeasibleError
+        The first search's, when no C fits.
+    """
+    best, first_error, tried = None, None, []
+    for c in choices:
+        try:
+            plan = plan_at(c)
+        except (InfeasibleError, BadInputError) as error:
+            if c == 1 and isinstance(error, BadInputError):
+                raise
+            first_error = first_error or error
+            tried.append(f"C={c}: {str(error).splitlines()[0][:80]}")
+            continue
+        tried.append(f"C={c}: {plan.predicted.iteration_ms:.1f} ms")
+        if best is None or plan.predicted.iteration_ms < best.predicted.iteration_ms:
+            best = plan
+    if best is None:
+        raise first_error
+    return best.model_copy(update={
+        "settings": best.settings.model_copy(update={"context_parallel": None}),
+        "notes": [*best.notes, f"context-parallel degree searched (at least {MIN_TOKENS_PER_RANK} tokens per rank): "
+                  + "; ".join(tried)]})

@@ -25,8 +25,8 @@ from typing import Optional
 
 from pipeplan.cluster.assemble import assemble_cluster_plan, hbm_bytes_per_s, infeasible_message
 from pipeplan.cluster.bounds import seed_estimate_ms, unit_sums
-from pipeplan.cluster.context import (add_context_exchange, check_context_request, context_buffer_bytes,
-                                      context_profile, stage_context_ms)
+from pipeplan.cluster.context import (add_context_exchange, best_over_context, check_context_request,
+                                      context_buffer_bytes, context_choices, context_profile, stage_context_ms)
 from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
 from pipeplan.cluster.experts import (check_expert_request, expert_choices, expert_data_degree, expert_group,
                                       moe_rank_tails, moe_static_bytes, moe_tails_lower_bound,
@@ -143,7 +143,12 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
     chain partitions and stage costs that recur across its pipeline plans are computed once.
     """
     with planning_cache():
-        return _plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
+        choices = context_choices(profile, settings)
+        if len(choices) == 1:
+            return _plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
+        return best_over_context(lambda c: _plan_cluster(profile, settings.model_copy(update={"context_parallel": c}),
+                                                         profile_sha256=profile_sha256, record_time=record_time),
+                                 choices)
 
 
 @dataclass

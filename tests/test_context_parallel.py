@@ -256,3 +256,38 @@ def test_doctor_costs_a_megatron_script_with_context_parallelism(tmp_path, tiny,
     assert "not in the cluster model" not in result.output, result.output
     assert "32 GPUs as d=2 x t=2 x C=4 x p=2" in result.output, result.output
     assert "+ context-parallel exchange" in result.output
+
+
+# --------------------------------------------------------------------------- the search over C
+
+
+def test_search_tries_c_only_at_long_sequences(tiny):
+    from pipeplan.cluster.context import MIN_TOKENS_PER_RANK, context_choices
+    from pipeplan.formats.plan import PlanSettings
+
+    profile, _ = tiny
+    settings = PlanSettings(num_gpus=64, cluster=DGX)
+    assert context_choices(profile, settings) == [1]          # 4096 tokens: C = 1 alone, plans as before
+    long = profile.model_copy(update={"sequence_length": 65536})
+    assert context_choices(long, settings) == [1, 2, 4, 8]    # 2C | s, C | 64, s / C >= 8192
+    assert all(65536 // c >= MIN_TOKENS_PER_RANK for c in context_choices(long, settings))
+    assert context_choices(long, settings.model_copy(update={"context_parallel": 2})) == [2]
+
+
+def test_searched_c_is_the_best_fixed_c(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cpsearch")
+    config = root / "config.json"
+    config.write_text(json.dumps(TINY))
+    profile = analytic_profile(config, get_gpu("h100-sxm"), seq_len=16384, microbatch_sizes=(1,),
+                               tensor_parallel=(1, 2))
+    path = root / "tiny16k.json"
+    path.write_text(dump_model(profile))
+    args = ("--gpus", 16, "--global-batch", 16, "--stages", 2, "--schedule", "1f1b")
+    searched = _plan(root, path, *args)
+    fixed = {c: _plan(root, path, *args, "--context-parallel", c) for c in (1, 2)}
+    chosen = searched.parallelism.context or 1
+    assert searched.settings.context_parallel is None
+    assert searched.predicted.iteration_ms == min(p.predicted.iteration_ms for p in fixed.values())
+    same = fixed[chosen]
+    assert searched.model_copy(update={"settings": same.settings, "notes": same.notes}) == same
+    assert "context-parallel degree searched" in searched.notes[-1]

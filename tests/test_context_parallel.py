@@ -291,3 +291,10 @@ def test_searched_c_is_the_best_fixed_c(tmp_path_factory):
     same = fixed[chosen]
     assert searched.model_copy(update={"settings": same.settings, "notes": same.notes}) == same
     assert "context-parallel degree searched" in searched.notes[-1]
+
+
+def test_run_refuses_a_context_parallel_plan(cp_plan):
+    from pipeplan.run.launch import check_parallelism
+
+    with pytest.raises(BadInputError, match="parallelism.context: C=4: pipeplan run does not run context"):
+        check_parallelism(cp_plan, "plan.json")

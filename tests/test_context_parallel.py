@@ -296,5 +296,6 @@ def test_searched_c_is_the_best_fixed_c(tmp_path_factory):
 def test_run_refuses_a_context_parallel_plan(cp_plan):
     from pipeplan.run.launch import check_parallelism
 
+    par = cp_plan.parallelism.model_copy(update={"tensor": 1, "num_gpus": 16})
     with pytest.raises(BadInputError, match="parallelism.context: C=4: pipeplan run does not run context"):
-        check_parallelism(cp_plan, "plan.json")
+        check_parallelism(cp_plan.model_copy(update={"parallelism": par}), "plan.json")

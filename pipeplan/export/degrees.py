@@ -165,11 +165,12 @@ def unsharded_extra_bytes(plan: Plan, *, gradients: bool, weights: bool) -> int:
 
     Notes
     -----
-    Whole gradients are ``d x`` the shard; whole weights are ``param_bytes`` (the stage's share at
+    Whole gradients are ``d x C`` times the shard; whole weights are ``param_bytes`` (the stage's share at
     its tensor-parallel degree). O(S).
     """
     degrees = degrees_of(plan)
-    d, zero = degrees.data, degrees.zero_stage
+    # ZeRO shards over the d x C ranks that hold the same weights (C = 1 without context parallelism).
+    d, zero = degrees.data * degrees.context, degrees.zero_stage
     per_rank: dict[int, int] = {}
     for stage in plan.stages:
         extra = 0

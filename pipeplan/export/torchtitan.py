@@ -243,6 +243,10 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profi
     notes: list[str] = []
     replicate, shard, reshard = _data_parallel(plan, degrees, notes)
     checkpoint = _activation_checkpoint(plan, notes)
+    if degrees.context > 1 and degrees.zero_stage < 3:
+        notes.append(f"context_parallel_degree {degrees.context}: torchtitan turns FSDP on over its dp_shard x cp mesh "
+                     f"whenever cp > 1 (ParallelDims.fsdp_enabled), so it shards the weights over {shard * degrees.context}"
+                     f" GPUs where the plan's ZeRO {degrees.zero_stage} keeps them whole: less memory, more all-gathers")
     notes += tied_weight_notes(plan, profile, "torchtitan")
     if degrees.tensor > 1 and not degrees.sequence_parallel:
         notes.append("torchtitan's tensor parallelism always shards the norms' sequence (sequence parallel): "

@@ -299,3 +299,12 @@ def test_run_refuses_a_context_parallel_plan(cp_plan):
     par = cp_plan.parallelism.model_copy(update={"tensor": 1, "num_gpus": 16})
     with pytest.raises(BadInputError, match="parallelism.context: C=4: pipeplan run does not run context"):
         check_parallelism(cp_plan.model_copy(update={"parallelism": par}), "plan.json")
+
+
+def test_doctor_costs_torchtitans_context_parallel_degree(tmp_path, tiny, cp_plan):
+    profile, path = tiny
+    toml = tmp_path / "job.toml"
+    toml.write_text(export_plan(cp_plan, profile, "torchtitan")[".toml"] + '\n[model]\nname = "tiny_llama"\n')
+    result = CliRunner().invoke(app, ["doctor", "torchtitan", str(toml), "--profile", str(path), "--cluster",
+                                      "dgx-h100", "--same-layout"])
+    assert "32 GPUs as d=2 x t=2 x C=4 x p=2" in result.output, result.output

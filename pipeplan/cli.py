@@ -74,8 +74,8 @@ def _plan_request(stages, global_batch, microbatch_size, memory_cap, optimizer, 
                   virtual_stages, recompute, solver, action_overhead_ms=None, launcher=None, **cluster_options):
     """The request ``plan`` (and ``compare``) options make: a :class:`ClusterRequest` with
     ``--gpus``, else a :class:`PipelineRequest`."""
-    if optimizer not in ("adam", "adam-fp32-grads", "sgd", "none"):
-        raise BadInputError(f"--optimizer: {optimizer!r} is not one of adam, adam-fp32-grads, sgd, none")
+    if optimizer not in ("auto", "adam", "adam-fp32-grads", "sgd", "none"):
+        raise BadInputError(f"--optimizer: {optimizer!r} is not one of auto, adam, adam-fp32-grads, sgd, none")
     if solver not in ("auto", "dp", "ilp"):
         raise BadInputError(f"--solver: {solver!r} is not one of auto, dp, ilp")
     if recompute not in ("auto", "none", "selective", "all"):
@@ -114,7 +114,7 @@ def _counts(text: str) -> list[int]:
 
 def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_parallel=None, zero=None,
                      data_parallel_overlap=None, expert_parallel=None, expert_tensor_parallel=None,
-                     expert_imbalance=None, context_parallel=None):
+                     expert_imbalance=None, compare=None, context_parallel=None):
     """The cluster options of ``pipeplan plan`` (docs/cluster-model.md); empty without --gpus."""
     if num_gpus is None:
         given = [name for name, value in (("--cluster", cluster), ("--data-parallel", data_parallel),
@@ -123,6 +123,7 @@ def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_par
                                           ("--expert-parallel", expert_parallel),
                                           ("--expert-tensor-parallel", expert_tensor_parallel),
                                           ("--expert-imbalance", expert_imbalance),
+                                          ("--compare", compare or None),
                                           ("--context-parallel", context_parallel)) if value is not None]
         if given:
             raise BadInputError(f"{given[0]}: needs --gpus (the cluster's GPU count)")
@@ -134,6 +135,7 @@ def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_par
             **{name: value for name, value in (("expert_parallel", expert_parallel),
                                                ("expert_tensor_parallel", expert_tensor_parallel),
                                                ("expert_imbalance", expert_imbalance),
+                                               ("compare", list(compare or ()) or None),
                                                ("context_parallel", context_parallel)) if value is not None}}
 
 
@@ -144,7 +146,7 @@ _MICROBATCH = typer.Option(None, "--microbatch-size", "-b", help="Fix the micro-
 _MEMORY_CAP = typer.Option(None, "--memory-cap", help="Per-GPU memory cap, e.g. 80GiB or 16e9.")
 # Defaults come from the request models (one source; tests/test_layers.py checks every option).
 _DEFAULT = {name: field.default for name, field in PipelineRequest.model_fields.items()}
-_OPTIMIZER = typer.Option(_DEFAULT["optimizer"], "--optimizer", help="adam (16 B/param), adam-fp32-grads (18, Megatron's), sgd (12) or none.")
+_OPTIMIZER = typer.Option(_DEFAULT["optimizer"], "--optimizer", help="auto (adam-fp32-grads with --launcher megatron, else adam), adam (16 B/param), adam-fp32-grads (18, Megatron's), sgd (12) or none.")
 _BANDWIDTH = typer.Option(f"{_DEFAULT['bandwidth_bytes_per_s'] / 1e9:g}GB/s", "--bandwidth", help="Point-to-point bandwidth, e.g. 25GB/s; inf ignores transfers.")
 _SCHEDULE = typer.Option(_DEFAULT["schedule"], "--schedule", help="auto, gpipe, 1f1b, interleaved, zb, zbv or dualpipev.")
 _VIRTUAL = typer.Option(None, "--virtual-stages", "-v", help="Stages per rank (interleaved/zero-bubble); default: search.")
@@ -245,6 +247,7 @@ def plan(
     expert_parallel: Optional[int] = typer.Option(None, "--expert-parallel", help="With --gpus, a mixture-of-experts profile: fix the expert-parallel degree E (divides d and the experts); default: search."),
     expert_tensor_parallel: Optional[int] = typer.Option(None, "--expert-tensor-parallel", help="With --gpus: the experts' tensor-parallel degree (divides t; default 1)."),
     expert_imbalance: Optional[float] = typer.Option(None, "--expert-imbalance", help="With --gpus: the busiest rank's routed tokens over the balanced share (>= 1; default 1)."),
+    compare: Optional[list[str]] = typer.Option(None, "--compare", help="With --gpus (repeatable): also plan this layout in full and record it beside the winner, e.g. d=64,t=8,p=1 (optional zero=.., mbs=.., e=..)."),
     context_parallel: Optional[int] = typer.Option(None, "--context-parallel", help="With --gpus: the context-parallel degree C (the sequence split over C GPUs; 2 C divides it; default 1)."),
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
@@ -255,7 +258,7 @@ def plan(
                             data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero=zero,
                             data_parallel_overlap=data_parallel_overlap, expert_parallel=expert_parallel,
                             expert_tensor_parallel=expert_tensor_parallel, expert_imbalance=expert_imbalance,
-                            context_parallel=context_parallel)
+                            compare=compare, context_parallel=context_parallel)
     if layers_per_stage is not None:
         request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
     with reporting(terminal_progress(quiet)):

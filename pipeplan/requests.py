@@ -26,7 +26,7 @@ pipeplan.errors.BadInputError: data_parallel, zero_stage: cluster options need n
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -35,7 +35,8 @@ from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.formats.limits import PositiveCount
 from pipeplan.formats.plan import PlanSettings, effective_cap_bytes
 
-__all__ = ["PipelineRequest", "ClusterRequest", "Request", "request_of", "CLUSTER_ONLY_FIELDS"]
+__all__ = ["PipelineRequest", "ClusterRequest", "Request", "request_of", "CLUSTER_ONLY_FIELDS", "parse_compare",
+           "COMPARE_KEYS"]
 
 _FIELDS = PlanSettings.model_fields
 
@@ -49,7 +50,52 @@ def _required(name: str, description: str):
 #: Fields only a cluster request has.
 CLUSTER_ONLY_FIELDS = ("cluster", "data_parallel", "tensor_parallel", "zero_stage", "data_parallel_overlap",
                        "search_stages", "expert_parallel", "expert_tensor_parallel", "expert_imbalance",
-                       "expert_data_parallel", "context_parallel")
+                       "expert_data_parallel", "compare", "context_parallel")
+
+#: The keys of a ``--compare`` layout: d, t and p are required, the rest fix one more choice.
+COMPARE_KEYS = {"d": "data-parallel degree", "t": "tensor-parallel degree", "p": "pipeline ranks",
+                "zero": "ZeRO stage (0-3)", "mbs": "micro-batch size", "e": "expert-parallel degree"}
+
+
+def parse_compare(text: str) -> dict[str, int]:
+    """One ``--compare`` layout, e.g. ``d=8,t=8,p=8`` or ``d=64,t=4,p=4,zero=1,mbs=2``.
+
+    Raises
+    ------
+    BadInputError
+        A key that is not one of :data:`COMPARE_KEYS`, a repeated or missing d/t/p, a value that is
+        not a whole number in range; the message names ``--compare`` and the text.
+
+    Examples
+    --------
+    >>> parse_compare("d=8, t=8, p=8")
+    {'d': 8, 't': 8, 'p': 8}
+    >>> parse_compare("d=8,t=8")
+    Traceback (most recent call last):
+    ...
+    pipeplan.errors.BadInputError: --compare 'd=8,t=8': give p=.. too (a layout is d=..,t=..,p=..)
+    """
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or key not in COMPARE_KEYS:
+            raise BadInputError(f"--compare {text!r}: {part.strip()!r} is not KEY=VALUE with KEY one of "
+                                f"{', '.join(COMPARE_KEYS)}")
+        if key in out:
+            raise BadInputError(f"--compare {text!r}: {key} is given twice")
+        try:
+            number = int(value)
+        except ValueError:
+            raise BadInputError(f"--compare {text!r}: {key}={value!r} is not a whole number") from None
+        low, high = (0, 3) if key == "zero" else (1, 1 << 20)
+        if not low <= number <= high:
+            raise BadInputError(f"--compare {text!r}: {key}={number} must be {low}..{high}")
+        out[key] = number
+    missing = [key for key in ("d", "t", "p") if key not in out]
+    if missing:
+        raise BadInputError(f"--compare {text!r}: give {', '.join(k + '=..' for k in missing)} too "
+                            f"(a layout is d=..,t=..,p=..)")
+    return out
 
 
 class _Request(BaseModel):
@@ -63,7 +109,9 @@ class _Request(BaseModel):
                                         description=_FIELDS["global_batch"].description)
     microbatch_size: _FIELDS["microbatch_size"].annotation = _FIELDS["microbatch_size"]
     memory_cap_bytes: _FIELDS["memory_cap_bytes"].annotation = _FIELDS["memory_cap_bytes"]
-    optimizer: _FIELDS["optimizer"].annotation = _FIELDS["optimizer"]
+    optimizer: Literal["auto", "adam", "adam-fp32-grads", "sgd", "none"] = Field(
+        default="auto", description="The optimizer's training state; auto: the launcher's own (Megatron-LM keeps "
+        "fp32 main gradients in 16-bit training: adam-fp32-grads), else adam. " + _FIELDS["optimizer"].description)
     schedule: _FIELDS["schedule"].annotation = _FIELDS["schedule"]
     virtual_stages: _FIELDS["virtual_stages"].annotation = _FIELDS["virtual_stages"]
     recompute: _FIELDS["recompute"].annotation = _FIELDS["recompute"]
@@ -88,8 +136,14 @@ class _Request(BaseModel):
         BadInputError
             A value the record's finite ranges refuse (docs/formats.md).
         """
+        fields = self.model_dump(exclude_unset=True)
+        if self.optimizer == "auto":
+            # Resolved here, so the plan file records what the launcher keeps.
+            fields.pop("optimizer", None)
+            if self.launcher == "megatron":
+                fields["optimizer"] = "adam-fp32-grads"
         try:
-            return PlanSettings(**self.model_dump(exclude_unset=True))
+            return PlanSettings(**fields)
         except ValidationError as exc:
             raise BadInputError(format_validation_error("request", exc)) from None
 
@@ -122,6 +176,20 @@ class ClusterRequest(_Request):
     expert_tensor_parallel: _FIELDS["expert_tensor_parallel"].annotation = _FIELDS["expert_tensor_parallel"]
     expert_imbalance: _FIELDS["expert_imbalance"].annotation = _FIELDS["expert_imbalance"]
     context_parallel: _FIELDS["context_parallel"].annotation = _FIELDS["context_parallel"]
+    compare: _FIELDS["compare"].annotation = _FIELDS["compare"]
+
+    @model_validator(mode="after")
+    def _compare_rules(self) -> "ClusterRequest":
+        # The rules a layout breaks without the profile or the cluster; the rest (tensor degree
+        # within a node, heads, stages, the batch) are the search's (pipeplan.cluster.search).
+        for text in self.compare or ():
+            layout = parse_compare(text)
+            c = self.context_parallel or 1  # with context parallelism, d x t x p x C is the GPUs
+            if layout["d"] * layout["t"] * layout["p"] * c != self.num_gpus:
+                raise BadInputError(f"--compare {text!r}: d x t x p = {layout['d']} x {layout['t']} x {layout['p']} "
+                                    + (f"x C {c} " if c > 1 else "")
+                                    + f"= {layout['d'] * layout['t'] * layout['p'] * c} is not --gpus {self.num_gpus}")
+        return self
 
     @model_validator(mode="after")
     def _expert_rules(self) -> "ClusterRequest":

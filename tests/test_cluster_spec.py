@@ -40,7 +40,8 @@ def _write(tmp_path, text, name="c.toml"):
 
 
 def test_presets_are_valid_and_name_known_gpus():
-    assert set(PRESETS) == {"dgx-h100", "dgx-a100", "gh200", "dgx-b200", "pcie-l4"}
+    assert set(PRESETS) == {"dgx-h100", "dgx-a100", "gh200", "dgx-b200", "dgx-h200", "dgx-b300", "gb200-nvl72",
+                            "gb300-nvl72", "pcie-l4"}
     for name, spec in PRESETS.items():
         assert spec.name == name
         assert spec.gpu in GPUS  # the GPU table holds its memory, FLOP/s and HBM bandwidth

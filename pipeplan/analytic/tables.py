@@ -55,12 +55,13 @@ def gpu_table():
     from rich.table import Table
 
     table = Table(title="GPU specifications (dense peaks; link: one direction)")
-    for column in ("name", "GPU", "memory", "bf16", "fp8", "HBM", "link", "source"):
+    for column in ("name", "GPU", "memory", "bf16", "fp8", "nvfp4", "HBM", "link", "source"):
         table.add_column(column, justify="left" if column in ("name", "GPU", "source") else "right")
     for row in gpu_rows():
         table.add_row(
             row["name"], row["description"], f"{row['memory_gib']:.0f} GiB", f"{row['bf16_tflops']:.1f} TF/s",
-            f"{row['fp8_tflops']:.1f} TF/s" if row["fp8_tflops"] else "-", f"{row['hbm_tb_per_s']:.2f} TB/s",
+            f"{row['fp8_tflops']:.1f} TF/s" if row["fp8_tflops"] else "-",
+            f"{row['nvfp4_tflops']:.1f} TF/s" if row["nvfp4_tflops"] else "-", f"{row['hbm_tb_per_s']:.2f} TB/s",
             f"{row['link_gb_per_s']:.0f} GB/s", row["source"],
         )
     return table

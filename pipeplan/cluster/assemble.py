@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from pipeplan.cluster.context import context_buffer_bytes, context_notes
+from pipeplan.cluster.context import context_buffer_bytes, context_notes, ranks_with_buffers
 from pipeplan.cluster.experts import expert_note, moe_stage_memory, moe_static_bytes, view_expert_bytes
 from pipeplan.cluster.iteration import model_flops_utilization, tokens_per_s_per_gpu
 from pipeplan.cluster.profile_view import DegreeView
@@ -78,46 +78,77 @@ def infeasible_message(trials, settings: PlanSettings, cluster, usable: int, cap
     return "; ".join(lines)
 
 
-def _alternatives(best, trials, default_microbatch: int) -> list[Alternative]:
-    """The best trial of each (d, t, p) other than the winner's, and why it lost."""
+def _layout_rank(trial):
+    # Planned by their time and pruned by their bound, together: a layout shows a planned time only
+    # where none of its pruned trials could be faster, so that it is the layout's best; then the
+    # rest (infeasible, state over the cap).
+    return ((0, trial.parts.iteration_ms, 0, trial.order) if trial.status == "planned" else
+            (0, trial.lower_bound_ms, 1, trial.order) if trial.status == "pruned" else (1, 0.0, 0, trial.order))
+
+
+def _shown(trials):
+    """The trial that stands for a set of trials (a layout's): the best by :func:`_layout_rank`."""
+    return min(trials, key=_layout_rank)
+
+
+def _row(trial, best, default_microbatch: int, mfu, label: Optional[str] = None) -> Alternative:
+    """One runner-up (or ``--compare``) row: ``trial``'s plan, or why it has none, against ``best``."""
+    plan = trial.plan if trial.status == "planned" else None
+    if trial is best:
+        reason = "the winner"
+    elif plan is not None:
+        gap = trial.parts.iteration_ms - best.parts.iteration_ms
+        reason = (f"slower by {gap:.1f} ms ({gap / best.parts.iteration_ms:+.1%})" if gap >= 0 else
+                  f"faster by {-gap:.1f} ms ({gap / best.parts.iteration_ms:+.1%}), outside the layouts searched")
+    else:
+        reason = trial_reason(trial)
+    return Alternative(
+        schedule=plan.schedule if plan else "-", virtual_stages=plan.virtual_stages if plan else 1,
+        microbatch_size=plan.microbatch_size if plan else default_microbatch,
+        recompute=("selective" if trial.family == "selective" else
+                   ("some" if plan and any(s.recompute for s in plan.stages) else "none")),
+        iteration_ms=round(trial.parts.iteration_ms, 6) if plan else None,
+        lower_bound_ms=round(trial.lower_bound_ms, 6) if trial.status == "pruned" else None,
+        peak_memory_bytes=max(r.peak_memory_bytes for r in plan.ranks) if plan and plan.ranks else None,
+        reason=f"d={trial.data} t={trial.tensor} p={trial.pipeline}" + (f" E={trial.expert}" if trial.moe else "")
+               + (f" C={trial.context}" if trial.context > 1 else "") + f" ZeRO {trial.zero_stage}: {reason}",
+        data=trial.data, tensor=trial.tensor, pipeline=trial.pipeline, expert=trial.expert if trial.moe else None,
+        zero_stage=trial.zero_stage, label=label,
+        model_flops_utilization=None if plan is None or mfu is None else round(mfu(trial.parts.iteration_ms), 6),
+    )
+
+
+def _alternatives(best, trials, default_microbatch: int, runners, mfu) -> list[Alternative]:
+    """The runners-up planned in full (``runners``: label, the layout's trials, its exact best or
+    None where none fits), in the order of their times, then the best trial of each other
+    (d, t, p), and why it lost."""
     by_key: dict = {}
     for trial in trials:
-        current = by_key.get(trial.key)
-        # Planned by their time and pruned by their bound, together: a layout shows a planned
-        # time only where none of its pruned trials could be faster, so that it is the layout's
-        # best; then the rest (infeasible, state over the cap).
-        rank = ((0, trial.parts.iteration_ms, 0, trial.order) if trial.status == "planned" else
-                (0, trial.lower_bound_ms, 1, trial.order) if trial.status == "pruned" else (1, 0.0, 0, trial.order))
-        if current is None or rank < current[0]:
-            by_key[trial.key] = (rank, trial)
-    out = []
-    for key in sorted(by_key, key=lambda k: by_key[k][0]):
-        trial = by_key[key][1]
-        if trial is best:
-            continue
-        plan = trial.plan
-        if trial.status == "planned":
-            slower = trial.parts.iteration_ms - best.parts.iteration_ms
-            reason = f"slower by {slower:.1f} ms"
-        else:
-            reason = trial_reason(trial)
-        out.append(Alternative(
-            schedule=plan.schedule if plan else "-", virtual_stages=plan.virtual_stages if plan else 1,
-            microbatch_size=plan.microbatch_size if plan else default_microbatch,
-            recompute=("selective" if trial.family == "selective" else
-                       ("some" if plan and any(s.recompute for s in plan.stages) else "none")),
-            iteration_ms=round(trial.parts.iteration_ms, 6) if trial.status == "planned" else None,
-            lower_bound_ms=round(trial.lower_bound_ms, 6) if trial.status == "pruned" else None,
-            peak_memory_bytes=max(r.peak_memory_bytes for r in plan.ranks) if plan and plan.ranks else None,
-            reason=f"d={trial.data} t={trial.tensor} p={trial.pipeline}" + (f" E={trial.expert}" if trial.moe else "")
-                   + (f" C={trial.context}" if trial.context > 1 else "")
-                   + f" ZeRO {trial.zero_stage}: {reason}",
-        ))
+        by_key.setdefault(trial.key, []).append(trial)
+    listed = {best.key} | {group[0].key for _, group, _ in runners}
+    exact = sorted(((_layout_rank(found or _shown(group)), label, found or _shown(group))
+                    for label, group, found in runners), key=lambda item: item[0])
+    out = [_row(trial, best, default_microbatch, mfu, label) for _, label, trial in exact]
+    for key in sorted((k for k in by_key if k not in listed), key=lambda k: _layout_rank(_shown(by_key[k]))):
+        out.append(_row(_shown(by_key[key]), best, default_microbatch, mfu))
     return out
 
 
+def _mfu_of(profile, settings: PlanSettings, cluster):
+    """Iteration ms -> MFU on this request's GPUs, or None where the model FLOPs or the peak are unknown."""
+    flops_per_token = (profile.measurement or {}).get("model_flops_per_token")
+    peak = peak_flops_per_s(profile, cluster)
+    if not (profile.sequence_length and flops_per_token and peak):
+        return None
+    return lambda iteration_ms: model_flops_utilization(
+        flops_per_token * settings.global_batch * profile.sequence_length, iteration_ms, settings.num_gpus, peak)
+
+
 def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: DegreeView, cluster, cap: int,
-              state) -> Plan:
+                          state, runners=(), compared=()) -> Plan:
+    """The winner's plan with the cluster's parts; ``runners`` (label, a layout's trials, its exact
+    best or None) lead the runners-up, ``compared`` (text, exact best or None, trials) are the
+    ``--compare`` layouts."""
     plan, parts = best.plan, best.parts
     d, t, p = best.data, best.tensor, best.pipeline
     # The selective family's view bakes the attention core's recomputation into every unit's
@@ -161,44 +192,44 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
         "bubble_ms": round(parts.bubble_ms - (plan.predicted.overhead_ms or 0.0), 6),
         "data_parallel_ms": round(parts.data_parallel_ms, 6),
         "optimizer_ms": round(parts.optimizer_ms, 6),
+        **({"context_exchange_ms": round(parts.context_exchange_ms, 6)} if c > 1 else {}),
     })
     if best.moe:
         predicted = predicted.model_copy(update={
             name: round(getattr(parts, name), 6)
             for name in ("expert_dispatch_ms", "expert_compute_ms", "expert_combine_ms", "shared_expert_ms")})
-    predicted = predicted.model_copy(update={"context_exchange_ms": round(parts.context_exchange_ms, 6)}) \
-        if c > 1 else predicted
     if profile.sequence_length:
         predicted = predicted.model_copy(update={"tokens_per_second_per_gpu": round(
             tokens_per_s_per_gpu(G, profile.sequence_length, iteration_ms, settings.num_gpus), 6)})
-        flops_per_token = (profile.measurement or {}).get("model_flops_per_token")
-        peak = peak_flops_per_s(profile, cluster)
-        if flops_per_token and peak:
-            predicted = predicted.model_copy(update={"model_flops_utilization": round(model_flops_utilization(
-                flops_per_token * G * profile.sequence_length, iteration_ms, settings.num_gpus, peak), 6)})
-    ranks = [r.model_copy(update={"peak_memory_bytes": r.peak_memory_bytes + buffers}) for r in plan.ranks]
-    peak_rank = max(r.peak_memory_bytes for r in ranks) if ranks else max(s.peak_memory_bytes for s in stages)
-    link_text = {"inter": "the network", "intra": "the intra-node link", "local": "no link"}[best.extras["link"]]
+    mfu = _mfu_of(profile, settings, cluster)
+    if mfu is not None:
+        predicted = predicted.model_copy(update={"model_flops_utilization": round(mfu(iteration_ms), 6)})
+    peak_rank = buffers + (max(r.peak_memory_bytes for r in plan.ranks) if plan.ranks else
+                           max(s.peak_memory_bytes for s in plan.stages))
+    fast_link, domain_text = _fast_link(cluster, settings.num_gpus)
+    link_text = {"inter": "the network", "intra": fast_link, "local": "no link"}[best.extras["link"]]
     notes = [note.replace(", recompute none", ", recompute selective on every stage") if selective else note
              for note in plan.notes] + [
-        f"layout d={d} x t={t} x p={p} on {cluster.name} ({cluster.gpus_per_node} GPUs per node), ranks in "
-        f"Megatron's order (tensor, data, pipeline); pipeline transfers on {link_text}",
+        f"layout d={d} x t={t} x p={p} on {cluster.name} ({cluster.gpus_per_node} GPUs per node{domain_text}), "
+        f"ranks in Megatron's order (tensor, data, pipeline); pipeline transfers on {link_text}",
         f"data-parallel sync: {int(round(100 * (settings.data_parallel_overlap or 0)))}% assumed hidden behind "
         f"compute (--data-parallel-overlap)" if d > 1 else "no data parallelism: no gradient sync",
     ]
-    if c > 1:
-        notes = context_notes(notes, len(plan.notes), profile, d, t, p, c, cluster.gpus_per_node)
+    notes = context_notes(notes, len(plan.notes), profile, (d, t, p, c), cluster.domain_gpus_for(settings.num_gpus))
     if best.moe:
-        notes.append(expert_note(profile, view.experts, best.expert_data))
+        notes.append(expert_note(profile, view.experts, best.expert_data, fast_link))
     if hbm_bytes_per_s(profile, cluster) is None:
         notes.append(f"optimizer step not timed: no HBM bandwidth known for {cluster.gpu}")
+    default_microbatch = settings.microbatch_size or min(profile.microbatch_sizes)
     out_settings = settings.model_copy(update={
         "stages": p, "search_stages": True if settings.stages is None else None,
         "bandwidth_bytes_per_s": plan.settings.bandwidth_bytes_per_s,
     })
     return plan.model_copy(update={
         "schema_version": 2, "settings": out_settings, "stages": stages, "predicted": predicted,
-        "alternatives": _alternatives(best, trials, settings.microbatch_size or min(profile.microbatch_sizes)), "notes": notes,
+        "alternatives": _alternatives(best, trials, default_microbatch, runners, mfu), "notes": notes,
+        "comparisons": [_row(found or _shown(group), best, default_microbatch, mfu, text)
+                        for text, found, group in compared] or None,
         "parallelism": Parallelism(num_gpus=settings.num_gpus, data=d, tensor=t, pipeline=p,
                                    virtual_stages=plan.virtual_stages, zero_stage=best.zero_stage,
                                    sequence_parallel=bool(t > 1 and _sequence_parallel(profile)),
@@ -206,9 +237,19 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
                                    expert=best.expert if best.moe else None,
                                    expert_tensor=best.expert_tensor if best.moe else None,
                                    context=c if c > 1 else None),
-        **({"ranks": ranks} if c > 1 else {}),
+        **({"ranks": ranks_with_buffers(plan.ranks, buffers)} if c > 1 else {}),
         "reserve_bytes": cluster.reserve_bytes + math.ceil(cluster.fragmentation * peak_rank),
     })
+
+
+def _fast_link(cluster, num_gpus: int) -> tuple[str, str]:
+    """What the plan's notes call the fast link, and the layout note's words on the NVLink domain
+    (none where the domain is the node, so that those plans keep their words)."""
+    if cluster.nvlink_domain_gpus == cluster.gpus_per_node:
+        return "the intra-node link", ""
+    segment = cluster.domain_gpus_for(num_gpus)
+    return ("NVLink (inside an NVLink domain)",
+            f"; NVLink domains of {cluster.nvlink_domain_gpus}, this job's in segments of {segment} GPUs")
 
 
 def _sequence_parallel(profile) -> bool:

@@ -16,8 +16,9 @@ all-gather         ``n - 1``                   ``(n - 1) / n x S``
 All-reduce can also run as NCCL's double binary tree: ``2 ceil(log2 n)`` steps, about ``2 S``
 per rank at full bandwidth; the faster of the two is taken (NCCL's tuner picks per size).
 
-A group that spans nodes runs hierarchically (intra-node first, then one rank of each node's
-share over the network, each GPU on its own NIC): with ``k`` ranks per node on ``N`` nodes,
+A group that spans NVLink domains runs hierarchically (inside each domain first, then one rank of
+each domain's share over the network, each GPU on its own NIC): with ``k`` ranks per domain on ``N``
+domains,
 
     all-reduce     = RS_intra(S, k) + AR_inter(S / k, N) + AG_intra(S, k)
     reduce-scatter = RS_intra(S, k) + RS_inter(S / k, N)
@@ -25,6 +26,10 @@ share over the network, each GPU on its own NIC): with ``k`` ranks per node on `
 
 Tensor parallelism's collectives (:func:`tensor_parallel_ms`) and a pipeline stage's
 point-to-point send (:func:`send_ms`) are timed by the same model.
+
+"Intra" is the cluster's fast link (``ClusterSpec.intra_node``) and holds for every rank of one
+NVLink domain: a node, or several where an NVLink switch fabric joins them (GB200 NVL72); the
+groups' shapes come from :meth:`pipeplan.cluster.placement.Layout.span`, which counts domains.
 
 See docs/cluster-model.md for the sources and the limits (no NVLS/SHARP, no congestion).
 """
@@ -137,10 +142,11 @@ def flat_collective_ms(kind: Collective, size_bytes: float, ranks: int, link: Li
 
 def collective_ms(kind: Collective, size_bytes: float, ranks_per_node: int, nodes: int,
                   intra: Link, inter: Link) -> float:
-    """A collective over a group of ``ranks_per_node`` GPUs on each of ``nodes`` nodes.
+    """A collective over a group of ``ranks_per_node`` GPUs in each of ``nodes`` NVLink domains (nodes,
+    where the domain is the node).
 
-    One node: flat on the intra-node link. One rank per node: flat on the network.
-    Otherwise hierarchical (module docstring): the intra-node parts move the whole buffer,
+    One domain: flat on the intra-node (NVLink) link. One rank per domain: flat on the network.
+    Otherwise hierarchical (module docstring): the in-domain parts move the whole buffer,
     the network part only each GPU's ``1 / ranks_per_node`` share, every GPU on its own NIC.
 
     Parameters
@@ -202,7 +208,8 @@ def tensor_parallel_ms(collective: str, payload_bytes: float, count: int, ranks:
     ranks : int
         ``t``.
     link : Link
-        The intra-node link: tensor groups stay in a node (:class:`~pipeplan.cluster.placement.Layout`).
+        The intra-node (NVLink) link: tensor groups stay in an NVLink domain, a node unless the
+        domain spans nodes (:class:`~pipeplan.cluster.placement.Layout`).
 
     Examples
     --------
@@ -244,8 +251,9 @@ def all_to_all_ms(size_bytes: float, ranks: int, ranks_per_node: int, intra: Lin
     NCCL runs it as one group of point-to-point sends and receives to every peer at once
     (``ncclGroupStart``, a send and a receive per peer), so it pays one call's fixed latency and
     one hop's latency of the slowest link it uses, and moves the bytes on both links at once:
-    the ``(k - 1) / n`` share for the other ``k - 1`` ranks of its node over the intra-node link,
-    the ``(n - k) / n`` share for the other nodes over the network (each GPU on its own NIC)::
+    the ``(k - 1) / n`` share for the other ``k - 1`` ranks of its NVLink domain (node) over the
+    intra-node link, the ``(n - k) / n`` share for the other domains over the network (each GPU on
+    its own NIC)::
 
         all_to_all = call_latency + hop_latency + max((k - 1) / n x S / B_intra, (n - k) / n x S / B_inter)
 
@@ -256,7 +264,7 @@ def all_to_all_ms(size_bytes: float, ranks: int, ranks_per_node: int, intra: Lin
     ranks : int
         ``n``, the group's size.
     ranks_per_node : int
-        ``k``, the group's ranks on the sender's node (itself included); ``n`` on one node.
+        ``k``, the group's ranks in the sender's NVLink domain (itself included); ``n`` in one.
     intra, inter : Link
         The cluster's intra-node link and network.
 

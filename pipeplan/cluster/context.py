@@ -43,7 +43,7 @@ from pipeplan.formats.profile import LayerCost
 
 __all__ = ["context_profile", "context_link", "add_context_exchange", "context_buffer_bytes",
            "check_context_request", "stage_context_ms", "chunk_bytes", "ATTENTION_BACKWARD_FACTOR",
-           "context_notes", "context_choices", "MIN_TOKENS_PER_RANK", "best_over_context"]
+           "context_notes", "context_choices", "MIN_TOKENS_PER_RANK", "best_over_context", "ranks_with_buffers"]
 
 #: The attention core's backward over its forward (FlashAttention-2: QK^T again, then 2 x the
 #: forward's GEMMs; the analytic profile's own factor, pipeplan/analytic/flops.py).
@@ -129,7 +129,8 @@ def context_profile(profile, context: int):
 
 def context_link(tensor: int, context: int, gpus_per_node: int) -> GroupSpan:
     """The context-parallel group's shape: ``C`` GPUs ``t`` apart (tensor innermost, then
-    context), on one node while ``t x C <= gpus_per_node``, else ``gpus_per_node / t`` per node.
+    context), on one node (NVLink domain, where ``gpus_per_node`` is the domain's GPUs) while
+    ``t x C <= gpus_per_node``, else ``gpus_per_node / t`` per node.
 
     Examples
     --------
@@ -166,14 +167,15 @@ def _exchange_ms(attention_forward_ms: float, chunk: int, context: int, link) ->
     return forward, backward
 
 
-def add_context_exchange(view, profile, context: int, cluster):
+def add_context_exchange(view, profile, context: int, cluster, gpus_per_domain=None):
     """``view`` (a :class:`pipeplan.cluster.profile_view.DegreeView` of the
     :func:`context_profile`) with each attention unit's exposed exchange added to its forward,
     backward and input-gradient pass (the exchange is on the input-gradient path; selective
-    recomputation runs the forward's again in the backward), kept apart in ``context_ms``."""
+    recomputation runs the forward's again in the backward), kept apart in ``context_ms``. The
+    group's link is NVLink inside one NVLink domain of ``gpus_per_domain`` GPUs (default: a node)."""
     if context == 1:
         return view
-    span = context_link(view.tensor_parallel, context, cluster.gpus_per_node)
+    span = context_link(view.tensor_parallel, context, gpus_per_domain or cluster.gpus_per_node)
     link = cluster.inter_node if span.link == "inter" else cluster.intra_node
     scaled = {layer.name: layer for layer in context_profile(profile, context).layers}
     layers, parts = [], {}
@@ -215,9 +217,17 @@ def context_buffer_bytes(profile, microbatch_size: int, tensor: int, context: in
     return 4 * chunk_bytes(profile, microbatch_size, tensor, context)
 
 
-def context_notes(notes: list, layout_index: int, profile, d: int, t: int, p: int, c: int,
-                  gpus_per_node: int) -> list:
-    """A cluster plan's notes with the layout's (at ``layout_index``) naming C, and one on the exchange."""
+def ranks_with_buffers(ranks, buffer_bytes: int) -> list:
+    """A plan's rank summaries with the ring's received KV chunks added to each peak."""
+    return [r.model_copy(update={"peak_memory_bytes": r.peak_memory_bytes + buffer_bytes}) for r in ranks]
+
+
+def context_notes(notes: list, layout_index: int, profile, degrees: tuple, gpus_per_node: int) -> list:
+    """A cluster plan's notes with the layout's (at ``layout_index``) naming C, and one on the
+    exchange; the notes as they are at C = 1 (``degrees`` is ``(d, t, p, C)``)."""
+    d, t, p, c = degrees
+    if c == 1:
+        return notes
     out = list(notes)
     out[layout_index] = out[layout_index].replace(f"d={d} x t={t} x p={p}", f"d={d} x t={t} x C={c} x p={p}").replace(
         "(tensor, data, pipeline)", "(tensor, context, data, pipeline)")

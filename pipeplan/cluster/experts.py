@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from pipeplan.cluster.dataparallel import moe_data_parallel_sync
-from pipeplan.cluster.placement import Layout
+from pipeplan.cluster.placement import cluster_layout
 from pipeplan.cluster.profile_view import ExpertGroup
 from pipeplan.cluster.space import divisors
 from pipeplan.errors import BadInputError
@@ -74,9 +74,10 @@ def expert_data_degree(data: int, tensor: int, expert: int, expert_tensor: int) 
 def expert_group(settings, cluster, data: int, tensor: int, pipeline: int, expert: int) -> ExpertGroup:
     """The expert group of a layout: its degrees, the imbalance, its ranks on one node."""
     etp = settings.expert_tensor_parallel or 1
-    layout = Layout(data, tensor, pipeline, cluster.gpus_per_node)
+    layout = cluster_layout(cluster, data, tensor, pipeline)
     group = layout.expert_group(expert, etp)
-    on_first_node = sum(1 for gpu in group if layout.node(gpu) == layout.node(group[0]))
+    # Ranks of the group that share the first one's NVLink domain (its node, unless the domain spans nodes).
+    on_first_node = sum(1 for gpu in group if layout.domain(gpu) == layout.domain(group[0]))
     return ExpertGroup(expert=expert, expert_tensor=etp, imbalance=float(settings.expert_imbalance or 1.0),
                        ranks_per_node=on_first_node)
 
@@ -99,7 +100,7 @@ def moe_rank_tails(trial, rank_params, rank_expert_params, m: int, cluster, stat
                    fp16: bool, step_efficiency: float):
     """Each pipeline rank's exposed sync (dense over d, experts over EDP) and optimizer step
     (dense shard over d, experts' over EDP under ZeRO >= 1), from its parameters."""
-    layout = Layout(trial.data, trial.tensor, trial.pipeline, cluster.gpus_per_node)
+    layout = cluster_layout(cluster, trial.data, trial.tensor, trial.pipeline)
     etp, edp = trial.expert_tensor, trial.expert_data
     span = layout.data_span()
     expert_span = layout.loose_span(layout.expert_data_group(trial.expert, etp))
@@ -135,10 +136,11 @@ def moe_tails_lower_bound(trial, rank_params, m: int, cluster, state, hbm, overl
             [min(a, b) for a, b in zip(as_dense[1], as_experts[1])])
 
 
-def expert_note(profile, group: ExpertGroup, expert_data: int) -> str:
-    """The plan's note on its expert parallelism."""
+def expert_note(profile, group: ExpertGroup, expert_data: int, fast_link: str = "the intra-node link") -> str:
+    """The plan's note on its expert parallelism (``fast_link``: what the plan calls the link inside
+    an NVLink domain)."""
     n = profile.experts.num_experts
-    link = "the intra-node link" if group.ranks_per_node >= group.expert else "the network"
+    link = fast_link if group.ranks_per_node >= group.expert else "the network"
     routing = f"imbalance {group.imbalance:g} (--expert-imbalance)" if group.imbalance != 1 else "balanced"
     return (f"expert parallelism E={group.expert} (expert-tensor {group.expert_tensor}, expert-data {expert_data}): "
             f"each GPU holds {n // group.expert} of the {n} experts of each MoE layer; dispatch and combine "

@@ -6,6 +6,13 @@ here). What collectives achieve of them is ``Link.efficiency`` (docs/cluster-mod
 are NCCL's own per-hop figures for its Ring/Simple protocol (``hwLat`` in NCCL's
 ``src/graph/tuning.cc``: NVLink 3.4 us, PCI 5.7 us, network 14.0 us). The GPUs' own figures
 (memory, FLOP/s, HBM bandwidth) are the GPU table's (:mod:`pipeplan.facts.gpus`), by name.
+
+The Blackwell systems' figures are those gathered, with NVIDIA's pages named, in the project's
+modern-runs data (``systems.json``: DGX-B200, DGX-B300, DGX-GB200, DGX-GB300); the comment beside
+each figure repeats its source. The NVL72 racks are nodes (compute trays) of 4 GPUs in a 72-GPU
+NVLink domain (``gpus_per_nvlink_domain = 72``, the hardware); a job uses the segments of it that
+:meth:`~pipeplan.formats.cluster.ClusterSpec.domain_gpus_for` gives (64 GPUs for 64, 128 or 256:
+what Megatron Bridge's launcher asks Slurm for), docs/cluster-model.md.
 """
 
 from __future__ import annotations
@@ -64,6 +71,46 @@ PRESETS: dict[str, ClusterSpec] = {
                         call_latency_us=_CALL_LATENCY_US),
         # DGX B200 data sheet: 8x single-port ConnectX-7, up to 400 Gb/s: one per GPU.
         inter_node=Link(bandwidth_bytes_per_s=50 * GB, latency_us=_NET_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+    ),
+    "dgx-h200": ClusterSpec(
+        name="dgx-h200", gpu="h200", gpus_per_node=8,
+        # H200 data sheet: NVLink 900 GB/s (both directions), four NVSwitches as in DGX H100.
+        intra_node=Link(bandwidth_bytes_per_s=450 * GB, latency_us=_NVLINK_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+        # DGX H200 data sheet: 8x single-port ConnectX-7, 400 Gb/s InfiniBand: one per GPU (as DGX H100).
+        inter_node=Link(bandwidth_bytes_per_s=50 * GB, latency_us=_NET_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+    ),
+    "dgx-b300": ClusterSpec(
+        name="dgx-b300", gpu="b300", gpus_per_node=8,
+        # systems.json DGX-B300 (secondary: restatements of NVIDIA's DGX/HGX B300 data sheet): NVLink 5,
+        # 1.8 TB/s bidirectional per GPU, 14.4 TB/s per 8 GPUs.
+        intra_node=Link(bandwidth_bytes_per_s=900 * GB, latency_us=_NVLINK_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+        # The same: 8 ConnectX-8 SuperNICs of 800 Gb/s, one per GPU.
+        inter_node=Link(bandwidth_bytes_per_s=100 * GB, latency_us=_NET_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+    ),
+    "gb200-nvl72": ClusterSpec(
+        name="gb200-nvl72", gpu="gb200", gpus_per_node=4, gpus_per_nvlink_domain=72,
+        # NVIDIA DGX GB200 User Guide, Hardware: 72-GPU NVL domains, 18 compute trays of 4 Blackwell GPUs,
+        # 9 NVLink switch trays; Networking: 1.8 TB/s bidirectional per GPU with NVLink 5.0.
+        intra_node=Link(bandwidth_bytes_per_s=900 * GB, latency_us=_NVLINK_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+        # DGX SuperPOD GB200 reference architecture: NDR 400 Gb/s InfiniBand compute fabric between
+        # racks; one NIC per GPU (as in the GB300 tray: 4 HCAs per 4-GPU tray).
+        inter_node=Link(bandwidth_bytes_per_s=50 * GB, latency_us=_NET_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+    ),
+    "gb300-nvl72": ClusterSpec(
+        name="gb300-nvl72", gpu="gb300", gpus_per_node=4, gpus_per_nvlink_domain=72,
+        # NVIDIA Enterprise Reference Architecture, NVL72 AI factory: 9 NVSwitch trays joining all 72
+        # Blackwell Ultra GPUs at 130 TB/s (1.8 TB/s per GPU, both directions); trays of 4 GPUs.
+        intra_node=Link(bandwidth_bytes_per_s=900 * GB, latency_us=_NVLINK_LATENCY_US,
+                        call_latency_us=_CALL_LATENCY_US),
+        # The same: 4 ConnectX-8 HCAs per 4-GPU tray; 800 Gb/s each (secondary: restating NVIDIA's page).
+        inter_node=Link(bandwidth_bytes_per_s=100 * GB, latency_us=_NET_LATENCY_US,
                         call_latency_us=_CALL_LATENCY_US),
     ),
     "pcie-l4": ClusterSpec(

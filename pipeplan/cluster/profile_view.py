@@ -68,7 +68,8 @@ class ExpertGroup:
     imbalance: float = 1.0
     """``f >= 1``: the busiest rank's routed tokens over the balanced share."""
     ranks_per_node: int = 1
-    """The group's ranks on one node (``E`` when it fits in one)."""
+    """The group's ranks in one NVLink domain, a node unless the cluster's domain spans nodes
+    (``E`` when it fits in one)."""
 
     @property
     def trivial(self) -> bool:

@@ -33,8 +33,9 @@ from pipeplan.cluster.experts import (check_expert_request, expert_choices, expe
                                       no_expert_layout_message, view_expert_bytes)
 from pipeplan.cluster.iteration import iteration_parts, pipeline_lower_bound_ms
 from pipeplan.cluster.memory import plannable_bytes, zero3_gathered_bytes
-from pipeplan.cluster.placement import Layout
+from pipeplan.cluster.placement import cluster_layout
 from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, tensor_degrees
+from pipeplan.cluster.runners import compare_search, informative_layouts, kind_label
 from pipeplan.cluster.space import batch_divisor_note, candidates, parallel_degrees
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.facts.schedules import valid_virtual_stages
@@ -58,6 +59,10 @@ PRUNE_AGAINST_BEST = True
 
 #: Trials planned before the branch and bound, by an estimate, to start it with an incumbent.
 SEED_TRIALS = 3
+
+#: Runner-up layouts planned in full after the search (runners.informative_layouts chooses them);
+#: each costs about one layout's pipeline search, mostly from the search's cache.
+RUNNER_UP_LAYOUTS = 5
 
 
 @dataclass
@@ -186,7 +191,10 @@ class _Search:
         if self.context == 1:
             return degree_view(self.profile, tensor, self.cluster, selective=selective, experts=experts)
         view = degree_view(self.context_source, tensor, self.cluster, selective=selective, experts=experts)
-        return add_context_exchange(view, self.profile, self.context, self.cluster)
+        return add_context_exchange(view, self.profile, self.context, self.cluster,
+                                    self.cluster.domain_gpus_for(self.settings.num_gpus))
+    compares: list = field(default_factory=list)
+    """Each ``--compare`` layout's trials (:class:`pipeplan.cluster.runners.Compare`)."""
 
     def run(self, trial: _Trial, best_ms: Optional[float] = None) -> None:
         _run_trial(trial, self.profile, self.settings, self.views[trial.view_key], self.cluster,
@@ -196,6 +204,9 @@ class _Search:
 def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool) -> Plan:
     search = _start(profile, settings, profile_sha256, record_time)
     _bound_trials(search)
+    for compare in search.compares:
+        if compare.fresh:
+            _bound_trials(compare.search, compare.trials)
     best, unbounded = _branch_and_bound(search)
     settings, cluster, trials = search.settings, search.cluster, search.trials
     if best is None:
@@ -205,8 +216,15 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
                     default=(math.inf, None, 0))
         raise InfeasibleError(infeasible_message(trials, settings, cluster, search.usable, search.cap, total_state,
                                                   needs))
+    # The runners-up worth a row (runners.informative_layouts), each planned exactly, and the
+    # --compare layouts; all inside the search's planning cache, so most of their work is shared.
+    runners = [(label, group, _exact_best(search, group, unbounded), rivals)
+               for label, group, rivals in informative_layouts(trials, best, RUNNER_UP_LAYOUTS)]
+    runners = [(kind_label(label, found, rivals), group, found) for label, group, found, rivals in runners]
+    compared = [(compare.text, _exact_best(compare.search, compare.trials, unbounded if compare.unbounded is None else compare.unbounded),
+                 compare.trials) for compare in search.compares]
     plan = assemble_cluster_plan(best, trials, profile, settings, search.views[best.view_key], cluster,
-                                 search.cap, search.state)
+                                 search.cap, search.state, runners=runners, compared=compared)
     return plan.model_copy(update={"notes": [*plan.notes, search.batch_note]}) if search.batch_note else plan
 
 
@@ -226,7 +244,8 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
     context = check_context_request(profile, settings)
     degrees = parallel_degrees(settings.num_gpus, cluster.gpus_per_node, units, head_counts(profile),
                                tensor_degrees(profile), data=settings.data_parallel, tensor=settings.tensor_parallel,
-                               pipeline=settings.stages, context=context)
+                               pipeline=settings.stages, gpus_per_domain=cluster.domain_gpus_for(settings.num_gpus),
+                               context=context)
     cap = settings.cap_bytes()
     search = _Search(
         profile=profile, settings=settings, cluster=cluster, cap=cap,
@@ -243,36 +262,48 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
     # raises, naming the sizes, when none does).
     runnable = sorted({(c.data, c.tensor, c.pipeline) for c in candidates(degrees, settings.global_batch,
                                                                            search.sizes_all)})
+    for d, t, p in runnable:
+        search.trials.extend(_layout_trials(search, d, t, p, len(search.trials)))
+    if getattr(profile, "experts", None) is not None and not search.trials:
+        raise BadInputError(no_expert_layout_message(profile, settings))
+    search.compares = [compare_search(search, text, _layout_trials) for text in settings.compare or ()]
+    return search
+
+
+def _layout_trials(search: _Search, d: int, t: int, p: int, order: int, expert: Optional[int] = None,
+                   zero: Optional[int] = None) -> list[_Trial]:
+    """The trials of one layout (x E x ZeRO stage x recomputation family), numbered from ``order``;
+    ``expert`` and ``zero`` fix those (``--compare``)."""
+    profile, settings, cluster = search.profile, search.settings, search.cluster
     selective_ok = all(getattr(c, "selective_activation_bytes", None) is not None
                        for layer in profile.layers for c in layer.costs)
     moe = getattr(profile, "experts", None) is not None
     etp = settings.expert_tensor_parallel or 1
-    for d, t, p in runnable:
-        for e in expert_choices(profile, settings, d, t):
-            group = expert_group(settings, cluster, d, t, p, e)
-            search.groups[(t, e)] = group
-            if (t, "plain", e) not in search.views:
-                search.views[(t, "plain", e)] = search.view(t, False, group)
-            for zero in _zero_stages(settings, d, p):
-                for family, _ in _families(settings, selective_ok):
-                    search.trials.append(_Trial(d, t, p, zero, family, len(search.trials), expert=e,
-                                                expert_tensor=etp, moe=moe, context=context,
-                                                expert_data=expert_data_degree(d, t, e, etp) if moe else d))
-    if moe and not search.trials:
-        raise BadInputError(no_expert_layout_message(profile, settings))
-    return search
+    out = []
+    for e in ([expert] if expert is not None else expert_choices(profile, settings, d, t)):
+        group = expert_group(settings, cluster, d, t, p, e)
+        search.groups[(t, e)] = group
+        if (t, "plain", e) not in search.views:
+            search.views[(t, "plain", e)] = search.view(t, False, group)
+        for z in ([zero] if zero is not None else _zero_stages(settings, d, p)):
+            for family, _ in _families(settings, selective_ok):
+                out.append(_Trial(d, t, p, z, family, order + len(out), expert=e, expert_tensor=etp, moe=moe,
+                                  context=search.context,
+                                  expert_data=expert_data_degree(d, t, e, etp) if moe else d))
+    return out
 
 
-def _bound_trials(search: _Search) -> None:
+def _bound_trials(search: _Search, trials: Optional[list] = None) -> None:
     """Each trial's lower bounds (per micro-batch size), its seed estimate, and the state-only
-    memory check (a trial whose training state alone is over the plannable bytes is dropped)."""
+    memory check (a trial whose training state alone is over the plannable bytes is dropped);
+    of ``trials``, else of the search's own."""
     profile, settings, cluster, views = search.profile, search.settings, search.cluster, search.views
     state, usable, hbm, overlap, G = search.state, search.usable, search.hbm, search.overlap, settings.global_batch
     bandwidth_only = cluster.model_copy(update={
         "intra_node": cluster.intra_node.model_copy(update={"latency_us": 0.0}),
         "inter_node": cluster.inter_node.model_copy(update={"latency_us": 0.0})})
     sums_of: dict = {}
-    for trial in search.trials:
+    for trial in search.trials if trials is None else trials:
         vkey = trial.view_key
         if vkey not in views:
             views[vkey] = search.view(trial.tensor, trial.family == "selective",
@@ -302,7 +333,7 @@ def _bound_trials(search: _Search) -> None:
             shard = ((params - expert_params) / trial.data + expert_params / trial.expert_data) / trial.pipeline
         step = optimizer_step_ms(shard, state, hbm, OPTIMIZER_HBM_EFFICIENCY, profile.dtype == "fp16") if hbm else 0.0
         trial.extras["step_lb"] = step
-        span = Layout(trial.shard, trial.tensor, trial.pipeline, cluster.gpus_per_node).data_span()
+        span = cluster_layout(cluster, trial.shard, trial.tensor, trial.pipeline).data_span()
         by_size, pipeline_by_size = {}, {}
         for b, at in sums.items():
             m, work, largest = replica_batch // b, at.work_ms, at.largest_unit_ms
@@ -356,11 +387,12 @@ def _branch_and_bound(search: _Search):
     return best, unbounded
 
 
-def _search_heap(search: _Search, best, unbounded: dict, done):
-    """Branch and bound over the trials left, in the order of their lower bounds."""
+def _search_heap(search: _Search, best, unbounded: dict, done, trials: Optional[list] = None):
+    """Branch and bound over the trials left (of ``trials``, else all), in the order of their lower bounds."""
     profile, settings, cluster, views = search.profile, search.settings, search.cluster, search.views
     profile_sha256 = search.profile_sha256
-    heap = [(t.lower_bound_ms, t.order, False, t) for t in search.trials if t.status == "new"]
+    heap = [(t.lower_bound_ms, t.order, False, t) for t in (search.trials if trials is None else trials)
+            if t.status == "new"]
     heapq.heapify(heap)
     while heap:
         bound, _, refined, trial = heapq.heappop(heap)
@@ -384,6 +416,21 @@ def _search_heap(search: _Search, best, unbounded: dict, done):
             best = trial
         done(best)
     return best
+
+
+def _exact_best(search: _Search, trials: list, unbounded: dict):
+    """The best of ``trials`` (one layout's, or one ``--compare``'s) planned exactly: a branch and
+    bound among them alone, so a trial pruned against the overall best is planned again unless a
+    trial of its own set beats its bound. The same trial planning ``--data-parallel d
+    --tensor-parallel t --stages p`` would choose (the same trials, the same order of ties)."""
+    best = None
+    for trial in trials:
+        if trial.status == "pruned":
+            trial.status = "new"  # its bound (lower_bound_ms) stays: it is still one
+        elif trial.status == "planned" and (best is None or (trial.parts.iteration_ms, trial.order)
+                                            < (best.parts.iteration_ms, best.order)):
+            best = trial
+    return _search_heap(search, best, unbounded, lambda best: None, trials)
 
 
 def _fixed_split_stages(settings: PlanSettings) -> PlanSettings:
@@ -421,7 +468,7 @@ def _pipeline_plan(view: DegreeView, sub: PlanSettings, settings: PlanSettings, 
 def _pipeline_link(cluster, trial):
     # Ranks ordered tensor, context, data, pipeline: a layout of d x C "data" ranks has the same
     # pipeline ranks, and its data groups are the d x C ranks the gradients are reduced over.
-    layout = Layout(trial.shard, trial.tensor, trial.pipeline, cluster.gpus_per_node)
+    layout = cluster_layout(cluster, trial.shard, trial.tensor, trial.pipeline)
     links = {layout.pipeline_link(i, (i + 1) % trial.pipeline) for i in range(trial.pipeline)} - {"local"}
     return layout, links, (cluster.inter_node if "inter" in links else cluster.intra_node)
 

@@ -3,12 +3,14 @@
 For ``N`` GPUs in nodes of ``G``, a global batch of ``B`` samples and micro-batch sizes ``b``:
 
 - ``d x t x p = N``;
-- ``t`` divides ``G`` (tensor parallelism stays inside a node), divides every head count given
+- ``t`` divides ``G`` (tensor parallelism stays inside a node; on a cluster whose NVLink domain
+  spans nodes, ``G`` here is the job's domain segment, ``ClusterSpec.domain_gpus_for``: a GB200
+  NVL72 job's t = 8 spans two 4-GPU trays on NVLink), divides every head count given
   (attention heads, KV heads: Megatron splits heads whole), and is a degree the profile has;
 - ``p`` is at most the number of units (each stage needs one);
 - a pipeline rank's ``t x d`` consecutive GPUs fill whole nodes or divide one (``t x d`` a multiple
-  or a divisor of ``G``), so every data group lies evenly over its nodes (t = 1, d = 180 on 8-GPU
-  nodes would start mid-node);
+  or a divisor of ``G``; of the domain segment where it spans nodes), so every data group lies
+  evenly over its nodes (t = 1, d = 180 on 8-GPU nodes would start mid-node);
 - ``B`` is divisible by ``d x b``; each replica runs ``m = B / (d x b)`` micro-batches, at most
   4096 (the limit is per replica: 4,096 GPUs at d = 512 with ``B`` = 8,192 run 16 each).
 
@@ -77,7 +79,8 @@ def _check_gpus(num_gpus: int, gpus_per_node: int) -> None:
 def parallel_degrees(num_gpus: int, gpus_per_node: int, num_units: int,
                      head_counts: Iterable[int] = (), tensor_degrees: Optional[Iterable[int]] = None,
                      data: Optional[int] = None, tensor: Optional[int] = None,
-                     pipeline: Optional[int] = None, context: int = 1) -> list[Degrees]:
+                     pipeline: Optional[int] = None, gpus_per_domain: Optional[int] = None,
+                     context: int = 1) -> list[Degrees]:
     """Every (d, t, p) with ``d t p = num_gpus`` that the rules (module docstring) allow (with a
     context-parallel degree ``C``: ``d t p C = num_gpus``, a pipeline rank's GPUs ``t C d``).
 
@@ -92,6 +95,9 @@ def parallel_degrees(num_gpus: int, gpus_per_node: int, num_units: int,
         Degrees the profile has costs for; None: every degree (a profile that scales itself).
     data, tensor, pipeline : int, optional
         Fixed degrees.
+    gpus_per_domain : int, optional
+        The job's NVLink domain segment (``ClusterSpec.domain_gpus_for``) where it spans nodes;
+        None: the node. Tensor groups and pipeline ranks are fitted to it.
 
     Returns
     -------
@@ -117,15 +123,18 @@ def parallel_degrees(num_gpus: int, gpus_per_node: int, num_units: int,
     if context < 1 or num_gpus % context:
         raise BadInputError(f"--context-parallel: {context} does not divide --gpus {num_gpus}")
     num_gpus //= context
+    node_only = gpus_per_domain is None or gpus_per_domain == gpus_per_node
+    where, a_where = ("node", "a node") if node_only else ("NVLink domain", "an NVLink domain")
+    G = gpus_per_node if gpus_per_domain is None else gpus_per_domain
     heads = [int(h) for h in head_counts]
     allowed_t = None if tensor_degrees is None else {int(t) for t in tensor_degrees}
     if tensor is not None:
-        if tensor > gpus_per_node:
+        if tensor > G:
             raise BadInputError(
-                f"--tensor-parallel: {tensor} is above the {gpus_per_node} GPUs of a node; "
-                f"tensor parallelism runs inside a node")
-        if gpus_per_node % tensor:
-            raise BadInputError(f"--tensor-parallel: {tensor} does not divide the {gpus_per_node} GPUs of a node")
+                f"--tensor-parallel: {tensor} is above the {G} GPUs of {a_where}; "
+                f"tensor parallelism runs inside {a_where}")
+        if G % tensor:
+            raise BadInputError(f"--tensor-parallel: {tensor} does not divide the {G} GPUs of {a_where}")
         for h in heads:
             if h % tensor:
                 raise BadInputError(f"--tensor-parallel: {tensor} does not divide the model's {h} heads")
@@ -142,7 +151,7 @@ def parallel_degrees(num_gpus: int, gpus_per_node: int, num_units: int,
     for t in divisors(num_gpus):
         if tensor is not None and t != tensor:
             continue
-        if gpus_per_node % t or any(h % t for h in heads) or (allowed_t is not None and t not in allowed_t):
+        if G % t or any(h % t for h in heads) or (allowed_t is not None and t not in allowed_t):
             continue
         for p in divisors(num_gpus // t):
             if (pipeline is not None and p != pipeline) or p > num_units:
@@ -150,7 +159,7 @@ def parallel_degrees(num_gpus: int, gpus_per_node: int, num_units: int,
             d = num_gpus // (t * p)
             if data is not None and d != data:
                 continue
-            if (t * context * d) % gpus_per_node and gpus_per_node % (t * context * d):
+            if (t * context * d) % G and G % (t * context * d):
                 # A pipeline rank's t x d GPUs would start mid-node (t = 1, d = 180 on 8-GPU
                 # nodes): its data groups straddle nodes unevenly, which no collective here costs.
                 continue
@@ -161,7 +170,7 @@ def parallel_degrees(num_gpus: int, gpus_per_node: int, num_units: int,
         raise BadInputError(
             f"--gpus: no data x tensor x pipeline layout of {num_gpus} GPUs fits"
             + (f" {fixed}" if fixed else "")
-            + f" (tensor within a {gpus_per_node}-GPU node" + (f", dividing heads {heads}" if heads else "")
+            + f" (tensor within a {G}-GPU {where}" + (f", dividing heads {heads}" if heads else "")
             + f", at most {num_units} stages)")
     return sorted(out)
 

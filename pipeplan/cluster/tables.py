@@ -8,7 +8,7 @@ from rich.table import Table
 
 from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.quantities import format_bytes
-from pipeplan.cluster.placement import Layout
+from pipeplan.cluster.placement import Layout, cluster_layout
 
 __all__ = ["cluster_table", "cluster_plan_tables"]
 
@@ -18,14 +18,14 @@ def _bandwidth(value: float) -> str:
 
 
 def cluster_table(specs: list[ClusterSpec], title: str = "cluster presets") -> Table:
-    """One row per spec: GPU, node size, memory cap, links (per GPU, per direction)."""
+    """One row per spec: GPU, node and NVLink domain size, memory cap, links (per GPU, per direction)."""
     table = Table(title=title)
-    for column in ("name", "gpu", "gpus/node", "memory cap", "intra-node", "latency", "network/GPU",
+    for column in ("name", "gpu", "gpus/node", "gpus/NVLink", "memory cap", "intra-node", "latency", "network/GPU",
                    "latency", "efficiency"):
         table.add_column(column, justify="left" if column in ("name", "gpu") else "right")
     for spec in specs:
         table.add_row(
-            spec.name, spec.gpu, str(spec.gpus_per_node), format_bytes(spec.cap_bytes()),
+            spec.name, spec.gpu, str(spec.gpus_per_node), str(spec.nvlink_domain_gpus), format_bytes(spec.cap_bytes()),
             _bandwidth(spec.intra_node.bandwidth_bytes_per_s), f"{spec.intra_node.latency_us:g} us",
             _bandwidth(spec.inter_node.bandwidth_bytes_per_s), f"{spec.inter_node.latency_us:g} us",
             f"{spec.intra_node.efficiency:g} / {spec.inter_node.efficiency:g}",
@@ -41,10 +41,13 @@ def cluster_plan_tables(plan):
 
     par, p = plan.parallelism, plan.predicted
     c = par.context or 1
+    cluster = plan.settings.cluster
+    # The NVLink domain is the cluster spec's (a plan made before domains has none: the node).
     # Ranks ordered tensor, context, data, pipeline: the d x C ranks of a pipeline rank's data x
     # context group lie as a layout's d x C data ranks do.
-    layout = Layout(par.data * c, par.tensor, par.pipeline, par.gpus_per_node)
-    cluster = plan.settings.cluster
+    layout = (cluster_layout(cluster, par.data * c, par.tensor, par.pipeline) if cluster is not None
+              and cluster.gpus_per_node == par.gpus_per_node else Layout(par.data * c, par.tensor, par.pipeline,
+                                                                         par.gpus_per_node))
     title = (f"{plan.profile.model}: {par.num_gpus} GPUs of {cluster.name if cluster else '?'} as d={par.data} x "
              f"t={par.tensor}" + (f" x C={c}" if c > 1 else "") + f" x p={par.pipeline}, {plan.schedule}"
              + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "") + f", ZeRO {par.zero_stage}"
@@ -124,15 +127,52 @@ def cluster_plan_tables(plan):
                       format_bytes(r.peak_memory_bytes + reserve), format_bytes(cap) if cap else "none")
     parts = [summary, placement, stages, ranks]
     if plan.alternatives:
-        alt = Table(title="runners-up: the best plan of each layout")
-        for column in ("schedule", "v", "micro-batch", "recompute", "iteration ms", "why it lost"):
-            alt.add_column(column)
-        for a in plan.alternatives[:12]:
-            alt.add_row(a.schedule, str(a.virtual_stages), str(a.microbatch_size), a.recompute,
-                        _iteration_text(a), a.reason)
-        parts.append(alt)
+        parts.extend(_runner_up_tables(plan))
+    if plan.comparisons:
+        parts.append(_layout_table("compared layouts (--compare), each planned in full", plan.comparisons,
+                                   p.iteration_ms, "asked as"))
     parts.extend(f"note: {note}" for note in plan.notes)
     return Group(*parts)
+
+
+#: Layouts the search did not plan in full that ``show`` lists after the runners-up planned in full.
+SHOWN_BOUND_ROWS = 4
+
+
+def _runner_up_tables(plan) -> list:
+    """The runners-up planned in full (a label says why each is listed), then the first few of the
+    layouts cut by their bound, and how many more there are."""
+    labelled = [a for a in plan.alternatives if a.label is not None]
+    rest = [a for a in plan.alternatives if a.label is None]
+    out = []
+    if labelled:
+        out.append(_layout_table("runners-up planned in full: each layout's own best plan", labelled,
+                                 plan.predicted.iteration_ms, "listed as"))
+    if rest:
+        title = ("other layouts: the best of each" if labelled else "runners-up: the best plan of each layout")
+        out.append(_layout_table(title, rest[:SHOWN_BOUND_ROWS] if labelled else rest[:12],
+                                 plan.predicted.iteration_ms, None))
+        hidden = len(rest) - (SHOWN_BOUND_ROWS if labelled else 12)
+        if hidden > 0:
+            out.append(f"... and {hidden} more layouts (the plan file's alternatives list each; --compare plans one in full)")
+    return out
+
+
+def _layout_table(title: str, alternatives, winner_ms: float, label_column) -> Table:
+    """One row per layout: its plan's choices, time, gap to the winner, MFU, memory, and why."""
+    table = Table(title=title)
+    columns = ["layout", "schedule", "v", "micro-batch", "recompute", "iteration ms", "vs winner", "MFU",
+               "peak memory", "why it lost"]
+    for column in ([label_column] if label_column else []) + columns:
+        table.add_column(column, justify="right" if column in ("iteration ms", "vs winner", "MFU") else "left")
+    for a in alternatives:
+        layout, _, why = a.reason.partition(": ")
+        gap = "-" if a.iteration_ms is None or not winner_ms else f"{a.iteration_ms / winner_ms - 1:+.1%}"
+        table.add_row(*([a.label] if label_column else []), layout, a.schedule, str(a.virtual_stages),
+                      str(a.microbatch_size), a.recompute, _iteration_text(a), gap,
+                      "-" if a.model_flops_utilization is None else f"{a.model_flops_utilization:.1%}",
+                      "-" if a.peak_memory_bytes is None else format_bytes(a.peak_memory_bytes), why or a.reason)
+    return table
 
 
 def _iteration_text(alternative) -> str:

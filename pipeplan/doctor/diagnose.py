@@ -89,9 +89,14 @@ def _batch_findings(config: LauncherConfig) -> list[Finding]:
         world = int(s["world size"]) if "world size" in s else None
         model = config.tensor_degree * config.pipeline_degree * config.context_degree
         if world and world % model:
-            out.append(Finding("world-size", "info", f"world size {world}",
-                               f"the script starts {world} processes, not a multiple of t x p x cp = {model}; "
-                               f"the data-parallel size is taken as 1", "give --world-size for the real job"))
+            # Megatron refuses this at start-up (parallel_state.initialize_model_parallel raises
+            # "world_size (W) is not divisible by t x p x cp"): an error, not a note.
+            out.append(Finding("world-size", "error", f"world size {world}",
+                               f"the script starts {world} processes, not a multiple of t x p x cp = {model}: "
+                               f"Megatron refuses it at start-up ('world_size ({world}) is not divisible by "
+                               f"{model}'); the data-parallel size is taken as 1 below",
+                               f"start a multiple of {model} processes (e.g. NUM_NODES = {-(-model // 8)} at 8 GPUs "
+                               f"per node), or give --world-size for the real job"))
         gbs = s.get("--global-batch-size")
         if gbs is not None and config.num_microbatches is None:
             out.append(Finding("refused", "error", f"--global-batch-size {gbs}",
@@ -143,6 +148,32 @@ def _settings_for(config: LauncherConfig, base: PlanSettings) -> PlanSettings:
                                    "global_batch": config.samples_per_replica})
 
 
+def _precision_findings(config: LauncherConfig, profile) -> list[Finding]:
+    """Megatron's training precision (``--fp16``, ``--bf16``, else fp32) against the profile's."""
+    if config.launcher != "megatron":
+        return []
+    s = config.settings
+    dtype = getattr(profile, "dtype", "bf16")
+    if "--fp16" in s or "--bf16" in s:
+        flag = "--fp16" if "--fp16" in s else "--bf16"
+        if profile.dtype_bytes == 2:
+            if flag == "--fp16" and dtype != "fp16":
+                return [Finding("precision", "info", flag,
+                                f"fp16 with dynamic loss scaling: the same bytes per value as the profile's {dtype} "
+                                f"and the same tensor-core peak on A100 and H100, so it is costed as the profile")]
+            return []
+        return [Finding("precision", "warning", flag,
+                        f"16-bit training but the profile is {dtype}: weights, gradients and activations are costed "
+                        f"at {profile.dtype_bytes} bytes per value instead of 2",
+                        f"build the profile with --dtype {flag.lstrip('-')}")]
+    if profile.dtype_bytes == 2:
+        return [Finding("precision", "warning", "--fp16 / --bf16",
+                        f"neither --fp16 nor --bf16: Megatron trains in fp32, twice the profile's {dtype} bytes per "
+                        f"weight and activation and at the fp32 peak",
+                        "add --bf16 (what the profile costs), or build the profile with --dtype fp32")]
+    return []
+
+
 def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: PlanSettings, *,
              profile_sha256: str, cluster=None, search_layouts: bool = True) -> Diagnosis:
     """Findings about ``config``, its layout costed, and the best plan for the same ranks.
@@ -168,6 +199,7 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
     result = Diagnosis(config, layout)
     result.findings += _layout_findings(config, layout)
     result.findings += _batch_findings(config)
+    result.findings += _precision_findings(config, profile)
     result.findings += _schedule_findings(config, layout)
     parallel = config.tensor_degree > 1 or (config.data_degree or 1) > 1 or config.sharded_optimizer
     if parallel and cluster is None:

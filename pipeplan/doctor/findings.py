@@ -100,7 +100,8 @@ def time_findings(config: LauncherConfig, plan: Plan) -> list[Finding]:
     """The imbalance (slowest stage vs the mean) and the iteration by parts."""
     out = []
     times = [s.forward_ms + s.backward_ms for s in plan.stages]
-    if times and min(times) >= 0 and sum(times) > 0:
+    # One stage has nothing to be imbalanced against.
+    if len(times) > 1 and min(times) >= 0 and sum(times) > 0:
         ratio = max(times) / (sum(times) / len(times))
         slow = max(range(len(times)), key=lambda i: times[i])
         out.append(Finding("imbalance", "info", split_setting(config),

@@ -245,8 +245,9 @@ def _megatron(config: LauncherConfig, text: str, plan: Plan, profile) -> str:
     if zero != config.zero_stage:  # the distributed optimizer is ZeRO 1 (doctor --cluster)
         text = edit_flag(text, "--use-distributed-optimizer", "" if zero else None, switch=True, after=anchors)
     mode = _recompute_mode(plan)
-    if mode == config.recompute or (config.recompute == "selective" and mode == "none"):
-        return text  # selective recomputation is kept unless the plan needs more
+    if mode == config.recompute:
+        return text
+    # The finding says what changes ("drop recomputation", ...); the fix makes exactly that change.
     text = edit_flag(text, "--recompute-activations", None, switch=True)
     for flag in ("--recompute-granularity", "--recompute-method", "--recompute-num-layers"):
         text = edit_flag(text, flag, None)
@@ -260,6 +261,19 @@ def _megatron(config: LauncherConfig, text: str, plan: Plan, profile) -> str:
 
 
 def _torchtitan(config: LauncherConfig, text: str, plan: Plan, profile) -> str:
+    mode = _recompute_mode(plan)
+    if mode != config.recompute:
+        # The finding says what changes ("drop recomputation", ...); the fix makes exactly that change.
+        text = edit_toml_key(text, "activation_checkpoint", "mode", json.dumps(mode))
+    if plan.settings.stages == 1 and config.pipeline_degree == 1:
+        # No pipeline: torchtitan runs each local batch whole, gradient accumulation over them
+        # (pipeline keys would be accepted and ignored at pipeline_parallel_degree = 1).
+        text = edit_toml_key(text, "training", "local_batch_size", str(plan.microbatch_size))
+        if plan.num_microbatches > 1 or config.num_microbatches not in (None, 1):
+            data = plan.parallelism.data if plan.parallelism is not None else (config.data_degree or 1)
+            text = edit_toml_key(text, "training", "global_batch_size",
+                                 str(plan.microbatch_size * plan.num_microbatches * data))
+        return text
     names = torchtitan_module_names(profile)
     stages = sorted(plan.stages, key=lambda s: s.index)
     parts = [[names[n] for n in s.layers if names.get(n)] for s in stages]
@@ -270,9 +284,6 @@ def _torchtitan(config: LauncherConfig, text: str, plan: Plan, profile) -> str:
     text = edit_toml_key(text, "parallelism", "pipeline_parallel_schedule", json.dumps(TORCH_SCHEDULE_NAME[plan.schedule]))
     text = edit_toml_key(text, "parallelism", "pipeline_parallel_microbatch_size", str(plan.microbatch_size))
     text = edit_toml_key(text, "parallelism", "module_fqns_per_model_part", body)
-    mode = _recompute_mode(plan)
-    if mode != config.recompute and not (config.recompute == "selective" and mode == "none"):
-        text = edit_toml_key(text, "activation_checkpoint", "mode", json.dumps(mode))
     return text
 
 

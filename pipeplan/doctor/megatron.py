@@ -37,7 +37,7 @@ _CHOICE_FLAGS = {
 _STR_FLAGS = ("--pipeline-model-parallel-layout",)
 _BOOL_FLAGS = (
     "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
-    "--use-distributed-optimizer", "--sequence-parallel", "--recompute-activations",
+    "--use-distributed-optimizer", "--sequence-parallel", "--recompute-activations", "--fp16", "--bf16",
 )
 _MULTI_FLAGS = {"--rampup-batch-size": 3}
 _LAUNCHERS = ("torchrun", "python", "python3", "deepspeed")
@@ -69,6 +69,11 @@ def _launch_command(script) -> tuple[list[str], list[str]]:
                for w in words):
             best = words
     if best is None:
+        # pipeplan's own Megatron export (or a file like it) defines the flags as an array for
+        # the user's command and runs nothing: read the array that holds them.
+        for name, words in script.arrays.items():
+            if any(w in ("--num-layers", "--pipeline-model-parallel-size") for w in words):
+                return [], list(words)
         return [], []
     for i, word in enumerate(best):
         if word.endswith(".py"):

@@ -36,14 +36,19 @@ def _stage_rows(result: Diagnosis) -> list[tuple[str, ...]]:
 
 def _summary(result: Diagnosis) -> list[str]:
     c = result.config
-    lines = [f"{c.path}: {c.launcher}, {c.pipeline_degree} pipeline ranks x {c.virtual_stages} virtual stages, "
-             f"{c.schedule}, tensor {c.tensor_degree}, data {c.data_degree or '?'}, "
-             f"{c.num_microbatches if c.num_microbatches is not None else '?'} micro-batches of {c.microbatch_size} "
+    # One pipeline rank runs no pipeline schedule: say so, not "1 ranks x 1 virtual stages, 1f1b".
+    pipeline = ("no pipeline (p = 1)" if c.pipeline_degree == 1 else
+                f"{c.pipeline_degree} pipeline ranks x {c.virtual_stages} virtual stages, {c.schedule}")
+    batches = "micro-batches" if c.pipeline_degree > 1 else "batches (gradient accumulation)"
+    lines = [f"{c.path}: {c.launcher}, {pipeline}, tensor {c.tensor_degree}, data {c.data_degree or '?'}, "
+             f"{c.num_microbatches if c.num_microbatches is not None else '?'} {batches} of {c.microbatch_size} "
              f"per replica, recompute {c.recompute}"]
     if result.plan is not None and result.plan.parallelism is not None:
         par, plan = result.plan.parallelism, result.plan
         lines.append(f"on {plan.settings.cluster.name}: {par.num_gpus} GPUs as d={par.data} x t={par.tensor} x "
-                     + (f"C={par.context} x " if par.context else "") + f"p={par.pipeline}, ZeRO {par.zero_stage}" + (", sequence parallel" if par.sequence_parallel else "")
+                     + (f"C={par.context} x " if par.context else "") + f"p={par.pipeline}, ZeRO {par.zero_stage}"
+                     # What the config runs (its --sequence-parallel), not the profile's costing.
+                     + (", sequence parallel" if c.sequence_parallel and par.tensor > 1 else "")
                      + f", optimizer {plan.settings.optimizer}, cap {format_bytes(result.cluster_cost.cap_bytes)} per GPU")
         lines.append(f"predicted: {parts_text(plan)}; {plan.predicted.samples_per_second:.6g} samples/s")
     elif result.plan is not None:
@@ -54,8 +59,9 @@ def _summary(result: Diagnosis) -> list[str]:
                      + f" ms; {pr.samples_per_second:.6g} samples/s per replica")
     if result.best is not None:
         b = result.best
-        lines.append(f"best plan ({c.launcher} can run it): {b.schedule}, v = {b.virtual_stages}, "
-                     f"{b.num_microbatches} micro-batches of {b.microbatch_size}, layers per stage "
+        shape = (f"{b.schedule}, v = {b.virtual_stages}, {b.num_microbatches} micro-batches" if b.settings.stages > 1
+                 else f"no pipeline, {b.num_microbatches} batches")
+        lines.append(f"best plan ({c.launcher} can run it): {shape} of {b.microbatch_size}, layers per stage "
                      f"{[len(s.layers) for s in sorted(b.stages, key=lambda s: s.index)]}, predicted "
                      f"{b.predicted.iteration_ms:.6g} ms"
                      + (f" (ZeRO {b.parallelism.zero_stage})" if b.parallelism is not None else ""))

@@ -4,7 +4,8 @@ A small evaluator for the subset of bash that training scripts use: scalar and a
 (``NAME=value``, ``NAME=( ... )``, ``NAME+=( ... )``, ``export``), ``$NAME``, ``${NAME}``,
 ``${NAME:-default}`` (nested too), ``${NAME[@]}``, ``${NAME[i]}``, ``NAME[i]=value``, ``unset``,
 ``$((arithmetic))`` (bash's: 64-bit, division truncating toward zero, octal ``010`` and ``16#ff``),
-``$'...'``, quoting, heredocs (their body is data, not commands) and line continuations.
+``$'...'``, quoting, heredocs (their body is data, not commands), line continuations and
+``source FILE`` / ``. FILE`` (the file read in place, relative to the script's folder).
 Commands are never run: ``if``/``for`` bodies are read in order as if every branch ran (later
 assignments win), ``$(command)`` expands to nothing (recorded in ``unresolved``), and an ``exit``
 outside any block or condition ends the reading, as it ends bash's.
@@ -19,8 +20,11 @@ import ast
 import re
 from dataclasses import dataclass, field
 
+from pathlib import Path
+
 from pipeplan.doctor.shell_arith import ansi_c, ansi_c_end, based, eval_int, literal
 from pipeplan.errors import BadInputError
+from pipeplan.formats.reading import read_input_text
 from pipeplan.doctor.shell_lex import array_closed, closing_brace, outside_quotes, statements
 
 __all__ = ["ShellScript", "read_script", "split_words"]
@@ -50,12 +54,18 @@ class ShellScript:
     """Expansions the reader could not evaluate (``$1``, ``$(...)``)."""
 
 
+#: How deep ``source`` may nest (a file sourcing itself is refused sooner, by name).
+MAX_SOURCE_DEPTH = 8
+
+
 class _Reader:
-    def __init__(self, path: str, text: str, variables: dict[str, str]):
+    def __init__(self, path: str, text: str, variables: dict[str, str], script: ShellScript | None = None,
+                 sourced: tuple[str, ...] = ()):
         self.path = path
         self.text = text
-        self.script = ShellScript(path)
+        self.script = script if script is not None else ShellScript(path)
         self.script.scalars.update(variables)
+        self.sourced = sourced + (str(Path(path).resolve()),)
         self.pos = 0
         self.line = 1
 
@@ -375,10 +385,32 @@ class _Reader:
         words = self.words(stripped)
         while words and words[0] in _KEYWORDS:
             words = words[1:]
+        if words[:1] in (["source"], ["."]) and len(words) >= 2:
+            self.source(words[1])
+            return
         if len(words) > MAX_WORDS:
             self.error(f"a command of {len(words):,} words; doctor reads commands of at most {MAX_WORDS:,}")
         if words:
             self.script.commands.append((self.line, words))
+
+    def source(self, name: str) -> None:
+        """``source FILE`` / ``. FILE``: read FILE's assignments and commands into this script
+        (resolved relative to the script's folder, as a launch script beside its plan export is
+        run from there; never executed). A file that is not there is recorded as unresolved."""
+        target = Path(name) if Path(name).is_absolute() else Path(self.path).parent / name
+        if str(target.resolve()) in self.sourced:
+            self.error(f"source {name}: sources itself (through {' -> '.join(Path(p).name for p in self.sourced)})")
+        if len(self.sourced) > MAX_SOURCE_DEPTH:
+            self.error(f"source {name}: more than {MAX_SOURCE_DEPTH} nested source commands")
+        if not target.is_file():
+            self.script.unresolved.append(f"source {name}")
+            return
+        text = read_input_text(target, "shell script")
+        reader = _Reader(str(target), text, {}, script=self.script, sourced=self.sourced)
+        try:
+            reader.run()
+        except BadInputError as exc:
+            raise BadInputError(str(exc) if str(exc).startswith(str(target)) else f"{target}: {exc}") from None
 
     def one_word(self, text: str) -> tuple[str, int]:
         """The first shell word of ``text`` (an assignment's value), expanded, and its length."""

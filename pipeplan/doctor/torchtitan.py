@@ -181,6 +181,15 @@ def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
     if shard == -1 and world_size and world_size % (replicate * t * p * cp) == 0:
         shard = world_size // (replicate * t * p * cp)  # ParallelDims: -1 takes the GPUs left over
     d = replicate * shard if shard > 0 else None
+    accumulation = _accumulation_steps(path, data, local, d)
+    if p == 1:
+        # Without a pipeline torchtitan runs each local batch whole, once per gradient-accumulation
+        # step (train.py: global_batch_size // (local_batch_size x dp)); pipeline_parallel_
+        # microbatch_size only splits batches for a pipeline schedule.
+        mbs, microbatches = local, accumulation
+    else:
+        # Each accumulation step runs the schedule over local_batch_size / microbatch_size.
+        microbatches = accumulation * (local // mbs) if local % mbs == 0 else None
     parts = par("module_fqns_per_model_part")
     lps = par("pipeline_parallel_layers_per_stage")
     if parts is not None:
@@ -203,12 +212,24 @@ def parse_torchtitan(path: str, text: str, *, num_layers: int | None = None,
     settings["parallelism.pipeline_parallel_schedule"] = name
     return LauncherConfig(
         launcher="torchtitan", path=path, pipeline_degree=p, virtual_stages=v, schedule=schedule,
-        microbatch_size=mbs, num_microbatches=local // mbs if local % mbs == 0 else None,
+        microbatch_size=mbs, num_microbatches=microbatches,
         tensor_degree=t, data_degree=d, context_degree=cp, expert_degree=ep, num_layers=layers,
         recompute={"full": "full", "selective": "selective", "memory_budget": "selective"}.get(mode, "none"),
         sharded_optimizer=shard != 1, zero_stage=3 if d and shard > 1 else 0,
         sequence_parallel=t > 1, settings=settings,
     )
+
+
+def _accumulation_steps(path: str, data: dict, local: int, d: int | None) -> int:
+    """torchtitan's gradient-accumulation steps: ``training.global_batch_size`` (default -1:
+    ``local_batch_size x dp``) over ``local_batch_size x dp`` (torchtitan 0.2 ``train.py``)."""
+    total = _get(path, data, "training", "global_batch_size", -1)
+    if total is None or total < 0 or d is None:
+        return 1
+    if total % (local * d):
+        raise BadInputError(f"{path}: training.global_batch_size: {total} is not a multiple of local_batch_size x "
+                            f"data-parallel degree = {local} x {d}; torchtitan asserts it is")
+    return max(1, total // (local * d))
 
 
 def llm_fqns_per_stage(num_stages: int, num_layers: int, input_weight: int = 1,

@@ -319,6 +319,10 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
     if profile.sequence_length:
         # The sequence the plan's costs and memory were profiled at (Megatron-LM has no default).
         flags.append(("--seq-length", str(profile.sequence_length)))
+    # The profile's training precision: Megatron-LM trains in fp32 without one of these.
+    precision = {"bf16": "--bf16", "fp16": "--fp16"}.get(getattr(profile, "dtype", None))
+    if precision:
+        flags.append((precision, None))
     lines.append("PIPEPLAN_MEGATRON_ARGS=(")
     lines += [f"    {flag}" + ("" if value is None else f" {shlex.quote(value)}") for flag, value in flags]
     lines.append(")")

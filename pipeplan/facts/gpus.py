@@ -1,10 +1,15 @@
-"""GPU specifications: peak dense FLOP/s per dtype, HBM bandwidth and capacity, intra-node link.
+"""GPU specifications: peak dense FLOP/s per precision, HBM bandwidth and capacity, NVLink.
 
 Every figure of a shipped spec is the vendor's data sheet figure (source in the comment beside
-it). Peak FLOP/s are **dense** (the data sheets' headline tensor figures are often "with
-sparsity", twice as high). ``link_bytes_per_s`` is one direction of the GPU's intra-node link
-(NVLink's "900 GB/s" is both directions together: 450 GB/s each way), which is what a ring
-collective runs at. HBM capacities are binary (an "80 GB" HBM part holds 80 GiB).
+it, and per figure in ``GpuSpec.sources``). Peak FLOP/s are **dense** (the data sheets' headline
+tensor figures are often "with sparsity", twice as high). ``peak_flops`` is keyed by precision:
+``fp64``, ``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8`` (per-tensor scaled FP8), ``mxfp8``
+(FP8 with one E8M0 scale per 32 values, run natively by Blackwell's tensor cores) and ``nvfp4``
+(FP4 E2M1 with an FP8 scale per 16 values, Blackwell); a GPU lists a precision only where its
+hardware runs it and a source gives the figure (Hopper has neither ``mxfp8`` nor ``nvfp4``).
+``link_bytes_per_s`` is one direction of the GPU's NVLink (or PCIe) link (NVLink's "900 GB/s"
+is both directions together: 450 GB/s each way), which is what a ring collective runs at. HBM
+capacities are binary (an "80 GB" HBM part holds 80 GiB).
 
 ``--gpu-spec my.toml`` reads any other GPU (:func:`pipeplan.formats.gpu.load_gpu_spec`)::
 
@@ -17,6 +22,8 @@ collective runs at. HBM capacities are binary (an "80 GB" HBM part holds 80 GiB)
     bf16 = 989.4e12
     fp16 = 989.4e12
     fp32 = 67e12
+    [sources]                        # optional: where each figure comes from
+    "peak_flops.bf16" = "data sheet, dense"
 """
 
 from __future__ import annotations
@@ -27,9 +34,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeplan.errors import BadInputError
 
-__all__ = ["GpuSpec", "GPUS", "get_gpu", "gpu_rows"]
+__all__ = ["GpuSpec", "GPUS", "PRECISIONS", "get_gpu", "gpu_rows"]
 
 _GIB = 2**30
+
+#: The precisions ``peak_flops`` may name, widest first.
+PRECISIONS = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4")
 
 
 class GpuSpec(BaseModel):
@@ -42,8 +52,15 @@ class GpuSpec(BaseModel):
     memory_bytes: int = Field(gt=0, description="HBM capacity.")
     hbm_bytes_per_s: float = Field(gt=0, description="Peak HBM bandwidth.")
     link_bytes_per_s: float = Field(gt=0, description="Intra-node link bandwidth per direction.")
-    peak_flops: dict[str, float] = Field(description="Dense peak FLOP/s per dtype (fp32, tf32, bf16, fp16, fp8).")
+    peak_flops: dict[str, float] = Field(
+        description="Dense peak FLOP/s per precision: fp64, fp32, tf32, bf16, fp16, fp8, mxfp8, nvfp4 (module "
+                    "docstring); a precision the GPU does not run is absent.")
     source: str = Field(default="", description="Where the figures come from.")
+    sources: dict[str, str] = Field(
+        default_factory=dict, exclude=True,
+        description="Where each figure comes from, keyed by field (memory_bytes, hbm_bytes_per_s, "
+                    "link_bytes_per_s) or peak_flops.<precision>. Not dumped: a profile records the "
+                    "figures, this says where they come from.")
 
     @field_validator("peak_flops")
     @classmethod
@@ -51,14 +68,21 @@ class GpuSpec(BaseModel):
         if not value:
             raise ValueError("give at least one dtype, e.g. bf16 = 989.4e12")
         for dtype, flops in value.items():
-            if dtype not in ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8"):
-                raise ValueError(f"{dtype!r} is not one of fp64, fp32, tf32, bf16, fp16, fp8")
+            if dtype not in PRECISIONS:
+                raise ValueError(f"{dtype!r} is not one of {', '.join(PRECISIONS)}")
             if not flops > 0:
                 raise ValueError(f"{dtype}: {flops!r} must be positive")
         return value
 
     def flops_for(self, dtype: str) -> float:
-        """Peak dense FLOP/s for a training dtype; BadInputError naming the GPU if not listed."""
+        """Peak dense FLOP/s for a precision (a key of ``peak_flops``); BadInputError naming the GPU
+        and the precisions it lists if not listed.
+
+        Examples
+        --------
+        >>> GPUS["b200"].flops_for("nvfp4") / 1e15
+        9.0
+        """
         if dtype not in self.peak_flops:
             raise BadInputError(
                 f"--dtype: {self.name} has no peak for {dtype}; it lists {', '.join(sorted(self.peak_flops))}"
@@ -66,9 +90,10 @@ class GpuSpec(BaseModel):
         return self.peak_flops[dtype]
 
 
-def _spec(name, description, memory_gib, hbm, link, flops, source) -> GpuSpec:
+def _spec(name, description, memory_gib, hbm, link, flops, source, sources=None) -> GpuSpec:
     return GpuSpec(name=name, description=description, memory_bytes=int(memory_gib * _GIB),
-                   hbm_bytes_per_s=hbm, link_bytes_per_s=link, peak_flops=flops, source=source)
+                   hbm_bytes_per_s=hbm, link_bytes_per_s=link, peak_flops=flops, source=source,
+                   sources=sources or {})
 
 
 # Hopper's dense peaks (H100 SXM data sheet; the H200 and GH200 data sheets give the same).
@@ -76,29 +101,114 @@ _HOPPER = {"fp64": 34e12, "fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp
 # A100 SXM's dense peaks (both memory sizes).
 _AMPERE = {"fp64": 19.5e12, "fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}
 
+_H100_SHEET = "NVIDIA H100 Tensor Core GPU data sheet, H100 SXM column (dense = half the sparsity figures)"
+_H200_SHEET = "NVIDIA H200 Tensor Core GPU data sheet, H200 SXM column"
+_B200_SHEET = "NVIDIA DGX B200 / HGX B200 data sheets, per GPU = 8-GPU figure / 8 (dense = half the sparsity figures)"
+_B300_SHEET = ("NVIDIA HGX B300 data sheet, per GPU = 8-GPU figure / 8 (FP4 given with and without sparsity; "
+               "the rest with sparsity: dense is half)")
+_GB200_SHEET = ("NVIDIA GB200 NVL72 product page spec table, per GPU = the 72-GPU rack's figure / 72 (with "
+                "sparsity: dense is half)")
+_GB300_SHEET = ("NVIDIA GB300 NVL72 product page spec table, per GPU = the 72-GPU rack's figure / 72 (FP4 given "
+                "with and without sparsity; the rest with sparsity: dense is half)")
+_SYSTEMS = "NVIDIA's system pages as gathered in pipeplan's data/modern-runs/systems.json"
+# MXFP8 has no line of its own on any data sheet: Blackwell's fifth-generation tensor cores apply
+# the E8M0 block scales inside the MMA (Transformer Engine's MXFP8 recipe: "native hardware
+# acceleration on Blackwell GPUs (SM 10.0+)"), so it runs at the sheets' FP8/FP6 rate.
+_MXFP8 = "= the data sheet's FP8/FP6 figure: Blackwell's tensor cores scale MX blocks natively (Transformer Engine docs)"
+
+
+def _sourced(sheet: str, flops: dict[str, float], **fields: str) -> dict[str, str]:
+    """Every figure's source: ``sheet`` for each peak (MXFP8: the FP8 figure, :data:`_MXFP8`), and the
+    given fields' own."""
+    out = {f"peak_flops.{key}": (f"{sheet}; {_MXFP8}" if key == "mxfp8" else sheet) for key in flops}
+    out.update(fields)
+    return out
+
+
+# Blackwell B200's dense peaks, per GPU (HGX B200: FP4 144 PF sparse | 72 PF dense; FP8/FP6 72 PF*,
+# FP16/BF16 36 PF*, TF32 18 PF*, FP32 600 TF, FP64 296 TF per 8 GPUs; * with sparsity).
+_B200 = {"fp64": 37e12, "fp32": 75e12, "tf32": 1.1e15, "bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15,
+         "mxfp8": 4.5e15, "nvfp4": 9e15}
+# Blackwell Ultra B300, per GPU (HGX B300: FP4 144 PF sparse | 108 PF dense; FP8/FP6 72 PF*, FP16/BF16
+# 36 PF*, TF32 18 PF*, FP32 600 TF, FP64 10 TF per 8 GPUs): B200's rates but FP4 x 1.5, FP64 cut.
+_B300 = {"fp64": 1.25e12, "fp32": 75e12, "tf32": 1.125e15, "bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15,
+         "mxfp8": 4.5e15, "nvfp4": 13.5e15}
+# The GB200 superchip's Blackwell, per GPU (GB200 NVL72 rack: FP4 1,440 PF*, FP8/FP6 720 PF*, FP16/BF16
+# 360 PF*, TF32 180 PF*, FP32 5,760 TF, FP64 2,880 TF over 72 GPUs): clocked above B200 (1.2 kW).
+_GB200 = {"fp64": 40e12, "fp32": 80e12, "tf32": 1.25e15, "bf16": 2.5e15, "fp16": 2.5e15, "fp8": 5e15,
+          "mxfp8": 5e15, "nvfp4": 10e15}
+# The GB300 superchip's Blackwell Ultra, per GPU (GB300 NVL72 rack: FP4 1,440 PF sparse | 1,080 PF dense,
+# FP8/FP6 720 PF*, FP16/BF16 360 PF*, TF32 180 PF*, FP32 6 PF, FP64 100 TF over 72 GPUs).
+_GB300 = {"fp64": 100e12 / 72, "fp32": 6e15 / 72, "tf32": 1.25e15, "bf16": 2.5e15, "fp16": 2.5e15, "fp8": 5e15,
+          "mxfp8": 5e15, "nvfp4": 15e15}
+
 GPUS: dict[str, GpuSpec] = {s.name: s for s in (
     # NVIDIA H100 Tensor Core GPU data sheet (H100 SXM column): FP64 34 TF, FP32 67 TF, TF32 989 TF*,
     # BF16/FP16 1,979 TF*, FP8 3,958 TF* (* with sparsity: dense is half), 80 GB HBM3 at 3.35 TB/s,
-    # NVLink 900 GB/s.
+    # NVLink 900 GB/s. No MXFP8 or NVFP4: Hopper's tensor cores have no block-scaled formats.
     _spec("h100-sxm", "NVIDIA H100 SXM5 80GB", 80, 3.35e12, 450e9,
           _HOPPER,
-          "NVIDIA H100 Tensor Core GPU data sheet, SXM column (dense = half the sparsity figures)"),
+          "NVIDIA H100 Tensor Core GPU data sheet, SXM column (dense = half the sparsity figures)",
+          _sourced(_H100_SHEET, _HOPPER, memory_bytes=f"{_H100_SHEET}: 80 GB HBM3",
+                   hbm_bytes_per_s=f"{_H100_SHEET}: 3.35 TB/s",
+                   link_bytes_per_s=f"{_H100_SHEET}: NVLink 900 GB/s (both directions) / 2")),
     # NVIDIA H200 Tensor Core GPU data sheet (H200 SXM): same Hopper compute as H100 SXM,
     # 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
     _spec("h200", "NVIDIA H200 SXM 141GB", 141, 4.8e12, 450e9,
           _HOPPER,
-          "NVIDIA H200 Tensor Core GPU data sheet, SXM column"),
+          "NVIDIA H200 Tensor Core GPU data sheet, SXM column",
+          _sourced(_H200_SHEET + " (the H100 SXM compute)", _HOPPER, memory_bytes=f"{_H200_SHEET}: 141 GB HBM3e",
+                   hbm_bytes_per_s=f"{_H200_SHEET}: 4.8 TB/s",
+                   link_bytes_per_s=f"{_H200_SHEET}: NVLink 900 GB/s (both directions) / 2")),
     # NVIDIA GH200 Grace Hopper Superchip data sheet (96 GB HBM3 version): H100 compute, 96 GB HBM3 at
     # 4 TB/s; GPU-to-GPU NVLink 900 GB/s (NVLink Switch systems).
     _spec("gh200", "NVIDIA GH200 Grace Hopper (96GB HBM3)", 96, 4.0e12, 450e9,
           _HOPPER,
           "NVIDIA GH200 Grace Hopper Superchip data sheet (96 GB HBM3)"),
-    # NVIDIA DGX B200 / HGX B200 data sheet, per GPU: FP8 9 PF* and FP16/BF16 4.5 PF* (* sparse; dense
-    # half), TF32 2.2 PF*, FP32 75 TF, 180 GB HBM3e (1,440 GB per 8 GPUs) at 8 TB/s (64 TB/s per 8),
-    # fifth-generation NVLink 1.8 TB/s.
+    # NVIDIA DGX B200 / HGX B200 data sheet, per GPU: FP4 18 PF* (9 PF dense), FP8 9 PF* and FP16/BF16
+    # 4.5 PF* (* sparse; dense half), TF32 2.2 PF*, FP32 75 TF, 180 GB HBM3e (1,440 GB per 8 GPUs) at
+    # 8 TB/s (64 TB/s per 8), fifth-generation NVLink 1.8 TB/s.
     _spec("b200", "NVIDIA B200 (HGX/DGX B200)", 180, 8.0e12, 900e9,
-          {"fp64": 37e12, "fp32": 75e12, "tf32": 1.1e15, "bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15},
-          "NVIDIA DGX B200 and HGX B200 data sheets, per GPU (dense = half the sparsity figures)"),
+          _B200,
+          "NVIDIA DGX B200 and HGX B200 data sheets, per GPU (dense = half the sparsity figures)",
+          _sourced(_B200_SHEET, _B200,
+                   memory_bytes="NVIDIA DGX B200 User Guide: 1,440 GB total GPU memory / 8 = 180 GB HBM3e",
+                   hbm_bytes_per_s=f"{_B200_SHEET}: 64 TB/s / 8 = 8 TB/s",
+                   link_bytes_per_s="NVIDIA DGX B200 User Guide: 14.4 TB/s NVLink aggregate / 8 = 1.8 TB/s "
+                                    "(both directions) / 2")),
+    # NVIDIA HGX B300 data sheet, per GPU (module constants above): 288 GB HBM3e (2.3 TB per 8) at 8 TB/s,
+    # NVLink 5 at 1.8 TB/s (14.4 TB/s per 8).
+    _spec("b300", "NVIDIA B300 (Blackwell Ultra, HGX/DGX B300)", 288, 8.0e12, 900e9,
+          _B300,
+          "NVIDIA HGX B300 data sheet, per GPU (dense; FP4 dense given, the rest = half the sparsity figures)",
+          _sourced(_B300_SHEET, _B300,
+                   memory_bytes=f"{_SYSTEMS}, DGX-B300 (secondary: restatements of NVIDIA's DGX/HGX B300 data "
+                                f"sheet): 288 GB HBM3e per GPU, 2.3 TB per 8",
+                   hbm_bytes_per_s=f"{_B300_SHEET}: 8 TB/s per GPU",
+                   link_bytes_per_s=f"{_SYSTEMS}, DGX-B300: NVLink 5, 1.8 TB/s bidirectional per GPU / 2")),
+    # The GB200 NVL72's Blackwell GPUs (module constants above): ~186 GB HBM3e (13.4 TB per 72) at 8 TB/s
+    # (576 TB/s per 72), NVLink 5 at 1.8 TB/s (130 TB/s per 72).
+    _spec("gb200", "NVIDIA GB200 Grace Blackwell superchip's GPU (GB200 NVL72)", 186, 8.0e12, 900e9,
+          _GB200,
+          "NVIDIA GB200 NVL72 spec table, per GPU (rack / 72; dense = half the sparsity figures)",
+          _sourced(_GB200_SHEET, _GB200,
+                   memory_bytes=f"{_SYSTEMS}, DGX-GB200 (secondary): about 13.4 TB HBM3e per 72-GPU rack, "
+                                f"~186 GB per GPU",
+                   hbm_bytes_per_s=f"{_GB200_SHEET}: 576 TB/s / 72 = 8 TB/s",
+                   link_bytes_per_s="NVIDIA DGX GB200 User Guide, Networking: 1.8 TB/s bidirectional per GPU "
+                                    "with NVLink 5.0, / 2")),
+    # The GB300 NVL72's Blackwell Ultra GPUs (module constants above): ~279 GB HBM3e (20 TB per 72) at
+    # 8 TB/s (576 TB/s per 72), NVLink 5 at 1.8 TB/s (130 TB/s per 72).
+    _spec("gb300", "NVIDIA GB300 Grace Blackwell Ultra superchip's GPU (GB300 NVL72)", 279, 8.0e12, 900e9,
+          _GB300,
+          "NVIDIA GB300 NVL72 spec table, per GPU (rack / 72; dense; FP4 dense given, the rest = half the "
+          "sparsity figures)",
+          _sourced(_GB300_SHEET, _GB300,
+                   memory_bytes=f"{_SYSTEMS}, DGX-GB300 (secondary): 20 TB HBM3e per rack, 279 GB per GPU "
+                                f"(others say 288 GB)",
+                   hbm_bytes_per_s=f"{_GB300_SHEET}: 576 TB/s / 72 = 8 TB/s",
+                   link_bytes_per_s="NVIDIA Enterprise Reference Architecture, NVL72 AI factory: 130 TB/s "
+                                    "over 72 GPUs = 1.8 TB/s (both directions) / 2")),
     # NVIDIA A100 Tensor Core GPU data sheet (A100 40GB SXM): FP32 19.5 TF, TF32 156 TF, BF16/FP16
     # 312 TF (dense), 1,555 GB/s HBM2, NVLink 600 GB/s.
     _spec("a100-40gb", "NVIDIA A100 SXM4 40GB", 40, 1.555e12, 300e9,
@@ -135,6 +245,7 @@ def gpu_rows() -> list[dict[str, Any]]:
     return [
         {"name": s.name, "description": s.description, "memory_gib": s.memory_bytes / _GIB,
          "bf16_tflops": s.peak_flops.get("bf16", 0) / 1e12, "fp8_tflops": s.peak_flops.get("fp8", 0) / 1e12,
+         "nvfp4_tflops": s.peak_flops.get("nvfp4", 0) / 1e12,
          "hbm_tb_per_s": s.hbm_bytes_per_s / 1e12, "link_gb_per_s": s.link_bytes_per_s / 1e9, "source": s.source}
         for s in GPUS.values()
     ]

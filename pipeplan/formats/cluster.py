@@ -1,4 +1,4 @@
-"""The cluster spec format: the GPUs, how many share a node, and the links between them.
+"""The cluster spec format: the GPUs, how many share a node and an NVLink domain, and the links.
 
 Read from a TOML file (``pipeplan plan --cluster my.toml``) or named by a preset
 (``--cluster dgx-h100``; :mod:`pipeplan.cluster.presets`). See docs/cluster-model.md.
@@ -8,10 +8,11 @@ A file looks like::
     name = "my-cluster"
     gpu = "h100-sxm"              # a GPU model by name (pipeplan gpus)
     gpus_per_node = 8
+    gpus_per_nvlink_domain = 8    # optional: GPUs on one NVLink fabric (NVL72: 72); default gpus_per_node
     memory_cap = "80GB"           # or memory_cap_bytes = 80e9; default: the GPU's memory
     base = "dgx-h100"             # optional: start from a preset, override what follows
 
-    [intra_node]                  # the link between GPUs of one node
+    [intra_node]                  # the link between GPUs of one node (of one NVLink domain)
     bandwidth = "450GB/s"         # per GPU, one direction (or bandwidth_bytes_per_s)
     latency_us = 3.4              # per step of a ring
     call_latency_us = 8.4         # optional: per collective call (NCCL's base latency)
@@ -22,6 +23,10 @@ A file looks like::
 
 Every bandwidth is what one GPU can send in one direction at once; the collective formulas
 (:mod:`pipeplan.cluster.collectives`) are written in those terms.
+
+``intra_node`` is the fast link: between the GPUs of one node, or of one NVLink domain where
+``gpus_per_nvlink_domain`` spans several nodes (a GB200 NVL72 rack's 18 trays of 4 GPUs share
+one NVLink switch fabric); ``inter_node`` is the network between domains.
 """
 
 from __future__ import annotations
@@ -100,17 +105,25 @@ class Link(_Strict):
 
 
 class ClusterSpec(_Strict):
-    """A homogeneous cluster: nodes of ``gpus_per_node`` GPUs of one model."""
+    """A homogeneous cluster: nodes of ``gpus_per_node`` GPUs of one model, ``gpus_per_nvlink_domain``
+    of them on one NVLink fabric (by default a node)."""
 
     name: Name = Field(description="A name for tables and plans (plain text).")
     gpu: Name = Field(description="The GPU model, by name (pipeplan gpus), e.g. 'h100-sxm'.")
-    gpus_per_node: NodeGpus = Field(description="GPUs that share the intra-node link.")
+    gpus_per_node: NodeGpus = Field(description="GPUs of one node (one host, one launcher process group): "
+                                                "what a job's GPU count comes in whole multiples of.")
+    gpus_per_nvlink_domain: Optional[NodeGpus] = Field(
+        default=None,
+        description="GPUs that share the fast link (intra_node), across nodes where an NVLink switch fabric "
+                    "joins them (GB200 NVL72: 72, over 18 nodes of 4); a multiple of gpus_per_node. Null: "
+                    "gpus_per_node (the domain is the node). docs/cluster-model.md, NVLink domains.")
     memory_cap_bytes: Optional[PositiveBytes] = Field(
         default=None,
         description="Usable memory per GPU; null: the GPU model's memory. The reserve "
                     "(reserve_bytes) comes out of it.")
-    intra_node: Link = Field(description="The link between GPUs of one node.")
-    inter_node: Link = Field(description="The network between nodes, per GPU (rail-optimised: "
+    intra_node: Link = Field(description="The link between GPUs of one NVLink domain (of one node unless "
+                                         "gpus_per_nvlink_domain spans nodes).")
+    inter_node: Link = Field(description="The network between domains, per GPU (rail-optimised: "
                                          "each GPU has its own NIC share).")
     reserve_bytes: Bytes = Field(
         default=2 * 2**30,
@@ -125,6 +138,42 @@ class ClusterSpec(_Strict):
     def _quantities(cls, data: Any) -> Any:
         return _parse_quantities(data, {"memory_cap": ("memory_cap_bytes", "bytes"),
                                         "reserve": ("reserve_bytes", "bytes")})
+
+    @model_validator(mode="after")
+    def _whole_nodes(self) -> "ClusterSpec":
+        domain = self.gpus_per_nvlink_domain
+        if domain is not None and domain % self.gpus_per_node:
+            # A node's GPUs share its NVLink switches, so a domain is whole nodes.
+            raise ValueError(f"gpus_per_nvlink_domain: {domain} is not a multiple of gpus_per_node "
+                             f"{self.gpus_per_node} (an NVLink domain is whole nodes)")
+        return self
+
+    @property
+    def nvlink_domain_gpus(self) -> int:
+        """GPUs of one NVLink domain: ``gpus_per_nvlink_domain``, else ``gpus_per_node``."""
+        return self.gpus_per_nvlink_domain or self.gpus_per_node
+
+    def domain_gpus_for(self, num_gpus: int) -> int:
+        """GPUs of a job of ``num_gpus`` that share one NVLink domain: the layout's fast group.
+
+        A job no larger than a domain runs in one (at least a node). A larger one is cut into equal
+        segments of whole nodes, each inside one domain: the most nodes, up to a domain's, that divide
+        the job's nodes (what Megatron Bridge asks Slurm for on NVL72: 16 trays of 4, 64 GPUs, for
+        128 or 256 GPUs; docs/cluster-model.md). Where the domain is the node this is ``gpus_per_node``.
+
+        Examples
+        --------
+        >>> spec = ClusterSpec(name="nvl72", gpu="gb200", gpus_per_node=4, gpus_per_nvlink_domain=72,
+        ...                    intra_node={"bandwidth": "900GB/s", "latency_us": 3.4},
+        ...                    inter_node={"bandwidth": "50GB/s", "latency_us": 14})
+        >>> [spec.domain_gpus_for(n) for n in (2, 8, 64, 72, 128, 144, 256)]
+        [4, 8, 64, 72, 64, 72, 64]
+        """
+        G, domain = self.gpus_per_node, self.nvlink_domain_gpus
+        if num_gpus <= domain:
+            return max(num_gpus, G)
+        nodes, most = num_gpus // G, domain // G
+        return G * max(k for k in range(1, most + 1) if nodes % k == 0)
 
     def cap_bytes(self) -> int:
         """The memory cap per GPU: the spec's, else its GPU model's (the GPU table, ``pipeplan gpus``).

@@ -207,6 +207,10 @@ class PlanSettings(_Strict):
         default=None, ge=1, le=64,
         description="--expert-imbalance: the busiest rank's routed tokens over the balanced share (>= 1); "
                     "null: 1 (balanced routing).")
+    compare: Optional[list[Text]] = Field(
+        default=None,
+        description="--compare: layouts to plan beside the winner, each 'd=..,t=..,p=..' with optional "
+                    "zero=.., mbs=.. and e=..; null: none.")
     expert_data_parallel: Optional[PositiveCount] = Field(
         default=None,
         description="Internal: the expert-data-parallel degree t x d / (E x ETP) of one replica's cost model "
@@ -366,6 +370,17 @@ class Alternative(_Strict):
                                   "predicted time; iteration_ms is then null). Null where it was planned.")
     peak_memory_bytes: Optional[PlanBytes] = None
     reason: Text
+    # --- cluster runners-up and --compare layouts (null in pipeline-only plans) ---
+    data: Optional[PositiveCount] = Field(default=None, description="Cluster plans: the layout's data-parallel degree d.")
+    tensor: Optional[PositiveCount] = Field(default=None, description="Cluster plans: the layout's tensor-parallel degree t.")
+    pipeline: Optional[PositiveCount] = Field(default=None, description="Cluster plans: the layout's pipeline ranks p.")
+    expert: Optional[PositiveCount] = Field(default=None, description="Mixture-of-experts cluster plans: E.")
+    zero_stage: Optional[int] = Field(default=None, ge=0, le=3, description="Cluster plans: the ZeRO stage of its plan.")
+    model_flops_utilization: Optional[FiniteFloat] = Field(
+        default=None, ge=0, description="Cluster plans: its MFU, where it was planned in full and the GPU's peak is known.")
+    label: Optional[Text] = Field(
+        default=None, description="Cluster plans: why this layout is listed (e.g. 'best at t=8', 'pure data "
+                                  "parallel', 'next best layout', or the --compare text that named it).")
 
 
 class SolverInfo(_Strict):
@@ -403,6 +418,9 @@ class Plan(_Strict):
         default=None, description="The cluster layout (schema_version 2); null: d = t = 1 on `stages` GPUs.")
     reserve_bytes: Optional[PlanBytes] = Field(
         default=None, description="Per GPU, the memory not planned (the cluster's reserve and fragmentation share).")
+    comparisons: Optional[list[Alternative]] = Field(
+        default=None, description="Cluster plans with --compare: each named layout planned in full under the same "
+                                  "rules (or why it does not fit), beside the winner; null when none was named.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":

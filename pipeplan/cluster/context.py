@@ -241,9 +241,11 @@ def context_notes(notes: list, layout_index: int, profile, degrees: tuple, gpus_
 
 
 def best_over_context(plan_at, choices):
-    """The fastest plan over the context-parallel degrees ``choices`` (C searched): ``plan_at(C)``
-    is one exact cluster search at that C; the fastest is kept (ties to the smaller C) and records
-    C as searched (``settings.context_parallel`` null, ``parallelism.context`` the choice).
+    """The fastest plan over the context-parallel degrees ``choices`` (C searched): ``plan_at(C,
+    full)`` is one exact cluster search at that C (``full`` False: without the runners-up planned
+    in full, only its winner wanted); the fastest C (ties to the smaller) is then planned in full,
+    the same plan ``--context-parallel C`` makes, and records C as searched
+    (``settings.context_parallel`` null, ``parallelism.context`` the choice).
 
     Raises
     ------
@@ -252,10 +254,10 @@ def best_over_context(plan_at, choices):
     InfeasibleError
         The first search's, when no C fits.
     """
-    best, first_error, tried = None, None, []
+    best_c, best_ms, first_error, tried = None, None, None, []
     for c in choices:
         try:
-            plan = plan_at(c)
+            plan = plan_at(c, False)
         except (InfeasibleError, BadInputError) as error:
             if c == 1 and isinstance(error, BadInputError):
                 raise
@@ -263,10 +265,11 @@ def best_over_context(plan_at, choices):
             tried.append(f"C={c}: {str(error).splitlines()[0][:80]}")
             continue
         tried.append(f"C={c}: {plan.predicted.iteration_ms:.1f} ms")
-        if best is None or plan.predicted.iteration_ms < best.predicted.iteration_ms:
-            best = plan
-    if best is None:
+        if best_ms is None or plan.predicted.iteration_ms < best_ms:
+            best_c, best_ms = c, plan.predicted.iteration_ms
+    if best_c is None:
         raise first_error
+    best = plan_at(best_c, True)
     return best.model_copy(update={
         "settings": best.settings.model_copy(update={"context_parallel": None}),
         "notes": [*best.notes, f"context-parallel degree searched (at least {MIN_TOKENS_PER_RANK} tokens per rank): "

@@ -151,9 +151,9 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
         choices = context_choices(profile, settings)
         if len(choices) == 1:
             return _plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
-        return best_over_context(lambda c: _plan_cluster(profile, settings.model_copy(update={"context_parallel": c}),
-                                                         profile_sha256=profile_sha256, record_time=record_time),
-                                 choices)
+        return best_over_context(lambda c, full: _plan_cluster(
+            profile, settings.model_copy(update={"context_parallel": c}), profile_sha256=profile_sha256,
+            record_time=record_time, runners_up=full), choices)
 
 
 @dataclass
@@ -201,7 +201,8 @@ class _Search:
                    self.usable, self.state, self.hbm, self.overlap, self.profile_sha256, self.record_time, best_ms)
 
 
-def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool) -> Plan:
+def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool,
+                  runners_up: bool = True) -> Plan:
     search = _start(profile, settings, profile_sha256, record_time)
     _bound_trials(search)
     for compare in search.compares:
@@ -218,8 +219,9 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
                                                   needs))
     # The runners-up worth a row (runners.informative_layouts), each planned exactly, and the
     # --compare layouts; all inside the search's planning cache, so most of their work is shared.
+    # (runners_up False: only the winner's time is wanted, e.g. of one C of a search over C.)
     runners = [(label, group, _exact_best(search, group, unbounded), rivals)
-               for label, group, rivals in informative_layouts(trials, best, RUNNER_UP_LAYOUTS)]
+               for label, group, rivals in informative_layouts(trials, best, RUNNER_UP_LAYOUTS if runners_up else 0)]
     runners = [(kind_label(label, found, rivals), group, found) for label, group, found, rivals in runners]
     compared = [(compare.text, _exact_best(compare.search, compare.trials, unbounded if compare.unbounded is None else compare.unbounded),
                  compare.trials) for compare in search.compares]

@@ -38,12 +38,14 @@ from dataclasses import replace
 
 from pipeplan.cluster.collectives import send_ms
 from pipeplan.cluster.placement import GroupSpan
+from pipeplan.cluster.profile_view import degree_view
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.profile import LayerCost
 
 __all__ = ["context_profile", "context_link", "add_context_exchange", "context_buffer_bytes",
            "check_context_request", "stage_context_ms", "chunk_bytes", "ATTENTION_BACKWARD_FACTOR",
-           "context_notes", "context_choices", "MIN_TOKENS_PER_RANK", "best_over_context", "ranks_with_buffers"]
+           "context_notes", "context_choices", "MIN_TOKENS_PER_RANK", "best_over_context", "ranks_with_buffers",
+           "context_view", "largest_buffer_bytes"]
 
 #: The attention core's backward over its forward (FlashAttention-2: QK^T again, then 2 x the
 #: forward's GEMMs; the analytic profile's own factor, pipeplan/analytic/flops.py).
@@ -274,3 +276,22 @@ def best_over_context(plan_at, choices):
         "settings": best.settings.model_copy(update={"context_parallel": None}),
         "notes": [*best.notes, f"context-parallel degree searched (at least {MIN_TOKENS_PER_RANK} tokens per rank): "
                   + "; ".join(tried)]})
+
+
+def context_view(profile, source, context: int, tensor: int, cluster, selective: bool, experts, num_gpus: int):
+    """The profile one GPU sees at degree ``tensor`` and ``context`` (``source``: the
+    :func:`context_profile` of ``profile``), collectives and the exchange timed on ``cluster``'s
+    links, the exchange's on the NVLink domain a job of ``num_gpus`` gets."""
+    if context == 1:
+        return degree_view(profile, tensor, cluster, selective=selective, experts=experts)
+    view = degree_view(source, tensor, cluster, selective=selective, experts=experts)
+    return add_context_exchange(view, profile, context, cluster, cluster.domain_gpus_for(num_gpus))
+
+
+def largest_buffer_bytes(profile, microbatch_size, tensor: int, context: int) -> int:
+    """The KV buffers at the largest micro-batch size a replica may run (the given one, else the
+    profile's): what the pipeline planner's cap is lowered by; 0 at C = 1."""
+    if context == 1:
+        return 0
+    sizes = profile.microbatch_sizes if microbatch_size is None else [microbatch_size]
+    return max(context_buffer_bytes(profile, b, tensor, context) for b in sizes)

@@ -25,8 +25,8 @@ from typing import Optional
 
 from pipeplan.cluster.assemble import assemble_cluster_plan, hbm_bytes_per_s, infeasible_message
 from pipeplan.cluster.bounds import seed_estimate_ms, unit_sums
-from pipeplan.cluster.context import (add_context_exchange, best_over_context, check_context_request,
-                                      context_buffer_bytes, context_choices, context_profile, stage_context_ms)
+from pipeplan.cluster.context import (best_over_context, check_context_request, context_choices, context_profile,
+                                      context_view, largest_buffer_bytes, stage_context_ms)
 from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
 from pipeplan.cluster.experts import (check_expert_request, expert_choices, expert_data_degree, expert_group,
                                       moe_rank_tails, moe_static_bytes, moe_tails_lower_bound,
@@ -34,7 +34,7 @@ from pipeplan.cluster.experts import (check_expert_request, expert_choices, expe
 from pipeplan.cluster.iteration import iteration_parts, pipeline_lower_bound_ms
 from pipeplan.cluster.memory import plannable_bytes, zero3_gathered_bytes
 from pipeplan.cluster.placement import cluster_layout
-from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, tensor_degrees
+from pipeplan.cluster.profile_view import DegreeView, head_counts, tensor_degrees
 from pipeplan.cluster.runners import compare_search, informative_layouts, kind_label
 from pipeplan.cluster.space import batch_divisor_note, candidates, parallel_degrees
 from pipeplan.errors import BadInputError, InfeasibleError
@@ -91,10 +91,8 @@ class _Trial:
     context: int = 1
     """C: the context-parallel degree (1: none)."""
 
-    @property
-    def shard(self) -> int:
-        """The ranks that hold the same weights: d x C (ZeRO and the gradient sync run over them)."""
-        return self.data * self.context
+    shard = property(lambda self: self.data * self.context,
+                     doc="The ranks that hold the same weights: d x C (ZeRO and the gradient sync run over them).")
 
     @property
     def key(self):
@@ -188,11 +186,8 @@ class _Search:
 
     def view(self, tensor: int, selective: bool, experts) -> DegreeView:
         """The profile one GPU sees at degree ``tensor`` (and C), collectives and exchange timed."""
-        if self.context == 1:
-            return degree_view(self.profile, tensor, self.cluster, selective=selective, experts=experts)
-        view = degree_view(self.context_source, tensor, self.cluster, selective=selective, experts=experts)
-        return add_context_exchange(view, self.profile, self.context, self.cluster,
-                                    self.cluster.domain_gpus_for(self.settings.num_gpus))
+        return context_view(self.profile, self.context_source, self.context, tensor, self.cluster, selective,
+                            experts, self.settings.num_gpus)
     compares: list = field(default_factory=list)
     """Each ``--compare`` layout's trials (:class:`pipeplan.cluster.runners.Compare`)."""
 
@@ -537,9 +532,7 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     largest_unit_params = max(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes
     gathered = zero3_gathered_bytes(largest_unit_params, state, trial.shard) if trial.zero_stage == 3 else 0
     # The ring's received KV chunks, at the largest micro-batch size the replica may run (a bound).
-    buffers = max((context_buffer_bytes(profile, b, trial.tensor, trial.context)
-                   for b in (profile.microbatch_sizes if settings.microbatch_size is None
-                             else [settings.microbatch_size])), default=0) if trial.context > 1 else 0
+    buffers = largest_buffer_bytes(profile, settings.microbatch_size, trial.tensor, trial.context)
     recompute = dict(_families(settings, True))[trial.family]
     sub = _sub_settings(settings, trial, link, max(1, usable - gathered - buffers), recompute)
     span, fp16 = layout.data_span(), profile.dtype == "fp16"

@@ -24,6 +24,9 @@ CASES = {
     "405b-1024": ("llama3-405b", 1024, 1024),
     # Issue 22's bound: a 671B mixture of experts on 256 GPUs, expert parallelism searched.
     "dsv3-256": ("deepseek-v3", 256, 1024),
+    # Issue 26: Meta's 405B long-context stage (16,384 H100s, 131,072 tokens, 128 sequences), the
+    # context-parallel degree searched with every other degree (micro-batch size 1).
+    "405b-16384-128k": ("llama3-405b", 16384, 128, 131072),
 }
 
 
@@ -39,19 +42,21 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     profiles = {}
     for name in args.only or CASES:
-        model, gpus, batch = CASES[name]
-        if model not in profiles:
-            profiles[model] = analytic_profile(model, get_gpu("h100-sxm"), seq_len=8192, dtype="bf16",
-                                               microbatch_sizes=[1, 2, 4], tensor_parallel=[1, 2, 4, 8])
+        model, gpus, batch, *rest = CASES[name]
+        seq = rest[0] if rest else 8192
+        if (model, seq) not in profiles:
+            profiles[(model, seq)] = analytic_profile(model, get_gpu("h100-sxm"), seq_len=seq, dtype="bf16",
+                                                      microbatch_sizes=[1, 2, 4] if seq <= 8192 else [1],
+                                                      tensor_parallel=[1, 2, 4, 8])
         settings = PlanSettings(num_gpus=gpus, cluster=PRESETS["dgx-h100"], global_batch=batch, schedule="auto",
                                 recompute="auto")
         load = os.getloadavg()[0]
         started, cpu = time.perf_counter(), time.process_time()
-        plan = plan_cluster(profiles[model], settings, profile_sha256="bench")
+        plan = plan_cluster(profiles[(model, seq)], settings, profile_sha256="bench")
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         par = plan.parallelism
         print(f"{name}: {seconds:.1f} s ({cpu:.1f} s CPU, load {load:.1f}); d={par.data} t={par.tensor} p={par.pipeline} v={par.virtual_stages}"
-              f"{f' E={par.expert}' if par.expert else ''} "
+              f"{f' E={par.expert}' if par.expert else ''}{f' C={par.context}' if par.context else ''} "
               f"{plan.schedule} b={plan.microbatch_size} ZeRO {par.zero_stage}: {plan.predicted.iteration_ms / 1e3:.2f} s "
               f"per iteration, MFU {plan.predicted.model_flops_utilization:.1%}", flush=True)
     return 0

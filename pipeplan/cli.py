@@ -117,7 +117,7 @@ def _counts(text: str) -> list[int]:
 
 def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_parallel=None, zero=None,
                      data_parallel_overlap=None, expert_parallel=None, expert_tensor_parallel=None,
-                     expert_imbalance=None, compare=None):
+                     expert_imbalance=None, compare=None, context_parallel=None):
     """The cluster options of ``pipeplan plan`` (docs/cluster-model.md); empty without --gpus."""
     if num_gpus is None:
         given = [name for name, value in (("--cluster", cluster), ("--data-parallel", data_parallel),
@@ -126,7 +126,8 @@ def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_par
                                           ("--expert-parallel", expert_parallel),
                                           ("--expert-tensor-parallel", expert_tensor_parallel),
                                           ("--expert-imbalance", expert_imbalance),
-                                          ("--compare", compare or None)) if value is not None]
+                                          ("--compare", compare or None),
+                                          ("--context-parallel", context_parallel)) if value is not None]
         if given:
             raise BadInputError(f"{given[0]}: needs --gpus (the cluster's GPU count)")
         return {}
@@ -137,7 +138,8 @@ def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_par
             **{name: value for name, value in (("expert_parallel", expert_parallel),
                                                ("expert_tensor_parallel", expert_tensor_parallel),
                                                ("expert_imbalance", expert_imbalance),
-                                               ("compare", list(compare or ()) or None)) if value is not None}}
+                                               ("compare", list(compare or ()) or None),
+                                               ("context_parallel", context_parallel)) if value is not None}}
 
 
 _PROFILE_ARG = typer.Argument(..., help="Profile JSON file.", show_default=False)
@@ -254,6 +256,7 @@ def plan(
     recompute_method: Optional[str] = typer.Option(None, "--recompute-method", help="With --launcher megatron: how full recomputation runs, Megatron's flag: uniform (with --recompute-num-layers 1, the default) or block (the first N blocks of each stage recompute)."),
     recompute_num_layers: Optional[int] = typer.Option(None, "--recompute-num-layers", help="N of --recompute-method (Megatron's flag)."),
     recompute_modules: Optional[str] = typer.Option(None, "--recompute-modules", help="What selective recomputation recomputes, Megatron's module names, e.g. layernorm,moe_act (core_attn, layernorm, mlp, moe_act, moe, shared_experts, mla_up_proj); default: the attention core."),
+    context_parallel: Optional[int] = typer.Option(None, "--context-parallel", help="With --gpus: the context-parallel degree C (the sequence split over C GPUs; 2 C divides it; default 1)."),
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
     refuse_overwriting_input(output, profile)
@@ -263,7 +266,7 @@ def plan(
                             data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero=zero,
                             data_parallel_overlap=data_parallel_overlap, expert_parallel=expert_parallel,
                             expert_tensor_parallel=expert_tensor_parallel, expert_imbalance=expert_imbalance,
-                            fp8_param_gather=fp8_param_gather, compare=compare)
+                            fp8_param_gather=fp8_param_gather, compare=compare, context_parallel=context_parallel)
     if layers_per_stage is not None:
         request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
     if recompute_modules is not None:

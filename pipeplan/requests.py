@@ -51,7 +51,7 @@ def _required(name: str, description: str):
 #: Fields only a cluster request has.
 CLUSTER_ONLY_FIELDS = ("cluster", "data_parallel", "tensor_parallel", "zero_stage", "data_parallel_overlap",
                        "search_stages", "expert_parallel", "expert_tensor_parallel", "expert_imbalance",
-                       "expert_data_parallel", "compare")
+                       "expert_data_parallel", "compare", "context_parallel")
 
 #: The keys of a ``--compare`` layout: d, t and p are required, the rest fix one more choice.
 COMPARE_KEYS = {"d": "data-parallel degree", "t": "tensor-parallel degree", "p": "pipeline ranks",
@@ -180,6 +180,7 @@ class ClusterRequest(_Request):
     expert_parallel: _FIELDS["expert_parallel"].annotation = _FIELDS["expert_parallel"]
     expert_tensor_parallel: _FIELDS["expert_tensor_parallel"].annotation = _FIELDS["expert_tensor_parallel"]
     expert_imbalance: _FIELDS["expert_imbalance"].annotation = _FIELDS["expert_imbalance"]
+    context_parallel: _FIELDS["context_parallel"].annotation = _FIELDS["context_parallel"]
     compare: _FIELDS["compare"].annotation = _FIELDS["compare"]
 
     @model_validator(mode="after")
@@ -188,9 +189,11 @@ class ClusterRequest(_Request):
         # within a node, heads, stages, the batch) are the search's (pipeplan.cluster.search).
         for text in self.compare or ():
             layout = parse_compare(text)
-            if layout["d"] * layout["t"] * layout["p"] != self.num_gpus:
+            c = self.context_parallel or 1  # with context parallelism, d x t x p x C is the GPUs
+            if layout["d"] * layout["t"] * layout["p"] * c != self.num_gpus:
                 raise BadInputError(f"--compare {text!r}: d x t x p = {layout['d']} x {layout['t']} x {layout['p']} "
-                                    f"= {layout['d'] * layout['t'] * layout['p']} is not --gpus {self.num_gpus}")
+                                    + (f"x C {c} " if c > 1 else "")
+                                    + f"= {layout['d'] * layout['t'] * layout['p'] * c} is not --gpus {self.num_gpus}")
         return self
 
     @model_validator(mode="after")
@@ -208,6 +211,10 @@ class ClusterRequest(_Request):
                                 f"ETP x E x EDP = t x d)")
         if e is not None and self.num_gpus % e:
             raise BadInputError(f"--expert-parallel: {e} does not divide --gpus {self.num_gpus}")
+        c = self.context_parallel
+        if c is not None and self.num_gpus % c:
+            raise BadInputError(f"--context-parallel: {c} does not divide --gpus {self.num_gpus} "
+                                f"(d x t x p x C = the GPUs)")
         etp = self.expert_tensor_parallel
         if etp is not None and self.tensor_parallel is not None and self.tensor_parallel % etp:
             raise BadInputError(f"--expert-tensor-parallel: {etp} does not divide --tensor-parallel "

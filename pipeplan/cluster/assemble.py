@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from pipeplan.cluster.context import context_buffer_bytes, context_notes, ranks_with_buffers
 from pipeplan.cluster.experts import expert_note, moe_stage_memory, moe_static_bytes, view_expert_bytes
 from pipeplan.cluster.iteration import model_flops_utilization, tokens_per_s_per_gpu
 from pipeplan.cluster.profile_view import DegreeView
@@ -111,7 +112,7 @@ def _row(trial, best, default_microbatch: int, mfu, label: Optional[str] = None)
         lower_bound_ms=round(trial.lower_bound_ms, 6) if trial.status == "pruned" else None,
         peak_memory_bytes=max(r.peak_memory_bytes for r in plan.ranks) if plan and plan.ranks else None,
         reason=f"d={trial.data} t={trial.tensor} p={trial.pipeline}" + (f" E={trial.expert}" if trial.moe else "")
-               + f" ZeRO {trial.zero_stage}: {reason}",
+               + (f" C={trial.context}" if trial.context > 1 else "") + f" ZeRO {trial.zero_stage}: {reason}",
         data=trial.data, tensor=trial.tensor, pipeline=trial.pipeline, expert=trial.expert if trial.moe else None,
         zero_stage=trial.zero_stage, label=label,
         model_flops_utilization=None if plan is None or mfu is None else round(mfu(trial.parts.iteration_ms), 6),
@@ -155,6 +156,9 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
     # costs, so its pipeline plan says "none"; the plan must say what runs (every stage selective),
     # or exports and doctor would drop --recompute-granularity selective.
     selective = best.family == "selective"
+    c = best.context
+    # The ring's received KV chunks (context parallelism), at the plan's micro-batch size.
+    buffers = context_buffer_bytes(profile, plan.microbatch_size, t, c)
     stages = []
     for stage in plan.stages:
         if selective:
@@ -172,11 +176,12 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
             static = math.ceil(moe_static_bytes(settings.optimizer, profile.dtype_bytes, best.zero_stage, d,
                                                 best.expert_data, stage.param_bytes, experts, *precision_of(settings)))
             update["expert_state_bytes"] = int(expert_state)
+        update.update({"context_buffer_bytes": buffers, "peak_memory_bytes": stage.peak_memory_bytes + buffers} if c > 1 else {})
         stages.append(stage.model_copy(update={
             "weight_bytes": memory.weight_bytes + (best.extras["gathered"] if best.zero_stage == 3 else 0),
             "gradient_bytes": memory.gradient_bytes, "optimizer_bytes": memory.optimizer_bytes,
             "quantized_weight_bytes": memory.quantized_weight_bytes or None,
-            "peak_activation_bytes": max(0, stage.peak_memory_bytes - static), **update,
+            "peak_activation_bytes": max(0, stage.peak_memory_bytes - static) + buffers, **update,
         }))
     iteration_ms = parts.iteration_ms
     G = settings.global_batch
@@ -189,6 +194,7 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
         "bubble_ms": round(parts.bubble_ms - (plan.predicted.overhead_ms or 0.0), 6),
         "data_parallel_ms": round(parts.data_parallel_ms, 6),
         "optimizer_ms": round(parts.optimizer_ms, 6),
+        **({"context_exchange_ms": round(parts.context_exchange_ms, 6)} if c > 1 else {}),
     })
     if best.moe:
         predicted = predicted.model_copy(update={
@@ -202,7 +208,8 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
     mfu = _mfu_of(profile, settings, cluster)
     if mfu is not None:
         predicted = predicted.model_copy(update={"model_flops_utilization": round(mfu(iteration_ms), 6)})
-    peak_rank = max(r.peak_memory_bytes for r in plan.ranks) if plan.ranks else max(s.peak_memory_bytes for s in plan.stages)
+    peak_rank = buffers + (max(r.peak_memory_bytes for r in plan.ranks) if plan.ranks else
+                           max(s.peak_memory_bytes for s in plan.stages))
     fast_link, domain_text = _fast_link(cluster, settings.num_gpus)
     link_text = {"inter": "the network", "intra": fast_link, "local": "no link"}[best.extras["link"]]
     notes = [note.replace(", recompute none", ", recompute selective on every stage") if selective else note
@@ -212,6 +219,7 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
         f"data-parallel sync: {int(round(100 * (settings.data_parallel_overlap or 0)))}% assumed hidden behind "
         f"compute (--data-parallel-overlap)" if d > 1 else "no data parallelism: no gradient sync",
     ]
+    notes = context_notes(notes, len(plan.notes), profile, (d, t, p, c), cluster.domain_gpus_for(settings.num_gpus))
     if best.moe:
         notes.append(expert_note(profile, view.experts, best.expert_data, fast_link))
     if hbm_bytes_per_s(profile, cluster) is None:
@@ -231,7 +239,9 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
                                    sequence_parallel=bool(t > 1 and _sequence_parallel(profile)),
                                    gpus_per_node=cluster.gpus_per_node,
                                    expert=best.expert if best.moe else None,
-                                   expert_tensor=best.expert_tensor if best.moe else None),
+                                   expert_tensor=best.expert_tensor if best.moe else None,
+                                   context=c if c > 1 else None),
+        **({"ranks": ranks_with_buffers(plan.ranks, buffers)} if c > 1 else {}),
         "reserve_bytes": cluster.reserve_bytes + math.ceil(cluster.fragmentation * peak_rank),
     })
 

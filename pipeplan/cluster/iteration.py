@@ -50,6 +50,8 @@ class IterationParts:
     quantize_ms: float = 0.0
     """A quantized precision (``--precision``): its casts of the GEMMs' inputs and output gradients
     outside the experts' parts (the quantized GEMMs themselves are in ``compute_ms``)."""
+    context_exchange_ms: float = 0.0
+    """Context parallelism: the critical rank's KV ring sends not hidden behind attention."""
 
     @property
     def expert_ms(self) -> float:
@@ -60,7 +62,7 @@ class IterationParts:
     def pipeline_ms(self) -> float:
         """The make-span: everything before the sync."""
         return (self.compute_ms + self.tensor_parallel_ms + self.expert_ms + self.quantize_ms
-                + self.pipeline_transfer_ms + self.bubble_ms)
+                + self.context_exchange_ms + self.pipeline_transfer_ms + self.bubble_ms)
 
     @property
     def iteration_ms(self) -> float:
@@ -69,7 +71,8 @@ class IterationParts:
 
 def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: float, bubble_ms: float,
                     rank_end_ms: Sequence[float], rank_sync_ms: Sequence[float],
-                    rank_optimizer_ms: Sequence[float], expert_ms: Optional[dict] = None) -> IterationParts:
+                    rank_optimizer_ms: Sequence[float], expert_ms: Optional[dict] = None,
+                    context_ms: float = 0.0) -> IterationParts:
     """The iteration's parts from the pipeline's simulation and each rank's sync and step.
 
     Parameters
@@ -87,6 +90,9 @@ def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: floa
         ``combine``, ``shared_expert``: :data:`pipeplan.cluster.profile_view.EXPERT_PARTS`); they
         come out of ``compute_ms``, in that order, never below zero; then ``quantize`` (a quantized
         precision's casts), likewise.
+    context_ms : float
+        The critical rank's exposed context-parallel KV exchange (:mod:`pipeplan.cluster.context`),
+        out of ``compute_ms`` too, never below zero.
 
     Returns
     -------
@@ -124,10 +130,13 @@ def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: floa
         value = min(max(0.0, (expert_ms or {}).get(part, 0.0)), left)
         moe[name] = value
         left -= value
+    exchange = min(max(0.0, context_ms), left)
+    left -= exchange
     return IterationParts(
         compute_ms=left, tensor_parallel_ms=tensor_parallel_ms,
         pipeline_transfer_ms=transfer_ms, bubble_ms=bubble_ms,
         data_parallel_ms=synced - makespan, optimizer_ms=max(rank_optimizer_ms), **moe,
+        context_exchange_ms=exchange,
     )
 
 

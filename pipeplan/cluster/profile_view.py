@@ -127,6 +127,9 @@ class DegreeView:
     experts: ExpertGroup = field(default_factory=ExpertGroup)
     expert_bytes: dict = field(default_factory=dict)
     """``{MoE unit name: routed-expert parameter bytes one GPU holds}`` (empty for a dense profile)."""
+    context_ms: dict = field(default_factory=dict)
+    """``{(unit name, micro-batch size): (forward ms, backward ms)}`` of the context-parallel KV
+    exchange's exposed time (:mod:`pipeplan.cluster.context`; empty at C = 1)."""
 
     def stage_expert_bytes(self, layer_names) -> float:
         """The routed experts' parameter bytes one GPU holds of these units."""

@@ -162,7 +162,7 @@ def compare_search(search, text: str, layout_trials: Callable) -> Compare:
         raise BadInputError(f"{where}: e={expert} does not divide d={d} and the number of experts")
     try:
         degrees = parallel_degrees(settings.num_gpus, cluster.gpus_per_node, len(profile.layers), head_counts(profile),
-                                   tensor_degrees(profile), data=d, tensor=t, pipeline=p)
+                                   tensor_degrees(profile), data=d, tensor=t, pipeline=p, context=search.context)
         candidates(degrees, settings.global_batch, [mbs] if mbs is not None else search.sizes_all)
     except BadInputError as error:
         raise BadInputError(f"{where}: {_rule_text(str(error))}") from None

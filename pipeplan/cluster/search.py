@@ -25,6 +25,8 @@ from typing import Optional
 
 from pipeplan.cluster.assemble import assemble_cluster_plan, hbm_bytes_per_s, infeasible_message
 from pipeplan.cluster.bounds import seed_estimate_ms, unit_sums
+from pipeplan.cluster.context import (best_over_context, check_context_request, context_choices, context_profile,
+                                      context_view, largest_buffer_bytes, stage_context_ms)
 from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
 from pipeplan.cluster.experts import (check_expert_request, expert_choices, expert_data_degree, expert_group,
                                       moe_rank_tails, moe_static_bytes, moe_tails_lower_bound,
@@ -32,7 +34,7 @@ from pipeplan.cluster.experts import (check_expert_request, expert_choices, expe
 from pipeplan.cluster.iteration import iteration_parts, pipeline_lower_bound_ms
 from pipeplan.cluster.memory import plannable_bytes, zero3_gathered_bytes
 from pipeplan.cluster.placement import cluster_layout
-from pipeplan.cluster.profile_view import DegreeView, degree_view, head_counts, tensor_degrees
+from pipeplan.cluster.profile_view import DegreeView, head_counts, tensor_degrees
 from pipeplan.cluster.runners import compare_search, informative_layouts, kind_label
 from pipeplan.cluster.space import batch_divisor_note, candidates, parallel_degrees
 from pipeplan.errors import BadInputError, InfeasibleError
@@ -88,6 +90,11 @@ class _Trial:
     """EDP = t x d / (E x ETP) (d for a dense profile)."""
     moe: bool = False
     """Whether the profile has experts (their state and sync are split from the dense ones)."""
+    context: int = 1
+    """C: the context-parallel degree (1: none)."""
+
+    shard = property(lambda self: self.data * self.context,
+                     doc="The ranks that hold the same weights: d x C (ZeRO and the gradient sync run over them).")
 
     @property
     def key(self):
@@ -138,7 +145,12 @@ def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record
     chain partitions and stage costs that recur across its pipeline plans are computed once.
     """
     with planning_cache():
-        return _plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
+        choices = context_choices(profile, settings)
+        if len(choices) == 1:
+            return _plan_cluster(profile, settings, profile_sha256=profile_sha256, record_time=record_time)
+        return best_over_context(lambda c, full: _plan_cluster(
+            profile, settings.model_copy(update={"context_parallel": c}), profile_sha256=profile_sha256,
+            record_time=record_time, runners_up=full), choices)
 
 
 @dataclass
@@ -166,6 +178,15 @@ class _Search:
     trials: list = field(default_factory=list)
     batch_note: Optional[str] = None
     """The data-parallel degrees the global batch leaves out (:func:`batch_divisor_note`), if any."""
+    context: int = 1
+    """C, the same for every trial (:mod:`pipeplan.cluster.context`)."""
+    context_source: object = None
+    """The profile one GPU of a context-parallel group sees, before the tensor-parallel view."""
+
+    def view(self, tensor: int, selective: bool, experts) -> DegreeView:
+        """The profile one GPU sees at degree ``tensor`` (and C), collectives and exchange timed."""
+        return context_view(self.profile, self.context_source, self.context, tensor, self.cluster, selective,
+                            experts, self.settings.num_gpus)
     compares: list = field(default_factory=list)
     """Each ``--compare`` layout's trials (:class:`pipeplan.cluster.runners.Compare`)."""
 
@@ -174,7 +195,8 @@ class _Search:
                    self.usable, self.state, self.hbm, self.overlap, self.profile_sha256, self.record_time, best_ms)
 
 
-def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool) -> Plan:
+def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool,
+                  runners_up: bool = True) -> Plan:
     search = _start(profile, settings, profile_sha256, record_time)
     _bound_trials(search)
     for compare in search.compares:
@@ -191,8 +213,9 @@ def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, recor
                                                   needs))
     # The runners-up worth a row (runners.informative_layouts), each planned exactly, and the
     # --compare layouts; all inside the search's planning cache, so most of their work is shared.
+    # (runners_up False: only the winner's time is wanted, e.g. of one C of a search over C.)
     runners = [(label, group, _exact_best(search, group, unbounded), rivals)
-               for label, group, rivals in informative_layouts(trials, best, RUNNER_UP_LAYOUTS)]
+               for label, group, rivals in informative_layouts(trials, best, RUNNER_UP_LAYOUTS if runners_up else 0)]
     runners = [(kind_label(label, found, rivals), group, found) for label, group, found, rivals in runners]
     compared = [(compare.text, _exact_best(compare.search, compare.trials, unbounded if compare.unbounded is None else compare.unbounded),
                  compare.trials) for compare in search.compares]
@@ -219,9 +242,11 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
     if settings.stages is not None and settings.stages * v > units:
         raise BadInputError(f"--virtual-stages: {settings.stages} ranks x {v} stages per rank = {settings.stages * v} "
                             f"stages but the profile has only {units} units; use fewer stages per rank or ranks")
+    context = check_context_request(profile, settings)
     degrees = parallel_degrees(settings.num_gpus, cluster.gpus_per_node, units // v, head_counts(profile),
                                tensor_degrees(profile), data=settings.data_parallel, tensor=settings.tensor_parallel,
-                               pipeline=settings.stages, gpus_per_domain=cluster.domain_gpus_for(settings.num_gpus))
+                               pipeline=settings.stages, gpus_per_domain=cluster.domain_gpus_for(settings.num_gpus),
+                               context=context)
     cap = settings.cap_bytes()
     search = _Search(
         profile=profile, settings=settings, cluster=cluster, cap=cap,
@@ -233,7 +258,8 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
         profile_sha256=profile_sha256, record_time=record_time,
         batch_note=batch_divisor_note(degrees, settings.global_batch,
                                       profile.microbatch_sizes if settings.microbatch_size is None
-                                      else [settings.microbatch_size]))
+                                      else [settings.microbatch_size]),
+        context=context, context_source=context_profile(profile, context))
     # The (d, t, p) that some micro-batch size b runs with d x b dividing the batch (space.candidates
     # raises, naming the sizes, when none does).
     runnable = sorted({(c.data, c.tensor, c.pipeline) for c in candidates(degrees, settings.global_batch,
@@ -260,10 +286,11 @@ def _layout_trials(search: _Search, d: int, t: int, p: int, order: int, expert: 
         group = expert_group(settings, cluster, d, t, p, e)
         search.groups[(t, e)] = group
         if (t, "plain", e) not in search.views:
-            search.views[(t, "plain", e)] = degree_view(profile, t, cluster, experts=group)
+            search.views[(t, "plain", e)] = search.view(t, False, group)
         for z in ([zero] if zero is not None else _zero_stages(settings, d, p)):
             for family, _ in _families(settings, selective_ok):
                 out.append(_Trial(d, t, p, z, family, order + len(out), expert=e, expert_tensor=etp, moe=moe,
+                                  context=search.context,
                                   expert_data=expert_data_degree(d, t, e, etp) if moe else d))
     return out
 
@@ -281,8 +308,8 @@ def _bound_trials(search: _Search, trials: Optional[list] = None) -> None:
     for trial in search.trials if trials is None else trials:
         vkey = trial.view_key
         if vkey not in views:
-            views[vkey] = degree_view(profile, trial.tensor, cluster, selective=trial.family == "selective",
-                                      experts=search.groups[(trial.tensor, trial.expert)])
+            views[vkey] = search.view(trial.tensor, trial.family == "selective",
+                                      search.groups[(trial.tensor, trial.expert)])
         view = views[vkey]
         replica_batch = G // trial.data
         sizes = tuple(b for b in search.sizes_all if replica_batch % b == 0)
@@ -297,19 +324,19 @@ def _bound_trials(search: _Search, trials: Optional[list] = None) -> None:
                                       *precision_of(settings))
         else:
             static = state_bytes_per_param_byte(settings.optimizer, profile.dtype_bytes, trial.zero_stage,
-                                                trial.data, *precision_of(settings)) * params * profile.dtype_bytes
+                                                trial.shard, *precision_of(settings)) * params * profile.dtype_bytes
         trial.extras["state_per_gpu"] = static / trial.pipeline
         if static / trial.pipeline > usable:
             trial.status = "state-over-cap"
             trial.reason = (f"training state alone is {format_bytes(static / trial.pipeline)} per GPU on average, "
                             f"over the {format_bytes(usable)} plannable")
             continue
-        shard = params / trial.pipeline / (trial.data if trial.zero_stage >= 1 else 1)
+        shard = params / trial.pipeline / (trial.shard if trial.zero_stage >= 1 else 1)
         if trial.moe and trial.zero_stage >= 1:
             shard = ((params - expert_params) / trial.data + expert_params / trial.expert_data) / trial.pipeline
         step = optimizer_step_ms(shard, state, hbm, OPTIMIZER_HBM_EFFICIENCY, profile.dtype == "fp16") if hbm else 0.0
         trial.extras["step_lb"] = step
-        span = cluster_layout(cluster, trial.data, trial.tensor, trial.pipeline).data_span()
+        span = cluster_layout(cluster, trial.shard, trial.tensor, trial.pipeline).data_span()
         by_size, pipeline_by_size = {}, {}
         for b, at in sums.items():
             m, work, largest = replica_batch // b, at.work_ms, at.largest_unit_ms
@@ -442,7 +469,9 @@ def _pipeline_plan(view: DegreeView, sub: PlanSettings, settings: PlanSettings, 
 
 
 def _pipeline_link(cluster, trial):
-    layout = cluster_layout(cluster, trial.data, trial.tensor, trial.pipeline)
+    # Ranks ordered tensor, context, data, pipeline: a layout of d x C "data" ranks has the same
+    # pipeline ranks, and its data groups are the d x C ranks the gradients are reduced over.
+    layout = cluster_layout(cluster, trial.shard, trial.tensor, trial.pipeline)
     links = {layout.pipeline_link(i, (i + 1) % trial.pipeline) for i in range(trial.pipeline)} - {"local"}
     return layout, links, (cluster.inter_node if "inter" in links else cluster.intra_node)
 
@@ -452,10 +481,10 @@ def _sub_settings(settings: PlanSettings, trial, link, cap, recompute: str) -> P
     return settings.model_copy(update={
         "stages": trial.pipeline, "global_batch": settings.global_batch // trial.data,
         "memory_cap_bytes": cap, "bandwidth_bytes_per_s": link.achieved_bytes_per_s,
-        "recompute": recompute, "zero_stage": trial.zero_stage, "data_parallel": trial.data,
+        "recompute": recompute, "zero_stage": trial.zero_stage, "data_parallel": trial.shard,
         "num_gpus": None, "cluster": None, "tensor_parallel": None, "layers_per_stage": None,
         "data_parallel_overlap": None, "search_stages": None, "expert_parallel": None,
-        "expert_tensor_parallel": None, "expert_imbalance": None,
+        "expert_tensor_parallel": None, "expert_imbalance": None, "context_parallel": None,
         "expert_data_parallel": trial.expert_data if trial.moe else None,
     })
 
@@ -498,7 +527,7 @@ def _makespan_ms(rank_end_ms, rank_param_bytes, num_microbatches) -> float:
 def _rank_tails(trial: _Trial, rank_params, m: int, span, cluster, state, hbm, overlap: float, fp16: bool):
     """Each pipeline rank's exposed data-parallel sync and optimizer step, from its parameters."""
     sync = [data_parallel_sync(p, state, trial.zero_stage, span, cluster, m, overlap).exposed_ms for p in rank_params]
-    shard = [p / (trial.data if trial.zero_stage >= 1 else 1) for p in rank_params]
+    shard = [p / (trial.shard if trial.zero_stage >= 1 else 1) for p in rank_params]
     step = [optimizer_step_ms(s, state, hbm, OPTIMIZER_HBM_EFFICIENCY, fp16) if hbm else 0.0 for s in shard]
     return sync, step
 
@@ -507,9 +536,11 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
                hbm, overlap: float, profile_sha256: str, record_time: bool, best_ms: Optional[float] = None) -> None:
     layout, links, link = _pipeline_link(cluster, trial)
     largest_unit_params = max(layer.param_bytes for layer in view.profile.layers) / profile.dtype_bytes
-    gathered = zero3_gathered_bytes(largest_unit_params, state, trial.data) if trial.zero_stage == 3 else 0
+    gathered = zero3_gathered_bytes(largest_unit_params, state, trial.shard) if trial.zero_stage == 3 else 0
+    # The ring's received KV chunks, at the largest micro-batch size the replica may run (a bound).
+    buffers = largest_buffer_bytes(profile, settings.microbatch_size, trial.tensor, trial.context)
     recompute = dict(_families(settings, True))[trial.family]
-    sub = _sub_settings(settings, trial, link, max(1, usable - gathered), recompute)
+    sub = _sub_settings(settings, trial, link, max(1, usable - gathered - buffers), recompute)
     span, fp16 = layout.data_span(), profile.dtype == "fp16"
     incumbent = None
     if best_ms is not None and settings.layers_per_stage is None:
@@ -541,6 +572,7 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     rank_params = [0.0] * trial.pipeline
     rank_experts = [0.0] * trial.pipeline
     rank_tp = [0.0] * trial.pipeline
+    rank_cp = [0.0] * trial.pipeline
     rank_moe = [dict() for _ in range(trial.pipeline)]
     for stage in plan.stages:
         rank_params[stage.rank] += stage.param_bytes / profile.dtype_bytes
@@ -549,6 +581,7 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
         if view.quantize_ms:
             rank_moe[stage.rank]["quantize"] = rank_moe[stage.rank].get("quantize", 0.0) + m * view.stage_quantize_ms(
                 stage.layers, plan.microbatch_size, again)
+        rank_cp[stage.rank] += m * stage_context_ms(view, stage.layers, plan.microbatch_size, stage.recompute)
         if trial.moe:
             rank_experts[stage.rank] += view_expert_bytes(view, stage.layers) / profile.dtype_bytes
             for part, ms in view.stage_expert_ms(stage.layers, plan.microbatch_size, again).items():
@@ -561,10 +594,11 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     critical = sim.critical_rank
     trial.parts = iteration_parts(sim.compute_ms, min(rank_tp[critical], sim.compute_ms), sim.transfer_ms,
                                   sim.bubble_ms + sim.overhead_ms, rank_end, sync, step,
-                                  expert_ms=rank_moe[critical] if trial.moe or view.quantize_ms else None)
+                                  expert_ms=rank_moe[critical] if trial.moe or view.quantize_ms else None,
+                                  context_ms=rank_cp[critical])
     trial.plan = plan
     trial.status = "planned"
     trial.extras = {"layout": layout, "link": "inter" if "inter" in links else ("intra" if links else "local"),
-                    "gathered": gathered}
+                    "gathered": gathered, "buffers": buffers}
 
 

@@ -79,8 +79,10 @@ def _check_gpus(num_gpus: int, gpus_per_node: int) -> None:
 def parallel_degrees(num_gpus: int, gpus_per_node: int, num_units: int,
                      head_counts: Iterable[int] = (), tensor_degrees: Optional[Iterable[int]] = None,
                      data: Optional[int] = None, tensor: Optional[int] = None,
-                     pipeline: Optional[int] = None, gpus_per_domain: Optional[int] = None) -> list[Degrees]:
-    """Every (d, t, p) with ``d t p = num_gpus`` that the rules (module docstring) allow.
+                     pipeline: Optional[int] = None, gpus_per_domain: Optional[int] = None,
+                     context: int = 1) -> list[Degrees]:
+    """Every (d, t, p) with ``d t p = num_gpus`` that the rules (module docstring) allow (with a
+    context-parallel degree ``C``: ``d t p C = num_gpus``, a pipeline rank's GPUs ``t C d``).
 
     Parameters
     ----------
@@ -118,6 +120,9 @@ def parallel_degrees(num_gpus: int, gpus_per_node: int, num_units: int,
     O(number of divisor pairs of N), at most a few hundred for any real cluster.
     """
     _check_gpus(num_gpus, gpus_per_node)
+    if context < 1 or num_gpus % context:
+        raise BadInputError(f"--context-parallel: {context} does not divide --gpus {num_gpus}")
+    num_gpus //= context
     node_only = gpus_per_domain is None or gpus_per_domain == gpus_per_node
     where, a_where = ("node", "a node") if node_only else ("NVLink domain", "an NVLink domain")
     G = gpus_per_node if gpus_per_domain is None else gpus_per_domain
@@ -154,7 +159,7 @@ def parallel_degrees(num_gpus: int, gpus_per_node: int, num_units: int,
             d = num_gpus // (t * p)
             if data is not None and d != data:
                 continue
-            if (t * d) % G and G % (t * d):
+            if (t * context * d) % G and G % (t * context * d):
                 # A pipeline rank's t x d GPUs would start mid-node (t = 1, d = 180 on 8-GPU
                 # nodes): its data groups straddle nodes unevenly, which no collective here costs.
                 continue

@@ -40,13 +40,16 @@ def cluster_plan_tables(plan):
     from rich.console import Group
 
     par, p = plan.parallelism, plan.predicted
+    c = par.context or 1
     cluster = plan.settings.cluster
     # The NVLink domain is the cluster spec's (a plan made before domains has none: the node).
-    layout = (cluster_layout(cluster, par.data, par.tensor, par.pipeline) if cluster is not None
-              and cluster.gpus_per_node == par.gpus_per_node else Layout(par.data, par.tensor, par.pipeline,
+    # Ranks ordered tensor, context, data, pipeline: the d x C ranks of a pipeline rank's data x
+    # context group lie as a layout's d x C data ranks do.
+    layout = (cluster_layout(cluster, par.data * c, par.tensor, par.pipeline) if cluster is not None
+              and cluster.gpus_per_node == par.gpus_per_node else Layout(par.data * c, par.tensor, par.pipeline,
                                                                          par.gpus_per_node))
     title = (f"{plan.profile.model}: {par.num_gpus} GPUs of {cluster.name if cluster else '?'} as d={par.data} x "
-             f"t={par.tensor} x p={par.pipeline}, {plan.schedule}"
+             f"t={par.tensor}" + (f" x C={c}" if c > 1 else "") + f" x p={par.pipeline}, {plan.schedule}"
              + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "") + f", ZeRO {par.zero_stage}"
              + (", sequence parallel" if par.sequence_parallel else "")
              + (f", experts E={par.expert} (ETP {par.expert_tensor or 1}, EDP {par.expert_data})"
@@ -74,6 +77,8 @@ def cluster_plan_tables(plan):
            ("  shared experts", share(p.shared_expert_ms or 0.0))] if p.expert_dispatch_ms is not None else []),
         *([(f"  {plan.settings.precision} casts (GEMM inputs, gradients)", share(p.quantize_ms or 0.0))]
           if p.quantize_ms is not None else []),
+        *([("  context-parallel exchange", share(p.context_exchange_ms))] if p.context_exchange_ms is not None
+          else []),
         ("  pipeline bubble", share(p.bubble_ms + (p.overhead_ms or 0.0))),
         ("  pipeline transfers", share(p.transfer_ms)),
         ("  data-parallel sync", share(p.data_parallel_ms or 0.0)),
@@ -90,8 +95,10 @@ def cluster_plan_tables(plan):
     for key, value in rows:
         summary.add_row(key, value)
 
-    placement = Table(title="layout (ranks in Megatron's order: tensor, data, pipeline)")
-    for column in ("pipeline rank", "GPUs", "stages", "tensor group", "data group", "to next rank"):
+    placement = Table(title="layout (ranks in Megatron's order: tensor, " + ("context, " if c > 1 else "")
+                      + "data, pipeline)")
+    for column in ("pipeline rank", "GPUs", "stages", "tensor group",
+                   "data x context group" if c > 1 else "data group", "to next rank"):
         placement.add_column(column)
     for rank in range(par.pipeline):
         stages = ", ".join(str(s.index) for s in plan.stages if s.rank == rank)
@@ -103,9 +110,11 @@ def cluster_plan_tables(plan):
     stages = Table(title="stages: memory per GPU by part")
     moe = any(s.expert_state_bytes is not None for s in plan.stages)
     quantized = any(s.quantized_weight_bytes is not None for s in plan.stages)
+    kv = any(s.context_buffer_bytes is not None for s in plan.stages)
     for column in ("stage", "rank", "layers", "first .. last", "fwd ms", "bwd ms", "weights",
                    *((f"{plan.settings.precision} copies",) if quantized else ()), "grads",
-                   "optimizer", *(("experts",) if moe else ()), "activations", "in flight", "peak"):
+                   "optimizer", *(("experts",) if moe else ()), "activations", *(("of it KV chunks",) if kv else ()),
+                   "in flight", "peak"):
         stages.add_column(column, justify="left" if column == "first .. last" else "right")
     for s in plan.stages:
         span = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
@@ -115,7 +124,8 @@ def cluster_plan_tables(plan):
                                                        *((s.quantized_weight_bytes,) if quantized else ()),
                                                        s.gradient_bytes, s.optimizer_bytes,
                                                        *((s.expert_state_bytes,) if moe else ()),
-                                                       s.peak_activation_bytes)),
+                                                       s.peak_activation_bytes,
+                                                       *((s.context_buffer_bytes,) if kv else ()))),
                        str(s.in_flight), format_bytes(s.peak_memory_bytes))
     ranks = Table(title="memory per GPU")
     for column in ("rank", "planned peak", "reserve", "total", "cap"):

@@ -115,7 +115,8 @@ def rank_memory(plan: Plan, profile, cluster) -> tuple[RankMemory, ...]:
 
 def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int], *, cluster, data: int,
                     tensor: int, zero_stage: int, schedule: str, virtual_stages: int, microbatch_size: int,
-                    num_microbatches: int, recompute: str, profile_sha256: str, expert: int = 1) -> ClusterCost:
+                    num_microbatches: int, recompute: str, profile_sha256: str, expert: int = 1,
+                    context: int = 1) -> ClusterCost:
     """A given layout on ``cluster``: the plan ``pipeplan plan --layers-per-stage`` makes of it.
 
     Parameters
@@ -133,6 +134,8 @@ def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int]
         As the launcher runs them (``num_microbatches`` per data-parallel replica).
     expert : int
         The launcher's expert-parallel size (a mixture-of-experts profile; ignored otherwise).
+    context : int
+        The launcher's context-parallel size ``C`` (the world is ``d x t x p x C``).
 
     Returns
     -------
@@ -148,7 +151,8 @@ def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int]
     cap = effective_cap_bytes(settings.memory_cap_bytes, cluster)
     pipeline = len(layers_per_stage) // virtual_stages
     given = settings.model_copy(update={
-        "num_gpus": data * tensor * pipeline, "cluster": cluster, "data_parallel": data,
+        "num_gpus": data * tensor * pipeline * context, "cluster": cluster, "data_parallel": data,
+        "context_parallel": context if context > 1 else None,
         "tensor_parallel": tensor, "stages": pipeline, "zero_stage": zero_stage,
         "layers_per_stage": list(layers_per_stage), "schedule": schedule, "virtual_stages": virtual_stages,
         "microbatch_size": microbatch_size, "global_batch": data * microbatch_size * num_microbatches,
@@ -168,7 +172,7 @@ def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int]
 def best_on_cluster(profile, settings: PlanSettings, *, launcher: str, cluster, num_gpus: int, global_batch: int,
                     degrees: tuple[int, int, int] | None, zero_stages: tuple[int, ...],
                     recompute_options: tuple[str, ...], profile_sha256: str,
-                    expert: int | None = None) -> tuple[Plan | None, list[str]]:
+                    expert: int | None = None, context: int = 1) -> tuple[Plan | None, list[str]]:
     """The fastest cluster plan ``launcher`` can run on ``num_gpus`` GPUs of ``cluster``.
 
     Parameters
@@ -203,7 +207,8 @@ def best_on_cluster(profile, settings: PlanSettings, *, launcher: str, cluster, 
                 "zero_stage": zero, "recompute": recompute, "data_parallel": d, "tensor_parallel": t, "stages": p,
                 "memory_cap_bytes": cap, "layers_per_stage": None, "schedule": "auto", "virtual_stages": None,
                 "microbatch_size": None, "bandwidth_bytes_per_s": None, "search_stages": None,
-                "expert_parallel": expert if degrees is not None and getattr(profile, "experts", None) else None})
+                "expert_parallel": expert if degrees is not None and getattr(profile, "experts", None) else None,
+                "context_parallel": context if context > 1 else None})
             try:
                 plan = plan_cluster(profile, trial, profile_sha256=profile_sha256)
             except (InfeasibleError, BadInputError) as exc:

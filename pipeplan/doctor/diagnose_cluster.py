@@ -140,9 +140,6 @@ def diagnose_on_cluster(result, profile, settings: PlanSettings, positions, *, m
     if d is None:
         d = 1
         result.notes.append("the data-parallel size is not known (give --world-size / --gpus): costed at d = 1")
-    if config.context_degree > 1:
-        result.notes.append(f"context-parallel {config.context_degree} is not in the cluster model: not costed")
-        return result
     if config.launcher == "torchtitan" and d > 1:
         s = config.settings
         replicate = int(s.get("parallelism.data_parallel_replicate_degree", 1))
@@ -158,7 +155,8 @@ def diagnose_on_cluster(result, profile, settings: PlanSettings, positions, *, m
                             f"not at {t} ({config.path}: {setting} {t}); build it with pipeplan profile --analytic "
                             f"--tensor-parallel {t}")
     result.findings += _sequence_findings(config, profile, result.notes)
-    num_gpus = d * t * p
+    c = config.context_degree
+    num_gpus = d * t * p * c
     G = d * config.samples_per_replica
     try:
         if costable:
@@ -167,7 +165,7 @@ def diagnose_on_cluster(result, profile, settings: PlanSettings, positions, *, m
                                    zero_stage=config.zero_stage, schedule=config.schedule,
                                    virtual_stages=config.virtual_stages, microbatch_size=config.microbatch_size,
                                    num_microbatches=config.num_microbatches, recompute=mode,
-                                   profile_sha256=profile_sha256, expert=config.expert_degree)
+                                   profile_sha256=profile_sha256, expert=config.expert_degree, context=c)
             result.plan, result.cluster_cost = cost.plan, cost
             result.notes += _expert_notes(config, profile, cost)
             fix = _zero_fix(config, profile, settings, counts, cluster, cost, mode, profile_sha256) \
@@ -182,12 +180,12 @@ def diagnose_on_cluster(result, profile, settings: PlanSettings, positions, *, m
         result.best, skipped = best_on_cluster(
             profile, settings, launcher=config.launcher, cluster=cluster, num_gpus=num_gpus, global_batch=G,
             degrees=(d, t, p), zero_stages=zeros, recompute_options=recompute_options, profile_sha256=profile_sha256,
-            expert=config.expert_degree)
+            expert=config.expert_degree, context=c)
         if search_layouts:
             result.best_any, _ = best_on_cluster(
                 profile, settings, launcher=config.launcher, cluster=cluster, num_gpus=num_gpus, global_batch=G,
                 degrees=None, zero_stages=SEARCH_ZERO_STAGES[config.launcher], recompute_options=recompute_options,
-                profile_sha256=profile_sha256)
+                profile_sha256=profile_sha256, context=c)
     except BadInputError as exc:
         raise BadInputError(f"--cluster {cluster.name}: {exc}") from None
     result.memory_checked = True

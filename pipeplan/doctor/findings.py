@@ -87,6 +87,8 @@ def parts_text(plan: Plan) -> str:
                      f" + expert combine {pr.expert_combine_ms or 0:.6g} + shared experts {pr.shared_expert_ms or 0:.6g}")
         if pr.quantize_ms is not None:
             text += f" + {plan.settings.precision} casts {pr.quantize_ms:.6g}"
+        if pr.context_exchange_ms is not None:
+            text += f" + context-parallel exchange {pr.context_exchange_ms:.6g}"
         text += f" + data-parallel sync {dp:.6g} + optimizer {opt:.6g}"
     text += " ms"
     if pr.tokens_per_second_per_gpu is not None:

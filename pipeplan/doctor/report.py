@@ -46,7 +46,7 @@ def _summary(result: Diagnosis) -> list[str]:
     if result.plan is not None and result.plan.parallelism is not None:
         par, plan = result.plan.parallelism, result.plan
         lines.append(f"on {plan.settings.cluster.name}: {par.num_gpus} GPUs as d={par.data} x t={par.tensor} x "
-                     f"p={par.pipeline}, ZeRO {par.zero_stage}"
+                     + (f"C={par.context} x " if par.context else "") + f"p={par.pipeline}, ZeRO {par.zero_stage}"
                      # What the config runs (its --sequence-parallel), not the profile's costing.
                      + (", sequence parallel" if c.sequence_parallel and par.tensor > 1 else "")
                      + f", optimizer {plan.settings.optimizer}, cap {format_bytes(result.cluster_cost.cap_bytes)} per GPU")
@@ -69,7 +69,8 @@ def _summary(result: Diagnosis) -> list[str]:
         b, par = result.best_any, result.best_any.parallelism
         shape = (f"{b.schedule}, v = {b.virtual_stages}, {b.num_microbatches} micro-batches" if par.pipeline > 1
                  else f"no pipeline, {b.num_microbatches} batches")
-        lines.append(f"best plan for the same {par.num_gpus} GPUs: d={par.data} x t={par.tensor} x p={par.pipeline}, "
+        lines.append(f"best plan for the same {par.num_gpus} GPUs: d={par.data} x t={par.tensor} x "
+                     + (f"C={par.context} x " if par.context else "") + f"p={par.pipeline}, "
                      f"ZeRO {par.zero_stage}, {shape} of {b.microbatch_size} per replica, predicted "
                      f"{b.predicted.iteration_ms:.6g} ms")
     return lines

@@ -109,6 +109,12 @@ def export_deepspeed(plan: Plan, profile=None) -> str:
     gradient_accumulation_steps x`` its data-parallel world size (``d``, from the topology's grid)
     and runs ``gradient_accumulation_steps`` micro-batches through the pipeline per step. O(L).
     """
+    if plan.parallelism is not None and (plan.parallelism.context or 1) > 1:
+        raise BadInputError(
+            f"plan: context parallelism C={plan.parallelism.context}: DeepSpeed's PipeModelDataParallelTopology "
+            f"has no context axis (axes pipe, data, model) and its sequence parallelism is Ulysses' all-to-all of "
+            f"heads, not Megatron's KV ring this plan costs: re-plan without --context-parallel for DeepSpeed, or "
+            f"export for megatron or torchtitan")
     shape = pipeline_shape(plan)
     degrees = degrees_of(plan)
     if shape.virtual_stages != 1:

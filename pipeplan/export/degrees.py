@@ -51,11 +51,13 @@ class Degrees:
     """From the plan's cluster spec (None without one)."""
     from_cluster_plan: bool
     """Whether the plan records ``parallelism`` (made with ``--gpus``)."""
+    context: int = 1
+    """Context-parallel degree ``C`` (each sequence split over ``C`` GPUs; 1: none)."""
 
     @property
     def num_gpus(self) -> int:
-        """World size ``d x t x p``."""
-        return self.data * self.tensor * self.pipeline
+        """World size ``d x t x p`` (x ``C``)."""
+        return self.data * self.tensor * self.pipeline * self.context
 
     @property
     def replica_batch(self) -> int:
@@ -94,7 +96,7 @@ def degrees_of(plan: Plan) -> Degrees:
             f"settings.stages {plan.settings.stages} x virtual_stages {plan.virtual_stages}; "
             f"re-create the plan with `pipeplan plan`")
     out = Degrees(par.data, par.tensor, par.pipeline, par.virtual_stages, par.zero_stage, par.sequence_parallel,
-                  plan.microbatch_size, plan.num_microbatches, par.gpus_per_node, True)
+                  plan.microbatch_size, plan.num_microbatches, par.gpus_per_node, True, par.context or 1)
     if plan.settings.global_batch is not None and plan.settings.global_batch != out.global_batch:
         raise BadInputError(
             f"plan: settings.global_batch {plan.settings.global_batch} is not micro-batch {out.microbatch_size} x "
@@ -163,11 +165,12 @@ def unsharded_extra_bytes(plan: Plan, *, gradients: bool, weights: bool) -> int:
 
     Notes
     -----
-    Whole gradients are ``d x`` the shard; whole weights are ``param_bytes`` (the stage's share at
+    Whole gradients are ``d x C`` times the shard; whole weights are ``param_bytes`` (the stage's share at
     its tensor-parallel degree). O(S).
     """
     degrees = degrees_of(plan)
-    d, zero = degrees.data, degrees.zero_stage
+    # ZeRO shards over the d x C ranks that hold the same weights (C = 1 without context parallelism).
+    d, zero = degrees.data * degrees.context, degrees.zero_stage
     per_rank: dict[int, int] = {}
     for stage in plan.stages:
         extra = 0
@@ -218,6 +221,7 @@ def degree_line(degrees: Degrees) -> str:
     """
     sp = ", sequence parallel" if degrees.sequence_parallel else ""
     alone = "" if degrees.from_cluster_plan else " (a pipeline-only plan: plan with --gpus for d, t and ZeRO)"
-    return (f"d={degrees.data} x t={degrees.tensor} x p={degrees.pipeline} = {degrees.num_gpus} GPUs, "
+    context = f" x C={degrees.context}" if degrees.context > 1 else ""
+    return (f"d={degrees.data} x t={degrees.tensor}{context} x p={degrees.pipeline} = {degrees.num_gpus} GPUs, "
             f"ZeRO {degrees.zero_stage}{sp}; global batch {degrees.global_batch} = micro-batch "
             f"{degrees.microbatch_size} x {degrees.num_microbatches} micro-batches x d {degrees.data}{alone}")

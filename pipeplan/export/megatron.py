@@ -331,6 +331,9 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
     flags.append(("--num-layers", str(num_layers)))
     if degrees.sequence_parallel:
         flags.append(("--sequence-parallel", None))
+    if degrees.context > 1:
+        # The ring exchange the plan costs is Megatron-core's default (cp_comm_type "p2p").
+        flags += [("--context-parallel-size", str(degrees.context)), ("--cp-comm-type", "p2p")]
     flags += optimizer + recompute + _expert_flags(plan, profile) + precision_flags(plan)
     flags += [
         ("--micro-batch-size", str(degrees.microbatch_size)),

@@ -271,6 +271,10 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profi
     replicate, shard, reshard = _data_parallel(plan, degrees, notes)
     checkpoint = _activation_checkpoint(plan, notes)
     precision = _precision_lines(plan, notes)
+    if degrees.context > 1 and degrees.zero_stage < 3:
+        notes.append(f"context_parallel_degree {degrees.context}: torchtitan turns FSDP on over its dp_shard x cp mesh "
+                     f"whenever cp > 1 (ParallelDims.fsdp_enabled), so it shards the weights over {shard * degrees.context}"
+                     f" GPUs where the plan's ZeRO {degrees.zero_stage} keeps them whole: less memory, more all-gathers")
     notes += tied_weight_notes(plan, profile, "torchtitan")
     if degrees.tensor > 1 and not degrees.sequence_parallel:
         notes.append("torchtitan's tensor parallelism always shards the norms' sequence (sequence parallel): "
@@ -297,6 +301,8 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profi
     lines += [f"tensor_parallel_degree = {degrees.tensor}",
               f"pipeline_parallel_degree = {shape.num_ranks}"]
     lines += _expert_lines(plan)
+    if degrees.context > 1:
+        lines.append(f"context_parallel_degree = {degrees.context}")
     if pipelined:
         # With a CSV, torchtitan still reads the schedule name to place stages (loop or V).
         placement_name = name or ("ZBVZeroBubble" if shape.v_placement else "Interleaved1F1B")

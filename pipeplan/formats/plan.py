@@ -101,7 +101,7 @@ class _Strict(BaseModel):
 class Parallelism(_Strict):
     """How the plan lays its GPUs out (ranks in Megatron's order: docs/cluster-model.md)."""
 
-    num_gpus: PositiveCount = Field(description="data x tensor x pipeline.")
+    num_gpus: PositiveCount = Field(description="data x tensor x pipeline (x context).")
     data: PositiveCount = Field(description="Data-parallel replicas d.")
     tensor: PositiveCount = Field(description="Tensor-parallel degree t (inside a node).")
     pipeline: PositiveCount = Field(description="Pipeline ranks p.")
@@ -115,6 +115,9 @@ class Parallelism(_Strict):
                                   "out of each stage's data-parallel ranks); null: 1 (a dense model).")
     expert_tensor: Optional[PositiveCount] = Field(
         default=None, description="Expert-tensor-parallel degree ETP (the experts' own tensor sharding); null: 1.")
+    context: Optional[PositiveCount] = Field(
+        default=None, description="Context-parallel degree C (each sequence split over C GPUs, ranks ordered "
+                                  "tensor, context, data, pipeline; gradients reduced over d x C); null: 1.")
 
     @property
     def expert_data(self) -> int:
@@ -123,8 +126,10 @@ class Parallelism(_Strict):
 
     @model_validator(mode="after")
     def _product(self) -> "Parallelism":
-        if self.data * self.tensor * self.pipeline != self.num_gpus:
-            raise ValueError(f"data x tensor x pipeline = {self.data} x {self.tensor} x {self.pipeline} is not "
+        c = self.context or 1
+        if self.data * self.tensor * self.pipeline * c != self.num_gpus:
+            context = f" x context {c}" if c > 1 else ""
+            raise ValueError(f"data x tensor x pipeline = {self.data} x {self.tensor} x {self.pipeline}{context} is not "
                              f"num_gpus {self.num_gpus}")
         return self
 
@@ -235,6 +240,10 @@ class PlanSettings(_Strict):
                     "the rest keep everything); null: uniform 1.")
     recompute_num_layers: Optional[PositiveCount] = Field(
         default=None, description="--recompute-num-layers: N of recompute_method (Megatron's flag); null: 1.")
+    context_parallel: Optional[PositiveCount] = Field(
+        default=None,
+        description="--context-parallel: fixed context-parallel degree C (the sequence split over C GPUs; "
+                    "2 C must divide it), or null: 1.")
 
     def cap_bytes(self) -> float:
         """The per-GPU cap the request means: ``memory_cap_bytes``, else the cluster's (its spec or
@@ -320,6 +329,10 @@ class PlanStage(_Strict):
         default=None, description="A quantized precision's weight copies held (Transformer Engine's row-wise and "
                                   "column-wise fp8/mxfp8/nvfp4 copies; ZeRO 3: the shard); null: none.")
     peak_activation_bytes: Optional[PlanBytes] = Field(default=None, description="Activations at the stage's peak.")
+    context_buffer_bytes: Optional[PlanBytes] = Field(
+        default=None, description="Context-parallel plans: the received KV chunks of the ring exchange (two "
+                                  "buffers of one chunk's K and V, and of its gradients in the backward), part "
+                                  "of peak_activation_bytes.")
     expert_state_bytes: Optional[PlanBytes] = Field(
         default=None, description="Mixture-of-experts plans: the routed experts' weights, gradients and optimizer "
                                   "state the stage holds (1 / (E x ETP) of them, sharded over the "
@@ -364,6 +377,9 @@ class Predicted(_Strict):
     quantize_ms: Optional[PlanMs] = Field(
         default=None, description="A quantized precision (settings.precision): the casts of the GEMMs' inputs and "
                                   "output gradients outside the experts' parts; null: none.")
+    context_exchange_ms: Optional[PlanMs] = Field(
+        default=None, description="Context parallelism: the ring's KV sends not hidden behind the attention "
+                                  "blocks they overlap (forward and backward), out of compute_ms.")
     tokens_per_second_per_gpu: Optional[NonNegativeFloat] = Field(default=None, description="Training throughput per GPU.")
     model_flops_utilization: Optional[FiniteFloat] = Field(
         default=None, ge=0, description="Model FLOPs per iteration (no recompute) over the GPUs' peak (MFU).")

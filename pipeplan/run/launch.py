@@ -224,7 +224,7 @@ def check_parallelism(plan: Any, where: str = "plan") -> int:
     Raises
     ------
     BadInputError
-        ``t > 1``, ``E > 1`` or ZeRO above 1, naming ``where`` (the plan file).
+        ``t > 1``, ``E > 1``, ``C > 1`` or ZeRO above 1, naming ``where`` (the plan file).
 
     Examples
     --------
@@ -248,6 +248,11 @@ def check_parallelism(plan: Any, where: str = "plan") -> int:
             f"rank would build all of each MoE layer's experts, so it would not run the plan's memory or its "
             f"all-to-alls); train this plan with a launcher (pipeplan export {where} --format megatron or "
             f"torchtitan), or plan with --expert-parallel 1 to run it here")
+    if (getattr(par, "context", None) or 1) > 1:
+        raise BadInputError(
+            f"{where}: parallelism.context: C={par.context}: pipeplan run does not run context parallelism (every "
+            f"rank would run whole sequences, without the KV ring); train this plan with a launcher (pipeplan "
+            f"export {where} --format megatron or torchtitan), or plan without --context-parallel to run it here")
     if par.zero_stage >= 2:
         sharded = "gradients" if par.zero_stage == 2 else "gradients and weights"
         raise BadInputError(

@@ -145,6 +145,37 @@ def _mfu_of(profile, settings: PlanSettings, cluster):
         flops_per_token * settings.global_batch * profile.sequence_length, iteration_ms, settings.num_gpus, peak)
 
 
+def _predicted(plan, parts, best, profile, settings, cluster):
+    """The winner's predicted record with the cluster's parts, and its MFU function (or None)."""
+    c = best.context
+    iteration_ms = parts.iteration_ms
+    G = settings.global_batch
+    predicted = plan.predicted.model_copy(update={
+        "iteration_ms": round(iteration_ms, 6),
+        "samples_per_second": round(G / (iteration_ms / 1e3), 6),
+        "compute_ms": round(parts.compute_ms, 6),
+        "tensor_parallel_ms": round(parts.tensor_parallel_ms, 6),
+        "transfer_ms": round(parts.pipeline_transfer_ms, 6),
+        "bubble_ms": round(parts.bubble_ms - (plan.predicted.overhead_ms or 0.0), 6),
+        "data_parallel_ms": round(parts.data_parallel_ms, 6),
+        "optimizer_ms": round(parts.optimizer_ms, 6),
+        **({"context_exchange_ms": round(parts.context_exchange_ms, 6)} if c > 1 else {}),
+    })
+    if best.moe:
+        predicted = predicted.model_copy(update={
+            name: round(getattr(parts, name), 6)
+            for name in ("expert_dispatch_ms", "expert_compute_ms", "expert_combine_ms", "shared_expert_ms")})
+    if settings.precision is not None:
+        predicted = predicted.model_copy(update={"quantize_ms": round(parts.quantize_ms, 6)})
+    if profile.sequence_length:
+        predicted = predicted.model_copy(update={"tokens_per_second_per_gpu": round(
+            tokens_per_s_per_gpu(G, profile.sequence_length, iteration_ms, settings.num_gpus), 6)})
+    mfu = _mfu_of(profile, settings, cluster)
+    if mfu is not None:
+        predicted = predicted.model_copy(update={"model_flops_utilization": round(mfu(iteration_ms), 6)})
+    return predicted, mfu
+
+
 def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: DegreeView, cluster, cap: int,
                           state, runners=(), compared=()) -> Plan:
     """The winner's plan with the cluster's parts; ``runners`` (label, a layout's trials, its exact
@@ -183,31 +214,7 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
             "quantized_weight_bytes": memory.quantized_weight_bytes or None,
             "peak_activation_bytes": max(0, stage.peak_memory_bytes - static) + buffers, **update,
         }))
-    iteration_ms = parts.iteration_ms
-    G = settings.global_batch
-    predicted = plan.predicted.model_copy(update={
-        "iteration_ms": round(iteration_ms, 6),
-        "samples_per_second": round(G / (iteration_ms / 1e3), 6),
-        "compute_ms": round(parts.compute_ms, 6),
-        "tensor_parallel_ms": round(parts.tensor_parallel_ms, 6),
-        "transfer_ms": round(parts.pipeline_transfer_ms, 6),
-        "bubble_ms": round(parts.bubble_ms - (plan.predicted.overhead_ms or 0.0), 6),
-        "data_parallel_ms": round(parts.data_parallel_ms, 6),
-        "optimizer_ms": round(parts.optimizer_ms, 6),
-        **({"context_exchange_ms": round(parts.context_exchange_ms, 6)} if c > 1 else {}),
-    })
-    if best.moe:
-        predicted = predicted.model_copy(update={
-            name: round(getattr(parts, name), 6)
-            for name in ("expert_dispatch_ms", "expert_compute_ms", "expert_combine_ms", "shared_expert_ms")})
-    if settings.precision is not None:
-        predicted = predicted.model_copy(update={"quantize_ms": round(parts.quantize_ms, 6)})
-    if profile.sequence_length:
-        predicted = predicted.model_copy(update={"tokens_per_second_per_gpu": round(
-            tokens_per_s_per_gpu(G, profile.sequence_length, iteration_ms, settings.num_gpus), 6)})
-    mfu = _mfu_of(profile, settings, cluster)
-    if mfu is not None:
-        predicted = predicted.model_copy(update={"model_flops_utilization": round(mfu(iteration_ms), 6)})
+    predicted, mfu = _predicted(plan, parts, best, profile, settings, cluster)
     peak_rank = buffers + (max(r.peak_memory_bytes for r in plan.ranks) if plan.ranks else
                            max(s.peak_memory_bytes for s in plan.stages))
     fast_link, domain_text = _fast_link(cluster, settings.num_gpus)

@@ -36,9 +36,8 @@ from pipeplan.cluster.memory import plannable_bytes, zero3_gathered_bytes
 from pipeplan.cluster.placement import cluster_layout
 from pipeplan.cluster.profile_view import DegreeView, head_counts, tensor_degrees
 from pipeplan.cluster.runners import compare_search, informative_layouts, kind_label
-from pipeplan.cluster.space import batch_divisor_note, candidates, parallel_degrees
+from pipeplan.cluster.space import batch_divisor_note, candidates, parallel_degrees, recompute_families, zero_stages
 from pipeplan.errors import BadInputError, InfeasibleError
-from pipeplan.facts.launchers import launcher_zero_stages
 from pipeplan.facts.schedules import valid_virtual_stages
 from pipeplan.facts.training_state import optimizer_step_ms, precision_of, state_bytes_per_param_byte, training_state
 from pipeplan.formats.plan import Plan, PlanSettings
@@ -103,30 +102,6 @@ class _Trial:
     @property
     def view_key(self):
         return (self.tensor, self.family, self.expert)
-
-
-def _zero_stages(settings: PlanSettings, d: int, p: int) -> list[int]:
-    if settings.zero_stage is not None:
-        return [settings.zero_stage]
-    # At d = 1 nothing is sharded. ZeRO 1 moves no more bytes than ZeRO 0 (a ring all-reduce is a
-    # reduce-scatter plus an all-gather) and holds less; it pays one more call's fixed latency per
-    # iteration (8.4 us on the presets), which the search gives up for a third fewer candidates:
-    # --zero 0 plans ZeRO 0.
-    # A plan for a launcher holds only what that launcher shards (pipeplan.facts.launchers):
-    # Megatron-LM's distributed optimizer keeps the whole gradient buffer (ZeRO 1 memory) and has no
-    # ZeRO 3; DeepSpeed's PipelineEngine asserts ZeRO < 2 under pipeline parallelism; torchtitan's
-    # FSDP has no optimizer-only sharding (the exports refuse or re-express the rest).
-    return list(launcher_zero_stages(settings.launcher, d, p))
-
-
-def _families(settings: PlanSettings, view_has_selective: bool) -> list[tuple[str, str]]:
-    """(view family, the pipeline planner's recompute setting)."""
-    mode = settings.recompute
-    if mode == "selective":
-        return [("selective", "none")]
-    if mode in ("none", "all"):
-        return [("plain", mode)]
-    return [("plain", "auto")] + ([("selective", "none")] if view_has_selective else [])
 
 
 def plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool = False) -> Plan:
@@ -287,8 +262,8 @@ def _layout_trials(search: _Search, d: int, t: int, p: int, order: int, expert: 
         search.groups[(t, e)] = group
         if (t, "plain", e) not in search.views:
             search.views[(t, "plain", e)] = search.view(t, False, group)
-        for z in ([zero] if zero is not None else _zero_stages(settings, d, p)):
-            for family, _ in _families(settings, selective_ok):
+        for z in ([zero] if zero is not None else zero_stages(settings, d, p)):
+            for family, _ in recompute_families(settings, selective_ok):
                 out.append(_Trial(d, t, p, z, family, order + len(out), expert=e, expert_tensor=etp, moe=moe,
                                   context=search.context,
                                   expert_data=expert_data_degree(d, t, e, etp) if moe else d))
@@ -405,7 +380,7 @@ def _search_heap(search: _Search, best, unbounded: dict, done, trials: Optional[
             done(best)
             continue
         if not refined:
-            family = "plain" if any(f == "plain" for f, _ in _families(settings, True)) else "selective"
+            family = "plain" if any(f == "plain" for f, _ in recompute_families(settings, True)) else "selective"
             key = (trial.data, trial.tensor, trial.pipeline, family, trial.expert)
             if key not in unbounded:
                 unbounded[key] = _unbounded(profile, settings, views[(trial.tensor, family, trial.expert)], trial,
@@ -505,7 +480,7 @@ def _unbounded(profile, settings: PlanSettings, view: DegreeView, trial, family:
     optimizer step; a make-span proven above that comes back as its lower bound.
     """
     _, _, link = _pipeline_link(cluster, trial)
-    recompute = dict(_families(settings, True))[family]
+    recompute = dict(recompute_families(settings, True))[family]
     sub = _sub_settings(settings, trial, link, None, "none" if recompute == "auto" else recompute)
     incumbent = None
     if best_ms is not None and settings.layers_per_stage is None:
@@ -539,7 +514,7 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     gathered = zero3_gathered_bytes(largest_unit_params, state, trial.shard) if trial.zero_stage == 3 else 0
     # The ring's received KV chunks, at the largest micro-batch size the replica may run (a bound).
     buffers = largest_buffer_bytes(profile, settings.microbatch_size, trial.tensor, trial.context)
-    recompute = dict(_families(settings, True))[trial.family]
+    recompute = dict(recompute_families(settings, True))[trial.family]
     sub = _sub_settings(settings, trial, link, max(1, usable - gathered - buffers), recompute)
     span, fp16 = layout.data_span(), profile.dtype == "fp16"
     incumbent = None

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from pipeplan.errors import BadInputError
+from pipeplan.facts.launchers import launcher_zero_stages
 from pipeplan.formats.limits import MAX_MICROBATCHES
 
-__all__ = ["Degrees", "Candidate", "parallel_degrees", "candidates", "divisors"]
+__all__ = ["Degrees", "Candidate", "parallel_degrees", "candidates", "divisors", "zero_stages", "recompute_families"]
 
 
 @dataclass(frozen=True, order=True)
@@ -243,3 +244,28 @@ def batch_divisor_note(degrees: Iterable[Degrees], global_batch: int, microbatch
             f"must divide it, sizes {sizes}): only d = {', '.join(map(str, kept)) or 'none'} was searched; "
             f"a global batch of {nearest} keeps every d")
 
+
+def zero_stages(settings, d: int, p: int) -> list[int]:
+    """The ZeRO stages to try at ``d`` replicas of ``p`` ranks: the fixed one, else what the
+    launcher runs as planned (:mod:`pipeplan.facts.launchers`)."""
+    if settings.zero_stage is not None:
+        return [settings.zero_stage]
+    # At d = 1 nothing is sharded. ZeRO 1 moves no more bytes than ZeRO 0 (a ring all-reduce is a
+    # reduce-scatter plus an all-gather) and holds less; it pays one more call's fixed latency per
+    # iteration (8.4 us on the presets), which the search gives up for a third fewer candidates:
+    # --zero 0 plans ZeRO 0 (pipeplan.facts.launchers.launcher_zero_stages).
+    # A plan for a launcher holds only what that launcher shards (pipeplan.facts.launchers):
+    # Megatron-LM's distributed optimizer keeps the whole gradient buffer (ZeRO 1 memory) and has no
+    # ZeRO 3; DeepSpeed's PipelineEngine asserts ZeRO < 2 under pipeline parallelism; torchtitan's
+    # FSDP has no optimizer-only sharding (the exports refuse or re-express the rest).
+    return list(launcher_zero_stages(settings.launcher, d, p))
+
+
+def recompute_families(settings, view_has_selective: bool) -> list[tuple[str, str]]:
+    """(view family, the pipeline planner's recompute setting)."""
+    mode = settings.recompute
+    if mode == "selective":
+        return [("selective", "none")]
+    if mode in ("none", "all"):
+        return [("plain", mode)]
+    return [("plain", "auto")] + ([("selective", "none")] if view_has_selective else [])

@@ -161,7 +161,12 @@ def test_fix_turns_on_the_distributed_optimizer_and_round_trips(tmp_path, profil
 
 def test_torchtitan_fsdp_tp_pp_is_costed_at_zero3(tmp_path, profiles):
     # FSDP 2 x TP 8 x PP 4, interleaved, full activation checkpointing (tests/data, torchtitan's style).
-    toml = DATA / "torchtitan_llama3_70b_interleaved.toml"
+    # Under a pipeline torchtitan's default reshard policy keeps the weights whole after forward
+    # (parallelize.py: reshard_after_forward = not pp_enabled): ZeRO 1's memory; "always" is ZeRO 3.
+    default = DATA / "torchtitan_llama3_70b_interleaved.toml"
+    assert _doctor("torchtitan", default, profiles["70b"], optimizer="adam")[0].config.zero_stage == 1
+    toml = tmp_path / "always.toml"
+    toml.write_text(default.read_text().replace("[parallelism]\n", '[parallelism]\nfsdp_reshard_after_forward = "always"\n'))
     result, text, _ = _doctor("torchtitan", toml, profiles["70b"], optimizer="adam")
     c = result.config
     assert (c.data_degree, c.tensor_degree, c.pipeline_degree, c.zero_stage, c.recompute) == (2, 8, 4, 3, "full")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,12 @@ def pytest_collection_modifyitems(config, items):
 
 #: Entries of ``SLOW`` that named no collected test in the last collection.
 STALE_SLOW: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Beside the slowest tests: each document's time (its commands all run in one fixture)."""
+    seconds = getattr(sys.modules.get("test_docs_commands"), "DOC_SECONDS", None)
+    if seconds:
+        terminalreporter.write_sep("=", "docs commands: the slowest documents (two run at a time)")
+        for name, s in sorted(seconds.items(), key=lambda kv: -kv[1])[:8]:
+            terminalreporter.write_line(f"{s:.2f}s {name}")

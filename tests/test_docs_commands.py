@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -234,8 +235,21 @@ SETUP = {
 def _run_doc(doc: Path, root: Path) -> tuple[str, str]:
     """Run every command of ``doc`` in order in a fresh workspace under ``root``.
 
-    Returns ("ok", ""), ("skip", why) or ("fail", what failed).
+    Returns ("ok", ""), ("skip", why) or ("fail", what failed); the document's seconds go into
+    ``DOC_SECONDS`` (printed beside the run's slowest tests, tests/conftest.py).
     """
+    start = time.perf_counter()
+    try:
+        return _run_doc_commands(doc, root)
+    finally:
+        DOC_SECONDS[doc.name] = time.perf_counter() - start
+
+
+#: Wall seconds of each document's commands in this run.
+DOC_SECONDS: dict[str, float] = {}
+
+
+def _run_doc_commands(doc: Path, root: Path) -> tuple[str, str]:
     work, env = _make_workspace(root)
     commands = doc_commands(doc)
     if not commands:

@@ -151,8 +151,7 @@ def test_a_defaulted_global_batch_is_said_and_show_prints_the_global_batch(tmp_p
         in done.stderr
     shown = invoke("show", out)
     assert shown.exit_code == 0 and "global batch" in shown.output and "16 samples" in shown.output
-    # Given, or with -q, nothing is said.
+    # Given, or with -q, nothing is said (in process: the subprocess above is the real one).
     for extra in (["--global-batch", "8"], ["-q"]):
-        done = subprocess.run([sys.executable, "-m", "pipeplan", "plan", str(prof), "--stages", "2", *extra],
-                              capture_output=True, text=True)
-        assert done.returncode == 0 and "--global-batch" not in done.stderr, done.stderr
+        done = invoke("plan", prof, "--stages", "2", *extra)
+        assert done.exit_code == 0 and "--global-batch" not in done.stderr, done.stderr

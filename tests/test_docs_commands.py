@@ -1,8 +1,9 @@
 """Every shell command in README.md and docs/*.md runs as written, so the docs cannot drift.
 
-Each document's commands run in order, in one scratch copy of the repository's ``profiles/``,
-``docs/`` and ``benchmarks/`` (so a command may use what an earlier one wrote), with
-``pipeplan`` on PATH as this checkout. Nothing lies beside that copy (no ``../shared``), so every
+Each document's commands run in order, in its own scratch copy of the repository's ``profiles/``,
+``docs/`` and ``benchmarks/`` (so a command may use what an earlier one of the same document
+wrote, never what another document wrote), with ``pipeplan`` on PATH as this checkout; two
+documents run at a time. Nothing lies beside that copy (no ``../shared``), so every
 command runs as it would from a fresh clone; the data the docs use ship in ``profiles/``
 (PipeDream's graphs in ``profiles/pipedream/``). Which commands count:
 
@@ -22,6 +23,8 @@ import re
 import shutil
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -63,6 +66,8 @@ SKIP = {
         "tests/test_expert_parallel.py runs doctor on its flags",
     "pipeplan calibrate llama3-8b-h100.json --measured measured.json": "placeholder files (a measured profile)",
     "pytest tests/test_export.py": "the test suite runs it",
+    ".venv/bin/python -m pytest -q": "the test suite itself, of which this test is part (docs/ci.md: the full "
+        "command and the quick loop)",
     "pipeplan doctor megatron train.sh --profile model.json": "placeholder files (train.sh, model.json)",
     "pipeplan doctor torchtitan job.toml --profile model.json": "placeholder files (job.toml, model.json)",
     "pipeplan doctor deepspeed ds_config.json --profile model.json": "placeholder files (ds_config.json, model.json)",
@@ -116,6 +121,9 @@ SMALL = [
     (r"(pipeplan profile hf:gpt2 [^\n]*?)--vocab \d+", r"\1--vocab 256", "a small vocabulary: the LM head "
      "of 50257 words is most of a small model's time"),
     (r"(pipeplan profile hf:gpt2)(?= )(?![^\n]*--vocab)", r"\1 --vocab 256", "the same, where the default applies"),
+    (r"(pipeplan profile hf:gpt2)(?= )(?![^\n]*--layers)", r"\1 --layers 2 --hidden 64 --heads 2",
+     "GPT-2 small's 12 blocks of 768 take most of a minute to profile and to run --verify on 2 ranks"),
+    (r"(pipeplan profile hf:gpt2 [^\n]*?)--hidden 256 --heads 4", r"\1--hidden 64 --heads 2", "narrower blocks"),
     (r"(pipeplan profile .*?)--seq-len 128", r"\1--seq-len 32", "shorter sequences"),
     (r"(pipeplan profile (?![^\n]*--analytic)[^\n]*?)( -o )", r"\1 --repeats 1 --warmup 0\2", "one timed repeat"),
     (r"(pipeplan profile [^\n]*?)--layers \d+", r"\1--layers 2", "two blocks"),
@@ -177,9 +185,8 @@ def _prepare_script(body: str) -> str | None:
     return "\n".join(kept) + "\n"
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("docs")
+def _make_workspace(root: Path) -> tuple[Path, dict]:
+    """A scratch copy of the repository's data under ``root``, and the environment to run in it."""
     work = root / "repo"
     work.mkdir()
     for name in ("profiles", "docs", "benchmarks"):
@@ -202,6 +209,11 @@ def workspace(tmp_path_factory):
     return work, env
 
 
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    return _make_workspace(tmp_path_factory.mktemp("docs"))
+
+
 def _run(kind: str, text: str, work: Path, env: dict) -> subprocess.CompletedProcess:
     args = ["bash", "-e", "-o", "pipefail", "-c", text] if kind == "script" else ["bash", "-o", "pipefail", "-c", text]
     return subprocess.run(args, cwd=work, env=env, capture_output=True, text=True, timeout=300)
@@ -220,13 +232,28 @@ SETUP = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
-def test_every_command_in_the_docs_runs(doc, workspace, tmp_path):
-    work, env = workspace
+def _run_doc(doc: Path, root: Path) -> tuple[str, str]:
+    """Run every command of ``doc`` in order in a fresh workspace under ``root``.
+
+    Returns ("ok", ""), ("skip", why) or ("fail", what failed); the document's seconds go into
+    ``DOC_SECONDS`` (printed beside the run's slowest tests, tests/conftest.py).
+    """
+    start = time.perf_counter()
+    try:
+        return _run_doc_commands(doc, root)
+    finally:
+        DOC_SECONDS[doc.name] = time.perf_counter() - start
+
+
+#: Wall seconds of each document's commands in this run.
+DOC_SECONDS: dict[str, float] = {}
+
+
+def _run_doc_commands(doc: Path, root: Path) -> tuple[str, str]:
+    work, env = _make_workspace(root)
     commands = doc_commands(doc)
     if not commands:
-        pytest.skip(f"{doc.name} has no shell commands")
+        return "skip", f"{doc.name} has no shell commands"
     have_torch = shutil.which("true") and _torch_available()
     if SETUP.get(doc.name):
         subprocess.run(["bash", "-c", SETUP[doc.name]], cwd=work, env=env, check=True)
@@ -244,13 +271,49 @@ def test_every_command_in_the_docs_runs(doc, workspace, tmp_path):
         done = _run(kind, prepared, work, env)
         # check's and doctor's verdict (a regression, an error finding) is exit 1 with a report.
         verdict = kind == "line" and re.match(r"(\$ )?pipeplan (check|doctor)\b", prepared) and done.returncode == 1
-        assert done.returncode == 0 or (verdict and "error:" not in done.stderr), (
-            f"{doc.name}: this command failed (exit {done.returncode}):\n{prepared}\n"
-            f"stderr: {done.stderr[-2000:]}")
-        assert "Traceback" not in done.stderr, f"{doc.name}: {prepared}\n{done.stderr[-2000:]}"
+        if not (done.returncode == 0 or (verdict and "error:" not in done.stderr)):
+            return "fail", (f"{doc.name}: this command failed (exit {done.returncode}):\n{prepared}\n"
+                            f"stderr: {done.stderr[-2000:]}")
+        if "Traceback" in done.stderr:
+            return "fail", f"{doc.name}: {prepared}\n{done.stderr[-2000:]}"
         ran += 1
     if ran == 0:
-        pytest.skip(f"{doc.name}: every command is skipped, each for its reason in SKIP")
+        return "skip", f"{doc.name}: every command is skipped, each for its reason in SKIP"
+    return "ok", ""
+
+
+#: Documents with torch runs first, so that the long ones start early (longest first balances
+#: the two workers).
+_FIRST = ("README.md", "models.md", "running.md", "profiling.md", "doctor-megatron.md", "launchers.md")
+
+
+@pytest.fixture(scope="module")
+def doc_results(request, tmp_path_factory):
+    """Every selected document's commands, two documents at a time.
+
+    Each document runs in its own fresh workspace (as a reader who follows only that page
+    would), so documents do not wait for each other: on a 2-core machine two run at once, and
+    the commands of one are planning and doctor runs of a second or so each, single-threaded.
+    """
+    selected = [item.callspec.params["doc"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_every_command_in_the_docs_runs"]
+    order = sorted(selected, key=lambda d: (_FIRST.index(d.name) if d.name in _FIRST else len(_FIRST), d.name))
+    root = tmp_path_factory.mktemp("docs-each")
+    roots = {doc: root / doc.stem for doc in order}
+    for path in roots.values():
+        path.mkdir()
+    with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
+        futures = {doc: pool.submit(_run_doc, doc, roots[doc]) for doc in order}
+        return {doc.name: future.result() for doc, future in futures.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_command_in_the_docs_runs(doc, doc_results):
+    outcome, message = doc_results[doc.name]
+    if outcome == "skip":
+        pytest.skip(message)
+    assert outcome == "ok", message
 
 
 def _torch_available() -> bool:

@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -92,20 +93,76 @@ def _no_process_mentions(text: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("ranks, layers, microbatch_size, num_microbatches, more", [
+#: The two every-schedule jobs: (ranks, layers, micro-batch size, micro-batches, more (schedule, v)).
+EVERY_SCHEDULE = {
     # 2 ranks, 10 units: 4 stages for the 2-stage-per-rank schedules, and interleaved with 5
     # stages per rank and zb with 3 (torch's classes build any number; Megatron's recipes run VP 5)
-    (2, 7, 2, 4, (("interleaved", 5), ("zb", 3))),
-    (4, 6, 1, 8, ()),   # 4 ranks, 8 stages for those (9 units); dualpipev needs m >= 8
-])
-def test_every_schedule_equals_a_single_process_step(tmp_path, ranks, layers, microbatch_size,
-                                                     num_microbatches, more):
+    2: (2, 7, 2, 4, (("interleaved", 5), ("zb", 3))),
+    4: (4, 6, 1, 8, ()),   # 4 ranks, 8 stages for those (9 units); dualpipev needs m >= 8
+}
+
+
+def _two_rank_plan():
+    layers = EVERY_SCHEDULE[2][1]
+    return balanced_plan(tiny_gpt2_profile(layers), schedule="1f1b", ranks=2, microbatch_size=1, num_microbatches=2)
+
+
+def _every_schedule_job(ranks: int, work: Path):
+    """Every schedule at ``ranks`` in one job; at 2 ranks also, last, the calibrate test's plan
+    (another plan in the same job saves a torchrun start-up and the ranks' imports)."""
+    _, layers, microbatch_size, num_microbatches, more = EVERY_SCHEDULE[ranks]
     plans = _every_schedule(layers, ranks, microbatch_size, num_microbatches, more)
+    profiles = [None] * len(plans)
+    if ranks == 2:
+        plans.append(_two_rank_plan())
+        profiles.append(tiny_gpt2_profile(layers))
     # A generous peer timeout: on the shared 2-core machine under load a rank can wait long for
     # a starved peer; a real hang is tested below with its own short timeout.
-    reports = run_plans(plans, model="gpt2-tiny", model_options={**TINY, "layers": layers}, seq_len=SEQ_LEN,
-                        steps=2, work_dir=tmp_path, dump_grads=True, echo=False, timeout_s=300, verify=True,
-                        env={"PIPEPLAN_RUN_EXIT_REPORT": "1"})
+    reports = run_plans(plans, model="gpt2-tiny", profile=profiles, model_options={**TINY, "layers": layers},
+                        seq_len=SEQ_LEN, steps=2, work_dir=work, dump_grads=True, echo=False, timeout_s=300,
+                        verify=True, env={"PIPEPLAN_RUN_EXIT_REPORT": "1"})
+    return work, plans, reports
+
+
+@pytest.fixture(scope="module")
+def every_schedule_job(request, tmp_path_factory):
+    """``job(ranks)``: the folder, plans and reports of the every-schedule job at ``ranks``.
+
+    The jobs the selected tests need run at once, the larger in a thread: one job alone leaves
+    a core idle much of the time (its ranks wait on each other), so the two take about the time
+    of the larger.
+    """
+    needed = {2} if any(getattr(item, "originalname", None) == "test_run_then_calibrate_carries_the_schedules_own_"
+                        "time_into_the_next_plan" for item in request.session.items) else set()
+    needed |= {item.callspec.params["ranks"] for item in request.session.items
+               if getattr(item, "originalname", None) == "test_every_schedule_equals_a_single_process_step"}
+    done: dict[int, tuple] = {}
+
+    def job(ranks: int):
+        if ranks not in done:
+            wanted = sorted(needed | {ranks})
+            with ThreadPoolExecutor(max_workers=max(1, len(wanted) - 1)) as pool:
+                later = {k: pool.submit(_every_schedule_job, k, tmp_path_factory.mktemp(f"every-schedule-{k}"))
+                         for k in wanted[1:]}
+                try:
+                    done[wanted[0]] = _every_schedule_job(wanted[0], tmp_path_factory.mktemp(f"every-schedule-{wanted[0]}"))
+                except Exception as exc:  # noqa: BLE001 - raised in the test of that job only
+                    done[wanted[0]] = exc
+                for k, future in later.items():
+                    done[k] = future.exception() or future.result()
+        if isinstance(done[ranks], Exception):
+            raise done[ranks]
+        return done[ranks]
+
+    return job
+
+
+@pytest.mark.parametrize("ranks", sorted(EVERY_SCHEDULE))
+def test_every_schedule_equals_a_single_process_step(every_schedule_job, ranks):
+    _, layers, microbatch_size, num_microbatches, more = EVERY_SCHEDULE[ranks]
+    work, plans, reports = every_schedule_job(ranks)
+    count = len(SCHEDULES) + len(more)  # the calibrate test's plan comes after them
+    plans, reports = plans[:count], reports[:count]
     loss, grads = _reference(layers, microbatch_size, num_microbatches)
     assert [(r["schedule"], r["virtual_stages"]) for r in reports] == [(p.schedule, p.virtual_stages) for p in plans]
     assert [r["schedule"] for r in reports][:len(SCHEDULES)] == list(SCHEDULES)
@@ -115,9 +172,9 @@ def test_every_schedule_equals_a_single_process_step(tmp_path, ranks, layers, mi
         # Every stage was re-timed alone, after the warm-up step and after the last.
         assert all(row["alone_before_ms"] > 0 and row["alone_after_ms"] > 0 for row in report["ranks"])
         assert report["alone_ratio"] > 0 and report["predicted"]["adjusted_iteration_ms"] > 0
-        _check_exact(tmp_path, index, report, ranks, loss, grads)
-    _check_left_cleanly(tmp_path, ranks)
-    assert _no_process_mentions(str(tmp_path)) == []
+        _check_exact(work, index, report, ranks, loss, grads)
+    _check_left_cleanly(work, ranks)
+    assert _no_process_mentions(str(work)) == []
 
 
 def _check_left_cleanly(work: Path, ranks: int) -> None:
@@ -131,10 +188,6 @@ def _check_left_cleanly(work: Path, ranks: int) -> None:
     for rank in range(ranks):
         record = json.loads((work / f"exit-rank{rank}.json").read_text())
         assert [name for name in record["threads_after_destroy"] if "gloo" in name] == [], record
-
-
-def _two_rank_plan():
-    return balanced_plan(tiny_gpt2_profile(2), schedule="1f1b", ranks=2, microbatch_size=1, num_microbatches=2)
 
 
 @pytest.mark.parametrize("fault, expected", [
@@ -197,15 +250,16 @@ def test_two_nodes_on_one_rendezvous(tmp_path):
     assert out[0]["loss"] == out[1]["loss"]
 
 
-def test_run_then_calibrate_carries_the_schedules_own_time_into_the_next_plan(tmp_path):
+def test_run_then_calibrate_carries_the_schedules_own_time_into_the_next_plan(every_schedule_job):
     from pipeplan.formats.plan import PlanSettings
     from pipeplan.plan import make_plan
     from pipeplan.run.calibrate import calibrate_profile
 
-    profile = tiny_gpt2_profile(2)
-    plan = _two_rank_plan()
-    report = run_plan(plan, profile=profile, model="gpt2-tiny", model_options={**TINY, "layers": 2},
-                      seq_len=SEQ_LEN, steps=3, work_dir=tmp_path, echo=False, timeout_s=60)
+    # The last plan of the 2-rank job (run with its profile).
+    profile = tiny_gpt2_profile(EVERY_SCHEDULE[2][1])
+    _, plans, reports = every_schedule_job(2)
+    plan, report = plans[-1], reports[-1]
+    assert plan.schedule == "1f1b" and report["num_microbatches"] == 2
     measured_ms = report["measured"]["action_overhead_ms"]
     # 2 micro-batches x (forward, backward) on each rank under 1F1B.
     assert [row["actions"] for row in report["ranks"]] == [4, 4]

@@ -102,8 +102,7 @@ EVERY_SCHEDULE = {
 }
 
 
-def _two_rank_plan():
-    layers = EVERY_SCHEDULE[2][1]
+def _two_rank_plan(layers: int = 2):
     return balanced_plan(tiny_gpt2_profile(layers), schedule="1f1b", ranks=2, microbatch_size=1, num_microbatches=2)
 
 
@@ -114,7 +113,7 @@ def _every_schedule_job(ranks: int, work: Path):
     plans = _every_schedule(layers, ranks, microbatch_size, num_microbatches, more)
     profiles = [None] * len(plans)
     if ranks == 2:
-        plans.append(_two_rank_plan())
+        plans.append(_two_rank_plan(layers))  # the job's model has the job's layers
         profiles.append(tiny_gpt2_profile(layers))
     # A generous peer timeout: on the shared 2-core machine under load a rank can wait long for
     # a starved peer; a real hang is tested below with its own short timeout.

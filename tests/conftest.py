@@ -113,8 +113,27 @@ SLOW = {
     "test_hardening.py": {"test_the_largest_allowed_values_plan_to_finite_numbers": "plans at the formats' limits"},
     "test_progress.py": {"test_no_progress_in_a_pipe_or_with_quiet": "three planner runs as subprocesses"},
     "test_cluster_terms.py": {"test_placement_matches_megatron_rank_generator[2-4-2]": "megatron-core's rank "
-                              "generator on 16 ranks"},
+                              "generator on 16 ranks",
+                              "test_placement_matches_megatron_rank_generator[1-8-8]": "the same on 64 ranks"},
+    "test_costmodel.py": {"test_every_path_costs_every_stage_alike": "every consumer's costing of many plans"},
+    "test_doctor_cluster.py": dict.fromkeys([
+        "test_search_over_layouts_finds_a_plan_at_least_as_fast", "test_fix_turns_on_the_distributed_optimizer_and_round_trips",
+        "test_zero0_over_the_cap_is_flagged_by_how_much_and_the_distributed_optimizer_fixes_it"],
+        "doctor's cluster search over a 70B layout"),
+    "test_doctor_megatron.py_extra": {},
+    "test_schedules_torch.py_extra": {},
 }
+SLOW["test_doctor_megatron.py"].update({
+    "test_fix_round_trips_and_keeps_other_settings[megatron_issue468_80_layers_pp16_vp2.sh-llama3_70b]":
+        "doctor and --fix on an 80-layer, 32-stage layout",
+    "test_issue_468_80_layers_pp16_vp2_trains_64": "the same layout's plan"})
+SLOW["test_schedules_torch.py"].update(dict.fromkeys([
+    "test_interleaved_classes_match_pipeline_order_at_many_stages_per_rank[interleaved]",
+    "test_interleaved_classes_match_pipeline_order_at_many_stages_per_rank[zb]"],
+    "torch's interleaved classes built at v up to 8 for many micro-batch counts"))
+SLOW["test_planner_pipedream.py"].update({"test_every_profile_plans[4-nasnetalarge]": "NASNet-A large's 1,000-node "
+                                          "graph planned"})
+del SLOW["test_doctor_megatron.py_extra"], SLOW["test_schedules_torch.py_extra"]
 
 
 @pytest.hookimpl(tryfirst=True)

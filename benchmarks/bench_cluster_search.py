@@ -24,6 +24,8 @@ CASES = {
     "405b-1024": ("llama3-405b", 1024, 1024),
     # Issue 22's bound: a 671B mixture of experts on 256 GPUs, expert parallelism searched.
     "dsv3-256": ("deepseek-v3", 256, 1024),
+    # Issue 26's bound: the same MoE on 1,024 GPUs (NVIDIA's H100 runs: 8,192 sequences of 4,096).
+    "dsv3-1024": ("deepseek-v3", 1024, 8192, 4096),
     # Issue 26: Meta's 405B long-context stage (16,384 H100s, 131,072 tokens, 128 sequences), the
     # context-parallel degree searched with every other degree (micro-batch size 1).
     "405b-16384-128k": ("llama3-405b", 16384, 128, 131072),

@@ -45,6 +45,8 @@ SKIP = {
     "pipeplan run plan.json --model mypkg.models:build": "a placeholder module",
     "pipeplan diff old-plan.json new-plan.json": "placeholder file names (the diff of two plans runs in docs/ci.md)",
     "benchmarks/bench_schedule_auto.py": "a benchmark script, minutes long; docs/benchmarks.md reports its output",
+    "benchmarks/validate_megatron_bridge.py": "plans 15 published runs (minutes); docs/cluster-validation.md "
+        "reports its output, and the GPT-OSS row's own commands beside it run",
     "pipeplan run plan-1f1b-2.json --profile gpt2-6.json --steps 5 -q": "needs the plan of the loop above",
     "pipeplan run plan-d2.json --profile profiles/gpt2-tiny-cpu.json": "a 4-rank torchrun job (d = 2, p = 2): "
         "tests/test_run_data_parallel.py runs one",

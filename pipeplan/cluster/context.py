@@ -38,7 +38,7 @@ from dataclasses import replace
 
 from pipeplan.cluster.collectives import send_ms
 from pipeplan.cluster.placement import GroupSpan
-from pipeplan.cluster.profile_view import degree_view
+from pipeplan.cluster.profile_view import degree_view, stage_pass_ms
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.profile import LayerCost
 
@@ -204,11 +204,7 @@ def add_context_exchange(view, profile, context: int, cluster, gpus_per_domain=N
 
 def stage_context_ms(view, layer_names, microbatch_size: int, recompute: bool) -> float:
     """The exchange's exposed time of a stage per micro-batch (the forward's twice if it recomputes)."""
-    total = 0.0
-    for name in layer_names:
-        forward, backward = view.context_ms.get((name, microbatch_size), (0.0, 0.0))
-        total += forward * (2 if recompute else 1) + backward
-    return total
+    return stage_pass_ms(view.context_ms, layer_names, microbatch_size, bool(recompute))
 
 
 def context_buffer_bytes(profile, microbatch_size: int, tensor: int, context: int) -> int:

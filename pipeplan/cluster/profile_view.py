@@ -51,10 +51,24 @@ from pipeplan.errors import BadInputError
 from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.formats.profile import Layer, LayerCost
 
-__all__ = ["DegreeView", "degree_view", "tensor_degrees", "head_counts", "EXPERT_PARTS", "ExpertGroup"]
+__all__ = ["DegreeView", "degree_view", "tensor_degrees", "head_counts", "EXPERT_PARTS", "ExpertGroup",
+           "stage_pass_ms"]
 
 #: The named parts of an MoE unit's time that the iteration reports (DegreeView.expert_ms).
 EXPERT_PARTS = ("dispatch", "experts", "combine", "shared_expert")
+
+
+def stage_pass_ms(table: dict, layer_names, microbatch_size: int, recompute) -> float:
+    """A stage's share per micro-batch of a per-unit part ``table`` (``{(unit name, micro-batch
+    size): (forward ms, backward ms)}``): each unit's forward, twice where it recomputes
+    (``recompute`` True for every layer, or the names of the layers recomputed in full), and its
+    backward."""
+    total = 0.0
+    for name in layer_names:
+        twice = recompute if isinstance(recompute, bool) else name in recompute
+        forward, backward = table.get((name, microbatch_size), (0.0, 0.0))
+        total += forward * (2 if twice else 1) + backward
+    return total
 
 
 @dataclass(frozen=True)
@@ -154,24 +168,12 @@ class DegreeView:
     casts (the profile's ``quantize_*_ms``; empty without one)."""
 
     def stage_quantize_ms(self, layer_names, microbatch_size: int, recompute) -> float:
-        """A quantized precision's casts in a stage per micro-batch (the forward's twice where it
-        recomputes, as :meth:`stage_expert_ms`)."""
-        total = 0.0
-        for name in layer_names:
-            twice = recompute if isinstance(recompute, bool) else name in recompute
-            forward, backward = self.quantize_ms.get((name, microbatch_size), (0.0, 0.0))
-            total += forward * (2 if twice else 1) + backward
-        return total
+        """A quantized precision's casts in a stage per micro-batch (:func:`stage_pass_ms`)."""
+        return stage_pass_ms(self.quantize_ms, layer_names, microbatch_size, recompute)
 
     def stage_tensor_parallel_ms(self, layer_names, microbatch_size: int, recompute) -> float:
-        """The collectives' time of a stage per micro-batch (the forward's twice where it
-        recomputes, as :meth:`stage_expert_ms`)."""
-        total = 0.0
-        for name in layer_names:
-            twice = recompute if isinstance(recompute, bool) else name in recompute
-            forward, backward = self.tensor_parallel_ms.get((name, microbatch_size), (0.0, 0.0))
-            total += forward * (2 if twice else 1) + backward
-        return total
+        """The collectives' time of a stage per micro-batch (:func:`stage_pass_ms`)."""
+        return stage_pass_ms(self.tensor_parallel_ms, layer_names, microbatch_size, recompute)
 
 
 def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: bool = False,

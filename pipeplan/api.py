@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeplan.errors import BadInputError
+import numpy as np
+
+from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.facts.precision import PRECISIONS
 from pipeplan.formats.profile import PRECISION_NAMES
 from pipeplan.formats.io import file_sha256, load_json, load_plan, load_profile, write_json_atomic
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.cluster.search import plan_cluster
 from pipeplan.requests import ClusterRequest, PipelineRequest, Request, request_of
-from pipeplan.plan.given import plan_split
+from pipeplan.plan.given import megatron_layers_per_stage, plan_split
+from pipeplan.formats.runs import MEGATRON_SPLIT, load_runs
+from pipeplan.formats.gpu import resolve_gpu
+from pipeplan.cluster.presets import PRESETS, resolve_cluster
+from pipeplan.analytic.api import analytic_profile
+from pipeplan.analytic.efficiency import EfficiencyModel
+from pipeplan.analytic.families import load_model_config, parse_family
+from pipeplan.analytic.fit import fit_log_residuals, fittable_fields, from_log_space, load_efficiency, \
+    parse_fit_fields, to_log_space
 from pipeplan.plan.recompute import check_full_method, with_module_parts, with_selective_modules
 from pipeplan.plan.search import make_plan, with_profile_defaults
 from pipeplan.formats.limits import check_microbatch_count, check_option_range
@@ -23,7 +35,8 @@ from pipeplan.analytic import analytic_profile_to_file
 from pipeplan.profile.api import profile_to_file
 from pipeplan.profile.hf import read_config
 
-__all__ = ["PipelineRequest", "ClusterRequest", "import_profile", "make_profile", "plan_any", "plan_profile", "plan_split", "compare_splits", "validate_file", "ComparisonRow"]
+__all__ = ["PipelineRequest", "ClusterRequest", "import_profile", "make_profile", "plan_any", "plan_profile", "plan_split", "compare_splits", "validate_file", "ComparisonRow",
+           "calibrate_runs", "RunsCalibration", "RunPrediction"]
 
 
 def import_profile(source: str, path: str | Path, batch_size: int, output: str | Path, model: str | None = None):
@@ -228,3 +241,205 @@ def validate_file(path: str | Path) -> str:
     return (f"{path}: valid profile of {profile.model}: {len(profile.layers)} layers, {edges}, "
             f"micro-batch sizes {profile.microbatch_sizes}"
             + (f", tensor-parallel degrees {degrees}" if degrees != [1] else ""))
+
+
+# --- pipeplan calibrate --runs: the efficiency model fitted to a user's own launcher runs ---
+
+#: The cap a run is planned under when the memory model says it does not fit (it ran, so its
+#: time is still worth predicting; the table flags it): the largest byte count a plan takes.
+_NO_CAP_BYTES = 2**53
+
+
+@dataclass(frozen=True)
+class RunPrediction:
+    """One run of ``calibrate --runs``: measured against predicted, before and after the fit."""
+
+    name: str
+    held_out: bool
+    measured_s: float
+    before_s: float
+    after_s: float
+    measured_peak_memory_bytes: int | None
+    predicted_peak_memory_bytes: int
+    over_cap: bool
+    """The memory model puts the run over its cap (planned without one)."""
+
+    @property
+    def error_before(self) -> float:
+        return self.before_s / self.measured_s - 1
+
+    @property
+    def error_after(self) -> float:
+        return self.after_s / self.measured_s - 1
+
+
+@dataclass(frozen=True)
+class RunsCalibration:
+    """What ``calibrate --runs`` fitted, and how well (rms log errors: sqrt(mean(log(p/m)^2)))."""
+
+    efficiency: EfficiencyModel
+    fitted_terms: tuple[str, ...]
+    rows: tuple[RunPrediction, ...]
+    iterations: int
+    evaluations: int
+    fit_seconds: float
+
+    def rms_log_error(self, held_out: bool, after: bool) -> float | None:
+        rows = [r for r in self.rows if r.held_out == held_out]
+        if not rows:
+            return None
+        return math.sqrt(sum(math.log((r.after_s if after else r.before_s) / r.measured_s) ** 2
+                             for r in rows) / len(rows))
+
+
+@dataclass
+class _Run:
+    """A run made ready to predict: its profile options and its layout's request."""
+
+    where: str
+    run: object
+    cfg: object
+    gpu: object
+    options: dict
+    request: ClusterRequest
+    megatron_split: bool
+    over_cap: bool = False
+
+
+def _relative(folder: Path, name: str) -> str:
+    """A path from the runs file's folder where it names a file there, else as given."""
+    candidate = folder / name
+    return str(candidate) if not Path(name).is_absolute() and candidate.exists() else name
+
+
+def _prepare_run(run, folder: Path, index: int, runs_path) -> _Run:
+    where = f"{runs_path}: run {run.name!r} (runs[{index}])"
+    try:
+        cfg = (parse_family(dict(run.model), run.name, "model") if isinstance(run.model, dict)
+               else load_model_config(_relative(folder, run.model)))
+        gpu = resolve_gpu(run.gpu, _relative(folder, run.gpu_spec) if run.gpu_spec else None)
+        cluster = resolve_cluster(run.cluster if run.cluster in PRESETS else _relative(folder, run.cluster))
+    except BadInputError as exc:
+        raise BadInputError(f"{where}: {exc}") from None
+    layout = run.layout.model_dump(exclude_none=True)
+    megatron = layout.get("layers_per_stage") == MEGATRON_SPLIT
+    if megatron:
+        layout.pop("layers_per_stage")
+    request = ClusterRequest.make(f"{where}: layout", cluster=cluster, **layout)
+    profile_options = {"seq_len": run.seq_len, "dtype": run.dtype, "precision": run.precision,
+                       "flash_attention": run.flash_attention, "sequence_parallel": run.sequence_parallel}
+    options = {key: value for key, value in profile_options.items() if value is not None}
+    options.update(microbatch_sizes=[run.layout.microbatch_size], tensor_parallel=[run.layout.tensor_parallel])
+    return _Run(where, run, cfg, gpu, options, request, megatron)
+
+
+def _predict(prepared: _Run, efficiency: EfficiencyModel) -> tuple[float, int]:
+    """The run's predicted seconds per iteration and peak bytes per GPU (the busiest rank's,
+    with the reserve), planned at its layout with an analytic profile built with ``efficiency``."""
+    try:
+        profile = analytic_profile(prepared.cfg, prepared.gpu, efficiency=efficiency, **prepared.options)
+        request = prepared.request
+        if prepared.megatron_split:
+            stages = request.stages * request.virtual_stages
+            request = request.model_copy(update={"layers_per_stage": megatron_layers_per_stage(profile, stages)})
+        plan = plan_any(profile, request, profile_sha256="calibrate-runs")
+    except BadInputError as exc:
+        raise BadInputError(f"{prepared.where}: {exc}") from None
+    peak = max(rank.peak_memory_bytes for rank in plan.ranks) + (plan.reserve_bytes or 0)
+    return plan.predicted.iteration_ms / 1e3, int(peak)
+
+
+def _first_prediction(prepared: _Run, efficiency: EfficiencyModel) -> tuple[float, int]:
+    """As :func:`_predict`; a run the memory model puts over its cap is planned without one."""
+    try:
+        return _predict(prepared, efficiency)
+    except InfeasibleError as exc:
+        prepared.over_cap = True
+        prepared.request = prepared.request.model_copy(update={"memory_cap_bytes": _NO_CAP_BYTES})
+        try:
+            return _predict(prepared, efficiency)
+        except InfeasibleError:
+            raise InfeasibleError(f"{prepared.where}: {exc}") from None
+
+
+def _fit_selection(runs, fit: str | None, holdout, allow_underdetermined: bool) -> tuple[list[str], set[str]]:
+    terms = parse_fit_fields(fit)
+    names = [run.name for run in runs]
+    held = {name.strip() for item in holdout or () for name in str(item).split(",") if name.strip()}
+    unknown = sorted(held - set(names))
+    if unknown:
+        raise BadInputError(f"--holdout: {', '.join(unknown)} is not a run of the file; its runs: {', '.join(names)}")
+    fitted = len(names) - len(held)
+    if fitted == 0:
+        raise BadInputError("--holdout: every run is held out; leave some to fit to")
+    if len(terms) > fitted and not allow_underdetermined:
+        raise BadInputError(
+            f"--fit: {len(terms)} free terms ({', '.join(terms)}) but {fitted} run{'s' if fitted > 1 else ''} to fit "
+            f"them to: the fit would not be determined. Fit at most {fitted} (e.g. --fit {','.join(terms[:fitted])}), "
+            f"add runs, or give --allow-underdetermined")
+    return terms, held
+
+
+def calibrate_runs(runs_path: str | Path, output: str | Path | None = None, *, fit: str | None = None,
+                   holdout=(), start: str | Path | None = None,
+                   allow_underdetermined: bool = False) -> RunsCalibration:
+    """``pipeplan calibrate --runs``: fit the efficiency model to measured iteration times.
+
+    Every run is planned at its layout (``plan --gpus`` with every degree and choice fixed) from
+    an analytic profile rebuilt with each trial efficiency model; the terms ``fit`` names (default:
+    every bounded float field of :class:`EfficiencyModel`) move to minimise the squared log error
+    over the runs not in ``holdout`` (:func:`pipeplan.analytic.fit.fit_log_residuals`). The
+    fitted model is written to ``output`` atomically; the terms not fitted keep ``start``'s
+    values (an efficiency file; default: the defaults).
+
+    Raises
+    ------
+    BadInputError
+        A bad runs file (file, run, field), an unknown term or run name, more free terms than runs
+        to fit (unless ``allow_underdetermined``).
+    """
+    runs = load_runs(runs_path).runs
+    terms, held = _fit_selection(runs, fit, holdout, allow_underdetermined)
+    initial = load_efficiency(start) if start is not None else EfficiencyModel()
+    folder = Path(runs_path).parent
+    prepared = [_prepare_run(run, folder, i, runs_path) for i, run in enumerate(runs)]
+    before = [_first_prediction(p, initial) for p in prepared]
+    fitting = [p for p in prepared if p.run.name not in held]
+    measured = np.array([p.run.measured_iteration_s for p in fitting])
+    bounds = fittable_fields()
+
+    def model_at(u) -> EfficiencyModel:
+        return initial.model_copy(update={t: from_log_space(float(v), bounds[t]) for t, v in zip(terms, u)})
+
+    def residuals(u) -> np.ndarray:
+        efficiency = model_at(u)
+        return np.log(np.array([_predict(p, efficiency)[0] for p in fitting]) / measured)
+
+    started = time.perf_counter()
+    u0 = np.array([to_log_space(getattr(initial, t), bounds[t]) for t in terms])
+    upper = np.array([to_log_space(bounds[t].clamp(bounds[t].upper), bounds[t]) if bounds[t].upper is not None
+                      and bounds[t].lower is not None else np.inf for t in terms])
+    result = fit_log_residuals(residuals, u0, upper)
+    fitted = _rounded(model_at(result.u), terms, runs_path, [p.run.name for p in fitting], initial)
+    seconds = time.perf_counter() - started
+    rows = tuple(RunPrediction(name=p.run.name, held_out=p.run.name in held, measured_s=p.run.measured_iteration_s,
+                               before_s=b[0], after_s=_predict(p, fitted)[0],
+                               measured_peak_memory_bytes=p.run.measured_peak_memory_bytes,
+                               predicted_peak_memory_bytes=b[1], over_cap=p.over_cap)
+                 for p, b in zip(prepared, before))
+    calibration = RunsCalibration(fitted, tuple(terms), rows, result.iterations, result.evaluations, seconds)
+    after = calibration.rms_log_error(False, True)
+    fitted = fitted.model_copy(update={"source": f"{fitted.source}; rms log error over them "
+                                                 f"{calibration.rms_log_error(False, False):.4f} -> {after:.4f}"})
+    if output is not None:
+        write_json_atomic(output, fitted)
+    return RunsCalibration(fitted, tuple(terms), rows, result.iterations, result.evaluations, seconds)
+
+
+def _rounded(model: EfficiencyModel, terms, runs_path, names, initial: EfficiencyModel) -> EfficiencyModel:
+    """The fitted terms at 6 significant digits (stable bytes), with where they come from."""
+    rest = [name for name in fittable_fields() if name not in terms]
+    source = (f"fitted by pipeplan calibrate --runs {Path(runs_path).name} ({', '.join(terms)}) to "
+              f"{len(names)} run{'s' if len(names) > 1 else ''}: {', '.join(names)}"
+              + (f"; {', '.join(rest)} from: {initial.source}" if rest else ""))
+    return model.model_copy(update={**{t: float(f"{getattr(model, t):.6g}") for t in terms}, "source": source})

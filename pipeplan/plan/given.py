@@ -16,7 +16,7 @@ from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.recompute import block_layers
 from pipeplan.plan.search import with_profile_defaults
 
-__all__ = ["plan_split"]
+__all__ = ["plan_split", "megatron_layers_per_stage"]
 
 
 def plan_split(profile, settings: PlanSettings, layers_per_stage: list[int], *,
@@ -118,3 +118,32 @@ def _stages_from_counts(counts, num_units: int, ranks: int, v: int) -> list[list
 
 def _model_sha256(model) -> str:
     return hashlib.sha256(dump_model(model).encode()).hexdigest()
+
+
+def megatron_layers_per_stage(profile, stages: int) -> list[int]:
+    """Megatron-LM's split over ``stages`` (virtual) stages: the blocks equally, the embedding on
+    the first, the final norm and the head (and any other unit after the blocks) on the last
+    (megatron-core's ``get_num_layers_to_build`` without the uneven-first/last options).
+
+    Raises
+    ------
+    BadInputError
+        Blocks that do not divide over the stages (Megatron-LM refuses them too).
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace as N
+    >>> kinds = ["embedding"] + ["block"] * 4 + ["norm", "head"]
+    >>> megatron_layers_per_stage(N(layers=[N(kind=k) for k in kinds]), 2)
+    [3, 4]
+    """
+    kinds = [layer.kind for layer in profile.layers]
+    blocks = kinds.count("block")
+    if blocks == 0 or blocks % stages:
+        raise BadInputError(f"layers_per_stage 'megatron': {blocks} blocks do not divide over {stages} "
+                            f"(virtual) stages")
+    first_block = kinds.index("block")
+    counts = [blocks // stages] * stages
+    counts[0] += first_block
+    counts[-1] += len(kinds) - first_block - blocks
+    return counts

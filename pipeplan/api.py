@@ -53,14 +53,15 @@ def make_profile(model: str, output: str | Path, *, analytic: bool = False, micr
                  seq_len: int | None = None, dtype: str | None = None, gpu: str | None = None,
                  gpu_spec: str | Path | None = None, tensor_parallel="1", sequence_parallel: bool = True,
                  flash_attention: bool = True, options: dict | None = None, config: str | Path | None = None,
-                 units=None, progress: bool = False, precision: str | None = None, **measure):
+                 units=None, progress: bool = False, precision: str | None = None,
+                 efficiency: str | Path | None = None, **measure):
     """``pipeplan profile``: measure a torch model into a profile, or (``analytic``) estimate one
     from a model config on a GPU spec, and write it atomically.
 
     ``measure`` are :func:`pipeplan.profile.api.profile_model`'s timing options (``device``,
     ``repeats``, ``warmup``, ``threads``, ``seed``, ``split_backward``). The GPU and
-    tensor-parallel options belong to the estimate; ``config`` (a transformers ``config.json``) to
-    ``hf:`` models.
+    tensor-parallel options and ``efficiency`` (an efficiency model file, as ``calibrate --runs``
+    writes) belong to the estimate; ``config`` (a transformers ``config.json``) to ``hf:`` models.
 
     Raises
     ------
@@ -80,9 +81,10 @@ def make_profile(model: str, output: str | Path, *, analytic: bool = False, micr
         return analytic_profile_to_file(
             model, output, gpu=gpu, gpu_spec=gpu_spec, microbatch_sizes=microbatch_sizes,
             tensor_parallel=tensor_parallel, seq_len=seq_len, dtype=dtype or "bf16",
-            sequence_parallel=sequence_parallel, flash_attention=flash_attention, precision=precision or "bf16")
-    if gpu or gpu_spec or str(tensor_parallel) != "1":
-        raise BadInputError("--gpu, --gpu-spec and --tensor-parallel-degrees: only with --analytic")
+            sequence_parallel=sequence_parallel, flash_attention=flash_attention, precision=precision or "bf16",
+            **({"efficiency": load_efficiency(efficiency)} if efficiency is not None else {}))
+    if gpu or gpu_spec or str(tensor_parallel) != "1" or efficiency is not None:
+        raise BadInputError("--gpu, --gpu-spec, --tensor-parallel-degrees and --efficiency: only with --analytic")
     if precision not in (None, "bf16"):
         raise BadInputError("--precision: only with --analytic (a measured profile runs its model as it is)")
     options = dict(options or {})
@@ -218,7 +220,7 @@ def compare_splits(profile_path: str | Path, request: PipelineRequest | PlanSett
 
 
 def validate_file(path: str | Path) -> str:
-    """``pipeplan validate``: check a profile, plan or run report; returns a one-line summary.
+    """``pipeplan validate``: check a profile, plan, run report or runs file; returns a one-line summary.
 
     Raises
     ------
@@ -226,6 +228,10 @@ def validate_file(path: str | Path) -> str:
         With one line per problem.
     """
     data = load_json(path)
+    if isinstance(data, dict) and (str(data.get("schema", "")).startswith("pipeplan-runs/") or
+                                   ("runs" in data and "layers" not in data and "stages" not in data)):
+        runs = load_runs(path).runs
+        return f"{path}: valid runs file: {len(runs)} run{'s' if len(runs) > 1 else ''} ({', '.join(r.name for r in runs)})"
     if isinstance(data, dict) and (str(data.get("schema", "")).startswith("pipeplan-run-report")
                                    or ("ranks" in data and "measured" in data)):
         report = load_report(path)
@@ -283,6 +289,8 @@ class RunsCalibration:
     iterations: int
     evaluations: int
     fit_seconds: float
+    at_bounds: tuple[str, ...] = ()
+    """Fitted terms that ended on one of their bounds (the runs ask for more than the term gives)."""
 
     def rms_log_error(self, held_out: bool, after: bool) -> float | None:
         rows = [r for r in self.rows if r.held_out == held_out]
@@ -427,13 +435,20 @@ def calibrate_runs(runs_path: str | Path, output: str | Path | None = None, *, f
                                measured_peak_memory_bytes=p.run.measured_peak_memory_bytes,
                                predicted_peak_memory_bytes=b[1], over_cap=p.over_cap)
                  for p, b in zip(prepared, before))
-    calibration = RunsCalibration(fitted, tuple(terms), rows, result.iterations, result.evaluations, seconds)
-    after = calibration.rms_log_error(False, True)
+    at_bounds = tuple(t for t in terms if _on_bound(getattr(fitted, t), bounds[t]))
+    calibration = RunsCalibration(fitted, tuple(terms), rows, result.iterations, result.evaluations, seconds, at_bounds)
     fitted = fitted.model_copy(update={"source": f"{fitted.source}; rms log error over them "
-                                                 f"{calibration.rms_log_error(False, False):.4f} -> {after:.4f}"})
+                                                 f"{calibration.rms_log_error(False, False):.4f} -> "
+                                                 f"{calibration.rms_log_error(False, True):.4f}"})
     if output is not None:
         write_json_atomic(output, fitted)
-    return RunsCalibration(fitted, tuple(terms), rows, result.iterations, result.evaluations, seconds)
+    return RunsCalibration(fitted, tuple(terms), rows, result.iterations, result.evaluations, seconds, at_bounds)
+
+
+def _on_bound(value: float, bounds) -> bool:
+    """Whether a fitted value sits on its upper bound or within 1e-6 (of the unit) of its lower."""
+    return (bounds.upper is not None and value >= bounds.clamp(bounds.upper)) or \
+        (bounds.lower is not None and value - bounds.lower <= 1e-6)
 
 
 def _rounded(model: EfficiencyModel, terms, runs_path, names, initial: EfficiencyModel) -> EfficiencyModel:

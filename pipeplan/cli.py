@@ -203,12 +203,13 @@ def profile(
     tensor_parallel: str = typer.Option("1", "--tensor-parallel-degrees", "--tensor-parallel", help="With --analytic: the tensor-parallel degrees to estimate, e.g. 1,2,4,8 (1 always included; --tensor-parallel is the old name). Not plan's --tensor-parallel, which fixes one degree."),
     sequence_parallel: bool = typer.Option(True, "--sequence-parallel/--no-sequence-parallel", help="With --analytic: Megatron sequence parallelism above degree 1."),
     flash_attention: bool = typer.Option(True, "--flash-attention/--no-flash-attention", help="With --analytic: flash attention (no s^2 activations)."),
+    efficiency: Optional[Path] = typer.Option(None, "--efficiency", help="With --analytic: an efficiency model file (what `pipeplan calibrate --runs` writes) instead of the defaults."),
 ):
     """Measure a torch model per unit (time, activation and output bytes) into a profile, or estimate one (--analytic)."""
     result = make_profile(
         model, output, analytic=analytic, microbatch_sizes=microbatch_sizes, seq_len=seq_len, dtype=dtype,
         gpu=gpu, gpu_spec=gpu_spec, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-        flash_attention=flash_attention, precision=precision, device=device, repeats=repeats, warmup=warmup, threads=threads,
+        flash_attention=flash_attention, precision=precision, efficiency=efficiency, device=device, repeats=repeats, warmup=warmup, threads=threads,
         options={"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}, units=units, seed=seed,
         config=config, split_backward=split_backward, progress=True)
     rich_console().print(analytic_summary_table(result) if analytic else summary_table(result))
@@ -348,18 +349,18 @@ def compare(
 
 @app.command()
 @handled
-def validate(path: Path = typer.Argument(..., metavar="FILE", help="Profile, plan or run report JSON.", show_default=False)):
-    """Check a profile, plan or run report file and explain any problem."""
+def validate(path: Path = typer.Argument(..., metavar="FILE", help="Profile, plan, run report or runs JSON.", show_default=False)):
+    """Check a profile, plan, run report or runs file and explain any problem."""
     echo(validate_file(path))
 
 
 @app.command()
 @handled
 def schema(
-    kind: str = typer.Argument(..., metavar="KIND", help="profile, plan or report (a run report).", show_default=False),
+    kind: str = typer.Argument(..., metavar="KIND", help="profile, plan, report (a run report) or runs (launcher runs for calibrate --runs).", show_default=False),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write to a file instead of stdout."),
 ):
-    """Print the JSON Schema of the profile, plan or run report format."""
+    """Print the JSON Schema of the profile, plan, run report or runs format."""
     text = json_schema_text(kind)
     if output:
         write_text_atomic(output, text)

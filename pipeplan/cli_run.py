@@ -17,6 +17,8 @@ from pipeplan.run import report_table, run_plan_file
 from pipeplan.run.verify import check_verdict, verdict_lines
 from pipeplan.run.calibrate import calibrate_files, calibration_table
 from pipeplan.analytic.calibrate import calibrate_analytic_files
+from pipeplan.api import calibrate_runs
+from pipeplan.show import runs_calibration_lines, runs_calibration_table
 
 __all__ = ["run", "calibrate"]
 
@@ -71,22 +73,39 @@ def run(
 
 @handled
 def calibrate(
-    plan_file: Path = typer.Argument(..., metavar="PLAN", help="The plan that was run (with --measured: an analytic profile).", show_default=False),
-    report_file: Optional[Path] = typer.Argument(None, metavar="REPORT", help="Its run report (pipeplan run --report).", show_default=False),
-    output: Path = typer.Option(..., "-o", "--output", help="Calibrated profile JSON to write.", show_default=False),
+    plan_file: Optional[Path] = typer.Argument(None, metavar="[PLAN]", help="The plan that was run (with --measured: an analytic profile; with --runs: none).", show_default=False),
+    report_file: Optional[Path] = typer.Argument(None, metavar="[REPORT]", help="Its run report (pipeplan run --report).", show_default=False),
+    output: Path = typer.Option(..., "-o", "--output", help="Calibrated profile JSON to write (with --runs: the fitted efficiency model).", show_default=False),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile to scale (default: the one the report names)."),
     measured: Optional[Path] = typer.Option(None, "--measured", help="Fit the analytic profile PLAN's efficiency model to this measured profile of the same model and GPU (no REPORT)."),
+    runs: Optional[Path] = typer.Option(None, "--runs", help="Fit the efficiency model to launcher runs: a runs file (configurations and measured seconds per iteration; pipeplan schema runs). No PLAN or REPORT."),
+    fit: Optional[str] = typer.Option(None, "--fit", help="With --runs: the terms to fit, e.g. gemm,attention (default: every bounded term of the efficiency model)."),
+    holdout: Optional[list[str]] = typer.Option(None, "--holdout", help="With --runs: runs to leave out of the fit and predict, by name, e.g. 22B-full,175B-full (repeatable)."),
+    efficiency: Optional[Path] = typer.Option(None, "--efficiency", help="With --runs: the efficiency model to start from (a file calibrate wrote); the terms not fitted keep its values."),
+    allow_underdetermined: bool = typer.Option(False, "--allow-underdetermined", help="With --runs: fit more terms than there are runs to fit them to."),
 ):
-    """Scale a profile's per-layer times by what a run measured, so the next plan uses real numbers."""
+    """Scale a profile's per-layer times by what a run measured, so the next plan uses real numbers;
+    or fit the analytic efficiency model to a measured profile (--measured) or to launcher runs (--runs)."""
+    if runs is not None:
+        _calibrate_runs(plan_file, report_file, profile, measured, runs, output, fit, holdout, efficiency,
+                        allow_underdetermined)
+        return
+    given = [name for name, value in (("--fit", fit), ("--holdout", holdout), ("--efficiency", efficiency),
+                                      ("--allow-underdetermined", allow_underdetermined or None)) if value]
+    if given:
+        raise BadInputError(f"{given[0]}: only with --runs")
+    if plan_file is None:
+        raise BadInputError("PLAN: missing (the plan that was run, with its REPORT), or give --measured with an "
+                            "analytic profile, or --runs RUNS.json")
     if measured is not None:
         if report_file is not None or profile is not None:
             raise BadInputError("--measured: give an analytic profile and no REPORT or --profile")
         refuse_overwriting_input(output, plan_file, measured)
-        _, fit = calibrate_analytic_files(plan_file, measured, output)
-        eff = fit["efficiency"]
-        echo(f"efficiency fitted to {fit['entries']} unit times: gemm {eff['gemm']}, attention {eff['attention']}, "
+        _, result = calibrate_analytic_files(plan_file, measured, output)
+        eff = result["efficiency"]
+        echo(f"efficiency fitted to {result['entries']} unit times: gemm {eff['gemm']}, attention {eff['attention']}, "
                    f"memory {eff['memory']}, kernel latency {eff['kernel_latency_us']} us; rms log error "
-                   f"{fit['rms_log_error_before']:.3f} -> {fit['rms_log_error_after']:.3f}")
+                   f"{result['rms_log_error_before']:.3f} -> {result['rms_log_error_after']:.3f}")
         echo(f"wrote {output}")
         return
     if report_file is None:
@@ -98,4 +117,20 @@ def calibrate(
     overhead_ms = (calibrated.measurement or {}).get("action_overhead_ms")
     if overhead_ms is not None:
         echo(f"the schedule's own work: {overhead_ms:.2f} ms per action (plans from {output} count it)")
+    echo(f"wrote {output}")
+
+
+def _calibrate_runs(plan_file, report_file, profile, measured, runs, output, fit, holdout, efficiency,
+                    allow_underdetermined) -> None:
+    """``calibrate --runs``: the fit, its table and residuals (docs/analytic.md)."""
+    stray = [name for name, value in (("PLAN", plan_file), ("REPORT", report_file), ("--profile", profile),
+                                      ("--measured", measured)) if value is not None]
+    if stray:
+        raise BadInputError(f"--runs: give no {stray[0]} (the runs file states each run's model and layout)")
+    refuse_overwriting_input(output, runs, efficiency)
+    result = calibrate_runs(runs, output, fit=fit, holdout=holdout or (), start=efficiency,
+                            allow_underdetermined=allow_underdetermined)
+    rich_console().print(runs_calibration_table(result, str(runs)))
+    for line in runs_calibration_lines(result):
+        echo(line)
     echo(f"wrote {output}")

@@ -10,7 +10,8 @@ from pipeplan.quantities import format_bytes
 from pipeplan.plan import plan_simulation
 from pipeplan.cluster.tables import cluster_plan_tables
 
-__all__ = ["plan_tables", "comparison_table", "simulation_from_plan", "stage_count_words", "recompute_modules_table"]
+__all__ = ["plan_tables", "comparison_table", "simulation_from_plan", "stage_count_words", "recompute_modules_table",
+           "runs_calibration_table", "runs_calibration_lines"]
 
 
 def stage_count_words(plan: Plan) -> str:
@@ -122,3 +123,41 @@ def comparison_table(rows, title: str, memory_cap_bytes: int | None = None) -> T
 def simulation_from_plan(plan: Plan):
     """Re-simulate a plan's schedule from its own numbers (for the timeline)."""
     return plan_simulation(plan)
+
+
+def runs_calibration_table(result, title: str) -> Table:
+    """``calibrate --runs``: each run's measured seconds beside the prediction before and after the fit."""
+    table = Table(title=f"{title}: fitted {', '.join(result.fitted_terms)}")
+    for column in ("run", "role", "measured s", "before s", "error", "after s", "error", "measured peak",
+                   "predicted peak"):
+        table.add_column(column, justify="left" if column in ("run", "role") else "right")
+    for row in result.rows:
+        measured_peak = row.measured_peak_memory_bytes
+        table.add_row(row.name, "held out" if row.held_out else "fit", f"{row.measured_s:.3f}", f"{row.before_s:.3f}",
+                      f"{row.error_before:+.1%}", f"{row.after_s:.3f}", f"{row.error_after:+.1%}",
+                      format_bytes(measured_peak) if measured_peak else "-",
+                      format_bytes(row.predicted_peak_memory_bytes) + (" (over cap)" if row.over_cap else ""))
+    return table
+
+
+def runs_calibration_lines(result) -> list[str]:
+    """The fitted terms, the residuals (rms log error) of the fitted and held-out runs, the fit's work."""
+    efficiency = result.efficiency
+    lines = ["fitted: " + ", ".join(f"{term} {getattr(efficiency, term):g}" for term in result.fitted_terms)]
+    for held_out, label in ((False, "fitted runs"), (True, "held-out runs")):
+        before, after = result.rms_log_error(held_out, False), result.rms_log_error(held_out, True)
+        if before is not None:
+            rows = [r for r in result.rows if r.held_out == held_out]
+            mean_before = sum(abs(r.error_before) for r in rows) / len(rows)
+            mean_after = sum(abs(r.error_after) for r in rows) / len(rows)
+            lines.append(f"{label}: rms log error {before:.4f} -> {after:.4f}, mean |error| {mean_before:.1%} -> "
+                         f"{mean_after:.1%}")
+    lines.append(f"fit: {result.iterations} re-linearisations, {result.evaluations} evaluations (each plans every "
+                 f"fitted run), {result.fit_seconds:.1f} s")
+    for term in result.at_bounds:
+        lines.append(f"note: {term} ended on its bound ({getattr(efficiency, term):g}): the runs ask more of it than "
+                     f"it can give; the error they show is likely in another term")
+    if any(r.over_cap for r in result.rows):
+        names = ", ".join(r.name for r in result.rows if r.over_cap)
+        lines.append(f"note: {names}: the memory model puts the run over its cap; planned without one")
+    return lines

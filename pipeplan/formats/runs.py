@@ -85,6 +85,23 @@ class _LayoutBase(BaseModel):
             raise ValueError("give the schedule that ran (1f1b, interleaved, ...), not auto")
         return value
 
+    @field_validator("layers_per_stage", mode="before", check_fields=False)
+    @classmethod
+    def _split_words(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != MEGATRON_SPLIT:
+            raise ValueError(f"{value!r} is neither a list of units per stage (e.g. [5, 7, 7, 7]) nor "
+                             f"{MEGATRON_SPLIT!r} (Megatron-LM's split)")
+        return value
+
+    @model_validator(mode="after")
+    def _degrees_fill_the_gpus(self):
+        used = self.data_parallel * self.tensor_parallel * self.stages * (self.context_parallel or 1)
+        if used != self.num_gpus:
+            context = f" x context_parallel {self.context_parallel}" if self.context_parallel else ""
+            raise ValueError(f"data_parallel {self.data_parallel} x tensor_parallel {self.tensor_parallel} x stages "
+                             f"{self.stages}{context} = {used} is not num_gpus {self.num_gpus}")
+        return self
+
     @field_validator("recompute", check_fields=False)
     @classmethod
     def _named_recompute(cls, value: str) -> str:
@@ -127,7 +144,7 @@ class MeasuredRun(BaseModel):
     @model_validator(mode="after")
     def _one_gpu(self) -> "MeasuredRun":
         if (self.gpu is None) == (self.gpu_spec is None):
-            raise ValueError("give one of gpu (a known GPU's name) and gpu_spec (a TOML file)")
+            raise ValueError("gpu, gpu_spec: give one of them (a known GPU's name, or a GPU spec TOML file)")
         return self
 
 

@@ -428,7 +428,10 @@ def calibrate_runs(runs_path: str | Path, output: str | Path | None = None, *, f
     upper = np.array([to_log_space(bounds[t].clamp(bounds[t].upper), bounds[t]) if bounds[t].upper is not None
                       and bounds[t].lower is not None else np.inf for t in terms])
     result = fit_log_residuals(residuals, u0, upper)
-    fitted = _rounded(model_at(result.u), terms, runs_path, [p.run.name for p in fitting], initial)
+    start_residuals = np.log(np.array([b[0] for p, b in zip(prepared, before) if p.run.name not in held]) / measured)
+    # A fit that does not beat the start (a term started off its bound, no run sensitive to it) keeps it.
+    best = model_at(result.u) if result.residuals @ result.residuals < start_residuals @ start_residuals else initial
+    fitted = _rounded(best, terms, runs_path, [p.run.name for p in fitting], initial)
     seconds = time.perf_counter() - started
     rows = tuple(RunPrediction(name=p.run.name, held_out=p.run.name in held, measured_s=p.run.measured_iteration_s,
                                before_s=b[0], after_s=_predict(p, fitted)[0],

@@ -222,3 +222,27 @@ def test_three_terms_from_three_runs(synthetic, tmp_path):
     result = calibrate_runs(synthetic, fit="gemm,attention,kernel_latency_us", start=start)
     for term in ("gemm", "attention", "kernel_latency_us"):
         assert getattr(result.efficiency, term) == pytest.approx(getattr(TRUTH, term), rel=1e-3), term
+
+
+def test_a_run_the_memory_model_puts_over_its_cap_is_still_predicted(synthetic, tmp_path):
+    """It ran, so its time is worth predicting: planned without the cap, and flagged."""
+    data = json.loads(synthetic.read_text())
+    data["runs"][0]["layout"]["memory_cap_bytes"] = 2**20  # 1 MiB: nothing fits
+    data["runs"][0]["measured_peak_memory_bytes"] = 3 * 2**30
+    path = write(tmp_path, data, "capped.json")
+    result = calibrate_runs(path, fit="gemm")
+    row = result.rows[0]
+    assert row.over_cap and not result.rows[1].over_cap
+    assert row.predicted_peak_memory_bytes > 2**20 and row.measured_peak_memory_bytes == 3 * 2**30
+    done = invoke("calibrate", "--runs", path, "--fit", "gemm", "-o", tmp_path / "e.json")
+    assert done.exit_code == 0, done.stderr
+    assert "note: short: the memory model puts the run over its cap" in done.stdout
+    assert "3.00 GiB" in done.stdout and "(over cap)" in done.stdout
+
+
+def test_a_term_starting_on_its_bound_is_fitted_off_it(synthetic, tmp_path):
+    """A latency of 0 (its lower bound) has no logarithm: the fit starts it at 1 us and finds 4."""
+    start = write(tmp_path, {"gemm": 0.62, "attention": 0.33, "kernel_latency_us": 0.0}, "zero.json")
+    result = calibrate_runs(synthetic, fit="kernel_latency_us", start=start)
+    assert result.rms_log_error(False, False) > result.rms_log_error(False, True)
+    assert result.efficiency.kernel_latency_us == pytest.approx(TRUTH.kernel_latency_us, rel=2e-2)

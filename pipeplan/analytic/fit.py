@@ -125,13 +125,17 @@ def parse_fit_fields(text: Optional[str]) -> list[str]:
 
 
 def to_log_space(value: float, bounds: Bounds) -> float:
-    """``log(value - lower)`` (``log(upper - value)`` for a field with only an upper bound); a value
-    on its lower bound starts just above it (1e-6 of the unit)."""
+    """``log(value - lower)`` (``log(upper - value)`` for a field with only an upper bound). A value
+    on its bound (a latency of 0) has no logarithm, and a log step from just above it would not
+    move it: it starts one of its unit from the bound (the caller keeps the start where the fit
+    does not beat it)."""
     if bounds.lower is not None:
-        return math.log(max(value - bounds.lower, 1e-6))
-    if bounds.upper is not None:
-        return math.log(max(bounds.upper - value, 1e-6))
-    return math.log(value)
+        offset = value - bounds.lower
+    elif bounds.upper is not None:
+        offset = bounds.upper - value
+    else:
+        offset = value
+    return math.log(offset if offset > 0 else 1.0)
 
 
 def from_log_space(u: float, bounds: Bounds) -> float:

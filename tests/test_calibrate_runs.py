@@ -12,6 +12,8 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -246,3 +248,23 @@ def test_a_term_starting_on_its_bound_is_fitted_off_it(synthetic, tmp_path):
     result = calibrate_runs(synthetic, fit="kernel_latency_us", start=start)
     assert result.rms_log_error(False, False) > result.rms_log_error(False, True)
     assert result.efficiency.kernel_latency_us == pytest.approx(TRUTH.kernel_latency_us, rel=2e-2)
+
+
+@pytest.mark.slow
+def test_the_korthikanti_runs_are_predicted_as_the_benchmark_predicts_them():
+    """The fit's evaluation (plan_any on each run's request) is the benchmark's plan, to the microsecond."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import validate_korthikanti as bench
+    finally:
+        sys.path.pop(0)
+    result = calibrate_runs(REPO / "benchmarks" / "data" / "korthikanti_table5_runs.json", fit="gemm",
+                            holdout=["22B-selective,175B-full,175B-selective"])
+    with tempfile.TemporaryDirectory() as tmp:
+        for row, (model, gpus, t, p, v, schedule, b, batch, recompute, _) in zip(result.rows, bench.RUNS):
+            profile = bench._profile(model, Path(tmp), [t], [b])
+            plan = bench._plan(profile, "table5", num_gpus=gpus, tensor_parallel=t, stages=p, data_parallel=1,
+                               zero_stage=0, virtual_stages=v, schedule=schedule, microbatch_size=b,
+                               global_batch=batch, recompute=recompute,
+                               layers_per_stage=bench._megatron_counts(profile, p * v))
+            assert row.before_s == pytest.approx(plan.predicted.iteration_ms / 1e3, rel=1e-9), row.name

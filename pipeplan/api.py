@@ -455,9 +455,12 @@ def _on_bound(value: float, bounds) -> bool:
 
 
 def _rounded(model: EfficiencyModel, terms, runs_path, names, initial: EfficiencyModel) -> EfficiencyModel:
-    """The fitted terms at 6 significant digits (stable bytes), with where they come from."""
+    """The fitted terms at 6 significant digits (stable bytes), checked as a file of them would be,
+    with where they come from."""
     rest = [name for name in fittable_fields() if name not in terms]
     source = (f"fitted by pipeplan calibrate --runs {Path(runs_path).name} ({', '.join(terms)}) to "
               f"{len(names)} run{'s' if len(names) > 1 else ''}: {', '.join(names)}"
               + (f"; {', '.join(rest)} from: {initial.source}" if rest else ""))
-    return model.model_copy(update={**{t: float(f"{getattr(model, t):.6g}") for t in terms}, "source": source})
+    bounds = fittable_fields()
+    values = {t: bounds[t].clamp(float(f"{getattr(model, t):.6g}")) for t in terms}
+    return EfficiencyModel.model_validate({**model.model_dump(), **values, "source": source})

@@ -73,8 +73,8 @@ def run(
 
 @handled
 def calibrate(
-    plan_file: Optional[Path] = typer.Argument(None, metavar="[PLAN]", help="The plan that was run (with --measured: an analytic profile; with --runs: none).", show_default=False),
-    report_file: Optional[Path] = typer.Argument(None, metavar="[REPORT]", help="Its run report (pipeplan run --report).", show_default=False),
+    plan_file: Optional[Path] = typer.Argument(None, metavar="PLAN", help="The plan that was run (with --measured: an analytic profile; with --runs: none).", show_default=False),
+    report_file: Optional[Path] = typer.Argument(None, metavar="REPORT", help="Its run report (pipeplan run --report).", show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Calibrated profile JSON to write (with --runs: the fitted efficiency model).", show_default=False),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile to scale (default: the one the report names)."),
     measured: Optional[Path] = typer.Option(None, "--measured", help="Fit the analytic profile PLAN's efficiency model to this measured profile of the same model and GPU (no REPORT)."),

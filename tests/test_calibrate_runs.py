@@ -270,3 +270,17 @@ def test_the_korthikanti_runs_are_predicted_as_the_benchmark_predicts_them():
                                global_batch=batch, recompute=recompute,
                                layers_per_stage=bench._megatron_counts(profile, p * v))
             assert row.before_s == pytest.approx(plan.predicted.iteration_ms / 1e3, rel=1e-9), row.name
+
+
+def test_paths_are_read_from_the_runs_files_folder(synthetic, tmp_path):
+    """A config path in a runs file means the file beside it, wherever the command runs."""
+    folder = tmp_path / "logs"
+    (folder / "configs").mkdir(parents=True)
+    (folder / "configs" / "small.json").write_text(json.dumps(MODEL))
+    data = json.loads(synthetic.read_text())
+    for run in data["runs"]:
+        run["model"] = "configs/small.json"
+    path = write(folder, data, "runs.json")
+    inline, by_path = calibrate_runs(synthetic, fit="gemm"), calibrate_runs(path, fit="gemm")
+    assert [r.before_s for r in by_path.rows] == [r.before_s for r in inline.rows]
+    assert by_path.efficiency.gemm == inline.efficiency.gemm

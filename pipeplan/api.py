@@ -14,6 +14,7 @@ from pipeplan.cluster.search import plan_cluster
 from pipeplan.requests import ClusterRequest, PipelineRequest, Request, request_of
 from pipeplan.plan.given import plan_split
 from pipeplan.plan.recompute import check_full_method, with_module_parts, with_selective_modules
+from pipeplan.plan.torchtitan_ac import check_selective_ac_option, with_torchtitan_selective
 from pipeplan.plan.search import make_plan, with_profile_defaults
 from pipeplan.formats.limits import check_microbatch_count, check_option_range
 from pipeplan.importers import import_pipedream
@@ -98,6 +99,9 @@ def plan_any(profile, request: Request | PlanSettings, *, profile_sha256: str, r
     _check_batch(profile, request)
     settings = request.settings()
     check_full_method(settings)
+    check_selective_ac_option(settings)
+    # torchtitan's selective form (per op, or every N-th block) as the profile's selective fields.
+    profile = with_torchtitan_selective(profile, settings)
     if settings.recompute_modules is not None:
         # The selective mode then means these modules; the plan's stages list them as parts
         # (pipeplan.plan.recompute).

@@ -24,15 +24,17 @@ So the block keeps, per micro-batch in flight::
            + per row-parallel GEMM at t > 1 its reduce-scattered output (e s b h / t)
 
 and its backward first runs again every forward part but the saved GEMMs and the attention
-kernel. A Float8 or MX GEMM (``--precision``) is ``torch._scaled_mm``, not ``aten.mm``: it is
-neither counted nor saved. Costed for dense blocks with standard (grouped-query) attention, what
+kernel. Under ``--precision`` (torchao's Float8 and MX linears) each linear still calls
+``torch.mm``, on torchao's quantized tensor subclasses, and the checkpoint's dispatch mode sees
+that ``aten.mm`` before the subclass turns it into ``_scaled_mm``: the GEMMs are counted and
+their (16-bit) outputs saved as in bf16, and every kept tensor here is at the training dtype
+(torch saves what the ops return, not Transformer Engine's quantized copies). Costed for dense blocks with standard (grouped-query) attention, what
 torchtitan's Llama 3 / Qwen 3 models run; mixture-of-experts and latent-attention blocks (grouped
 GEMMs, ``per_op_sac_force_recompute_mm_shapes_by_fqns``) are not costed yet and offer none.
 """
 
 from __future__ import annotations
 
-from pipeplan.analytic.flops import UNQUANTIZED_GEMMS
 from pipeplan.analytic.memory import ATTENTION_CORE_TERMS, block_activation_terms
 from pipeplan.analytic.shapes import block_gemms, kv_heads_per_rank
 
@@ -40,13 +42,6 @@ __all__ = ["op_sac_saved_gemms", "op_sac_kept_bytes", "unit_op_sac"]
 
 #: The attention kernel's parts: its outputs are on the save list, so it is not run again.
 _ATTENTION_PARTS = ("attention_core", "softmax")
-
-
-def _mm_gemms(cfg, index: int, shape) -> list:
-    """The block's GEMMs that run as ``aten.mm`` (in forward order): all of them in bf16, under a
-    quantized precision only those it leaves unquantized."""
-    quantized = shape.quantized_bytes is not None
-    return [g for g in block_gemms(cfg, index) if not quantized or g.name in UNQUANTIZED_GEMMS]
 
 
 def op_sac_saved_gemms(cfg, index: int, shape) -> tuple[str, ...]:
@@ -59,7 +54,7 @@ def op_sac_saved_gemms(cfg, index: int, shape) -> tuple[str, ...]:
     >>> op_sac_saved_gemms(load_model_config("llama3-8b"), 0, Shape(8192, 1))
     ('q_proj', 'v_proj', 'gate_proj', 'down_proj')
     """
-    return tuple(g.name for i, g in enumerate(_mm_gemms(cfg, index, shape)) if i % 2 == 0)
+    return tuple(g.name for i, g in enumerate(block_gemms(cfg, index)) if i % 2 == 0)
 
 
 def _output_width(gemm, cfg, t: int) -> int:
@@ -73,7 +68,10 @@ def op_sac_kept_bytes(cfg, index: int, shape) -> float:
     """Bytes one block keeps per micro-batch under the per-op policy (module docstring)."""
     t, e, tokens = shape.tensor_parallel, shape.dtype_bytes, shape.tokens
     terms = block_activation_terms(cfg, shape, index)
-    kept = terms.get("input_norm_input", 0.0) + terms.get("out_proj_input", 0.0)
+    # The checkpoint's input (the sequence shard under sequence parallelism) and the attention
+    # kernel's output, at the training dtype; its softmax statistics (or, without flash
+    # attention, the math kernel's probabilities) as the terms give them.
+    kept = e * tokens * cfg.hidden_size / shape.sp_share + e * tokens * (cfg.num_heads // t) * cfg.value_head_dim
     kept += sum(terms.get(name, 0.0) for name in ATTENTION_CORE_TERMS if "mask" not in name)
     saved = set(op_sac_saved_gemms(cfg, index, shape))
     for gemm in block_gemms(cfg, index):

@@ -22,7 +22,7 @@ from pipeplan.doctor import doctor_file, read_config
 from pipeplan.errors import BadInputError
 from pipeplan.export import export_plan
 from pipeplan.formats.gpu import resolve_gpu
-from pipeplan.formats.io import dump_model
+from pipeplan.formats.io import dump_model, load_plan, load_profile
 from pipeplan.formats.plan import PlanSettings
 from pipeplan.plan.torchtitan_ac import layer_sac_blocks, parse_selective_ac_option, with_torchtitan_selective
 from pipeplan.requests import PipelineRequest
@@ -189,3 +189,20 @@ def test_bad_input_exits_2(llama, tmp_path):
                     '[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "sometimes"\n')
     one_line_error(invoke("doctor", "torchtitan", toml, "--profile", prof), 2, "selective_ac_option", "sometimes")
     assert Path(toml).exists()
+
+
+def test_cli_plan_records_the_option_and_replans_byte_for_byte(llama, tmp_path):
+    _, _, profile = llama
+    prof = tmp_path / "profile.json"
+    prof.write_text(dump_model(profile))
+    out = tmp_path / "plan.json"
+    result = invoke("plan", prof, "--stages", "2", "--global-batch", "8", "--microbatch-size", str(B), "--schedule",
+                    "1f1b", "--launcher", "torchtitan", "--recompute", "selective", "--selective-ac-option", "3",
+                    "-o", out)
+    assert result.exit_code == 0, result.stderr
+    written = load_plan(out)
+    assert written.settings.selective_ac_option == "3"
+    assert all(s.recompute_granularity == "selective" for s in written.stages)
+    again = plan_any(load_profile(prof), written.settings, profile_sha256=written.profile.sha256)
+    assert again.model_dump_json() == written.model_dump_json()
+    assert invoke("show", out).exit_code == 0

@@ -206,3 +206,23 @@ def test_cli_plan_records_the_option_and_replans_byte_for_byte(llama, tmp_path):
     again = plan_any(load_profile(prof), written.settings, profile_sha256=written.profile.sha256)
     assert again.model_dump_json() == written.model_dump_json()
     assert invoke("show", out).exit_code == 0
+
+
+@pytest.mark.parametrize("section,note", [('mode = "selective"\nselective_ac_option = "0"', None),
+                                          ('mode = "memory_budget"', "memory_budget")])
+def test_doctor_reads_every_block_and_notes_memory_budget(llama, tmp_path, section, note):
+    _, _, profile = llama
+    prof = tmp_path / "profile.json"
+    prof.write_text(dump_model(profile))
+    toml = tmp_path / "job.toml"
+    toml.write_text(f'[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = {B}\nseq_len = {SEQ}\n'
+                    f'[activation_checkpoint]\n{section}\n')
+    settings = PlanSettings(stages=1, global_batch=1)
+    result, _, _ = doctor_file("torchtitan", toml, prof, settings)
+    [stage] = result.plan.stages
+    if note is None:
+        # "0": torchtitan's _apply_layer_sac checkpoints every block (not ac_freq), costed as N = 1.
+        every = _plan(profile, selective_ac_option="1")
+        assert stage.selective_activation_bytes == every.stages[0].selective_activation_bytes
+    else:
+        assert not stage.recompute and any(note in n for n in result.notes)

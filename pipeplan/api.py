@@ -26,6 +26,7 @@ from pipeplan.analytic.families import load_model_config, parse_family
 from pipeplan.analytic.fit import fit_log_residuals, fittable_fields, from_log_space, load_efficiency, \
     parse_fit_fields, to_log_space
 from pipeplan.plan.recompute import check_full_method, with_module_parts, with_selective_modules
+from pipeplan.plan.torchtitan_ac import check_selective_ac_option, with_torchtitan_selective
 from pipeplan.plan.search import make_plan, with_profile_defaults
 from pipeplan.formats.limits import check_microbatch_count, check_option_range
 from pipeplan.importers import import_pipedream
@@ -113,6 +114,9 @@ def plan_any(profile, request: Request | PlanSettings, *, profile_sha256: str, r
     _check_batch(profile, request)
     settings = request.settings()
     check_full_method(settings)
+    check_selective_ac_option(settings)
+    # torchtitan's selective form (per op, or every N-th block) as the profile's selective fields.
+    profile = with_torchtitan_selective(profile, settings)
     if settings.recompute_modules is not None:
         # The selective mode then means these modules; the plan's stages list them as parts
         # (pipeplan.plan.recompute).

@@ -21,6 +21,7 @@ from pipeplan.formats.limits import MAX_TIMELINE_WIDTH, check_option_range
 from pipeplan.quantities import parse_bandwidth, parse_bytes
 from pipeplan.requests import ClusterRequest, PipelineRequest
 from pipeplan.plan.recompute import parse_recompute_modules
+from pipeplan.plan.torchtitan_ac import parse_selective_ac_option
 from pipeplan.formats.io import load_plan, refuse_overwriting_input, write_text_atomic
 from pipeplan.api import compare_splits, import_profile, make_profile, plan_profile, validate_file
 from pipeplan.profile import summary_table
@@ -258,6 +259,7 @@ def plan(
     recompute_num_layers: Optional[int] = typer.Option(None, "--recompute-num-layers", help="N of --recompute-method (Megatron's flag)."),
     recompute_modules: Optional[str] = typer.Option(None, "--recompute-modules", help="What selective recomputation recomputes, Megatron's module names, e.g. layernorm,moe_act (core_attn, layernorm, mlp, moe_act, moe, shared_experts, mla_up_proj); default: the attention core."),
     context_parallel: Optional[int] = typer.Option(None, "--context-parallel", help="With --gpus: the context-parallel degree C (the sequence split over C GPUs; 2 C divides it; default 1)."),
+    selective_ac_option: Optional[str] = typer.Option(None, "--selective-ac-option", help="With --launcher torchtitan: what selective recomputation is, torchtitan's selective_ac_option: op (per-op: every other matmul's and the attention's outputs saved; the default) or N (every N-th block checkpointed in full)."),
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
     refuse_overwriting_input(output, profile)
@@ -278,6 +280,8 @@ def plan(
         check_option_range("--recompute-num-layers", recompute_num_layers, 1, 100_000)
         request = request.model_copy(update={"recompute_method": recompute_method,
                                              "recompute_num_layers": recompute_num_layers})
+    if selective_ac_option is not None:
+        request = request.model_copy(update={"selective_ac_option": parse_selective_ac_option(selective_ac_option)})
     with reporting(terminal_progress(quiet)):
         result = plan_profile(profile, request, output, record_time=record_time)
     if not quiet:

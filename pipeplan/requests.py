@@ -124,6 +124,7 @@ class _Request(BaseModel):
     recompute_modules: _FIELDS["recompute_modules"].annotation = _FIELDS["recompute_modules"]
     recompute_method: _FIELDS["recompute_method"].annotation = _FIELDS["recompute_method"]
     recompute_num_layers: _FIELDS["recompute_num_layers"].annotation = _FIELDS["recompute_num_layers"]
+    selective_ac_option: _FIELDS["selective_ac_option"].annotation = _FIELDS["selective_ac_option"]
 
     @classmethod
     def make(cls, where: str = "request", **fields: Any):

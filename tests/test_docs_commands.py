@@ -47,6 +47,8 @@ SKIP = {
     "benchmarks/bench_schedule_auto.py": "a benchmark script, minutes long; docs/benchmarks.md reports its output",
     "benchmarks/validate_megatron_bridge.py": "plans 15 published runs (minutes); docs/cluster-validation.md "
         "reports its output, and the GPT-OSS row's own commands beside it run",
+    "benchmarks/validate_torchtitan.py --markdown": "plans 10 published runs (about 95 s); docs/cluster-validation.md "
+        "reports its output, and its one-row command beside it runs",
     "pipeplan run plan-1f1b-2.json --profile gpt2-6.json --steps 5 -q": "needs the plan of the loop above",
     "pipeplan run plan-d2.json --profile profiles/gpt2-tiny-cpu.json": "a 4-rank torchrun job (d = 2, p = 2): "
         "tests/test_run_data_parallel.py runs one",

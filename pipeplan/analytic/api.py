@@ -15,6 +15,7 @@ from pipeplan.facts.gpus import GpuSpec
 from pipeplan.facts.precision import PRECISIONS, get_precision
 from pipeplan.formats.gpu import resolve_gpu
 from pipeplan.analytic.memory import unit_activation_bytes, unit_output_bytes, unit_routed_activation_bytes
+from pipeplan.analytic.op_sac import unit_op_sac
 from pipeplan.analytic.recompute import unit_selective_modules
 from pipeplan.analytic.shapes import (check_tensor_parallel, tied_table_count, unit_active_param_count,
                                       unit_expert_param_count, unit_param_count)
@@ -142,6 +143,9 @@ def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, 
                                      lambda parts: parts_ms(parts, peak, bw, efficiency))
     if modules is not None:
         fields["selective_modules"] = modules
+    op_sac = unit_op_sac(cfg, kind, index, shape, work.forward, lambda parts: parts_ms(parts, peak, bw, efficiency))
+    if op_sac is not None:
+        fields["selective_op_sac"] = op_sac
     if t > 1:
         traffic = unit_collectives(cfg, kind, shape)
         experts = unit_expert_param_count(cfg, kind, t, index)

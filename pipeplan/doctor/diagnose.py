@@ -17,6 +17,7 @@ from pipeplan.export.megatron import interleaved_refusal
 from pipeplan.doctor.units import stage_positions, unit_positions
 from pipeplan.errors import BadInputError
 from pipeplan.plan.recompute import with_selective_modules
+from pipeplan.plan.torchtitan_ac import with_torchtitan_selective
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.quantities import format_bytes
 from pipeplan.facts.schedules import check_schedule
@@ -218,6 +219,14 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
         # Selective recomputation of the launcher's modules, costed from the profile's parts.
         profile = with_selective_modules(profile, config.recompute_modules)
         settings = settings.model_copy(update={"recompute_modules": list(config.recompute_modules)})
+    if config.launcher == "torchtitan":
+        # torchtitan's selective form (per op, or every N-th block; 0: every block) as costed.
+        option = config.settings.get("activation_checkpoint.selective_ac_option", "2")
+        settings = settings.model_copy(update={"selective_ac_option": "1" if option == "0" else option})
+        profile = with_torchtitan_selective(profile, settings.model_copy(update={"recompute": "auto"}))
+        if config.settings.get("activation_checkpoint.mode") == "memory_budget":
+            result.notes.append("activation_checkpoint.mode memory_budget: the compiler chooses what to keep; not "
+                                "costed (costed as no recomputation)")
     selective_known = all(c.selective_activation_bytes is not None for layer in profile.layers for c in layer.costs
                           if c.degree == 1)
     mode = {"full": "all", "selective": "selective"}.get(config.recompute, "none")

@@ -57,6 +57,7 @@ _TYPES = {
     ("training", "global_batch_size"): int,
     ("training", "seq_len"): int,
     ("activation_checkpoint", "mode"): str,
+    ("activation_checkpoint", "selective_ac_option"): str,
     ("model", "name"): str,
     ("model", "flavor"): str,
 }
@@ -248,6 +249,8 @@ def parse_torchtitan(path: str, text: str | None, *, num_layers: int | None = No
     if mode not in ("selective", "full", "memory_budget", "none"):
         raise BadInputError(f"{path}: activation_checkpoint.mode: {mode!r} is not one of none, selective, full, "
                             f"memory_budget")
+    if mode == "selective":
+        _selective_ac_option(path, data)
     settings = {}
     for (section, key) in _TYPES:
         value = _get(path, data, section, key)
@@ -259,10 +262,22 @@ def parse_torchtitan(path: str, text: str | None, *, num_layers: int | None = No
         launcher="torchtitan", path=path, pipeline_degree=p, virtual_stages=v, schedule=schedule,
         microbatch_size=mbs, num_microbatches=microbatches,
         tensor_degree=t, data_degree=d, context_degree=cp, expert_degree=ep, num_layers=layers,
-        recompute={"full": "full", "selective": "selective", "memory_budget": "selective"}.get(mode, "none"),
+        # memory_budget: the compiler's partitioner chooses what to keep; not costed (none).
+        recompute={"full": "full", "selective": "selective"}.get(mode, "none"),
         sharded_optimizer=shard != 1, zero_stage=_zero_stage(path, data, shard, p),
         sequence_parallel=t > 1, settings=settings, precision=precision, quantized_params=quantized,
     )
+
+
+def _selective_ac_option(path: str, data: dict) -> str:
+    """``activation_checkpoint.selective_ac_option`` (default ``"2"``, torchtitan 0.2's) as
+    ``apply_ac`` accepts it: ``op``, or digits (``_apply_layer_sac``: ``0`` checkpoints every
+    block, N every N-th); anything else torchtitan refuses with a ValueError."""
+    option = _get(path, data, "activation_checkpoint", "selective_ac_option", "2")
+    if option != "op" and not option.isdigit():
+        raise BadInputError(f"{path}: activation_checkpoint.selective_ac_option: {option!r} is not 'op' or a "
+                            f"positive whole number (torchtitan's apply_ac refuses it)")
+    return option
 
 
 def _zero_stage(path: str, data: dict, shard: int, p: int) -> int:

@@ -164,10 +164,14 @@ def _activation_checkpoint(plan: Plan, notes: list[str]) -> list[str]:
                      f"[activation_checkpoint] mode applies to every stage, so it recomputes more than planned")
     if recompute.mode == "full":
         return ['mode = "full"']
-    notes.append("selective recomputation: torchtitan's per-op policy (selective_ac_option \"op\") keeps the "
-                 "attention outputs and recomputes every other matmul, not Megatron's attention core: its memory "
-                 "and time differ from the plan's")
-    return ['mode = "selective"', 'selective_ac_option = "op"']
+    option = plan.settings.selective_ac_option or "op"
+    if plan.settings.launcher != "torchtitan":
+        # Planned without --launcher torchtitan, selective was the profile's own (Megatron's
+        # attention core); --launcher torchtitan costs torchtitan's form (pipeplan.plan.torchtitan_ac).
+        notes.append("selective recomputation: torchtitan's per-op policy (selective_ac_option \"op\") keeps the "
+                     "attention outputs and recomputes every other matmul, not Megatron's attention core: its memory "
+                     "and time differ from the plan's (plan with --launcher torchtitan to cost it)")
+    return ['mode = "selective"', f'selective_ac_option = "{option}"']
 
 
 def _expert_lines(plan: Plan) -> list[str]:

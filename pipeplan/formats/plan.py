@@ -240,6 +240,13 @@ class PlanSettings(_Strict):
                     "the rest keep everything); null: uniform 1.")
     recompute_num_layers: Optional[PositiveCount] = Field(
         default=None, description="--recompute-num-layers: N of recompute_method (Megatron's flag); null: 1.")
+    selective_ac_option: Optional[str] = Field(
+        default=None, pattern=r"^(op|[1-9][0-9]{0,5})$",
+        description="--selective-ac-option (with --launcher torchtitan): what selective recomputation is, as "
+                    "torchtitan's [activation_checkpoint] selective_ac_option: op (per-op: every other matmul's and "
+                    "the attention's outputs saved, the rest recomputed; the profile's selective_op_sac) or N "
+                    "(every N-th transformer block checkpointed in full, the others keep everything); "
+                    "null: op under --launcher torchtitan.")
     context_parallel: Optional[PositiveCount] = Field(
         default=None,
         description="--context-parallel: fixed context-parallel degree C (the sequence split over C GPUs; "

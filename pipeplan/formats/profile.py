@@ -194,6 +194,14 @@ class LayerCost(_Strict):
         "--recompute-modules names) that this layer has, the bytes its recompute frees and its "
         "time. A module absent is not offered for this layer (it frees nothing here).",
     )
+    selective_op_sac: Optional[SelectiveModule] = Field(
+        default=None,
+        description="torchtitan's per-op selective activation checkpointing of this block "
+        "([activation_checkpoint] mode = \"selective\", selective_ac_option = \"op\"): the bytes it frees "
+        "(of activation_bytes: what the policy neither saves nor is the block's input) and the forward it "
+        "runs again (every op but the saved matmuls and attention). Absent: a unit torchtitan does not "
+        "checkpoint (embedding, norm, head) or one pipeplan does not cost it for (docs/cost-model.md).",
+    )
 
     @model_validator(mode="after")
     def _backward_split_whole(self) -> "LayerCost":
@@ -207,9 +215,11 @@ class LayerCost(_Strict):
             raise ValueError(
                 "give both backward_input_ms and backward_weight_ms, or neither"
             )
-        for module, given in (self.selective_modules or {}).items():
+        op_sac = {"selective_op_sac": self.selective_op_sac} if self.selective_op_sac is not None else {}
+        for module, given in {**(self.selective_modules or {}), **op_sac}.items():
             if given.saved_bytes > self.activation_bytes:
-                raise ValueError(f"selective_modules.{module}.saved_bytes: {given.saved_bytes} exceeds "
+                where = module if module == "selective_op_sac" else f"selective_modules.{module}"
+                raise ValueError(f"{where}.saved_bytes: {given.saved_bytes} exceeds "
                                  f"activation_bytes {self.activation_bytes} (it frees part of them)")
         if (self.selective_activation_bytes is None) != (self.selective_recompute_ms is None):
             raise ValueError(

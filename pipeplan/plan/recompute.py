@@ -164,8 +164,9 @@ def recomputed_layers(stage, settings, profile) -> frozenset:
 
 def uniform_recompute(launcher) -> bool:
     """Whether the launcher applies one recomputation to every pipeline stage (Megatron-LM: one
-    ``recompute_granularity`` for the model), so the planner may not mix them per stage."""
-    return launcher == "megatron"
+    ``recompute_granularity`` for the model; torchtitan: one ``[activation_checkpoint]`` for every
+    block of every model part), so the planner may not mix them per stage."""
+    return launcher in ("megatron", "torchtitan")
 
 
 def uniform_recompute_sets(num_stages: int, selective_known: bool, full: str = "full") -> list[tuple[str, ...]]:

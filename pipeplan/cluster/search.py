@@ -27,8 +27,9 @@ from pipeplan.cluster.assemble import assemble_cluster_plan, hbm_bytes_per_s, in
 from pipeplan.cluster.bounds import seed_estimate_ms, unit_sums
 from pipeplan.cluster.context import (best_over_context, check_context_request, context_choices, context_profile,
                                       context_view, largest_buffer_bytes, stage_context_ms)
-from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync, moe_data_parallel_sync
-from pipeplan.cluster.overlap import StageUnits, exposed_sync_ms
+from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
+from pipeplan.cluster.overlap_plan import (SYNC_OVERLAPS, bound_overlap, overlap_parts, overlapped_rank_sync,
+                                           tp_comm_launcher, trial_overlaps)
 from pipeplan.cluster.experts import (check_expert_request, expert_choices, expert_data_degree, expert_group,
                                       moe_rank_tails, moe_static_bytes, moe_tails_lower_bound,
                                       no_expert_layout_message, view_expert_bytes)
@@ -39,7 +40,6 @@ from pipeplan.cluster.profile_view import DegreeView, head_counts, tensor_degree
 from pipeplan.cluster.runners import compare_search, informative_layouts, kind_label
 from pipeplan.cluster.space import batch_divisor_note, candidates, parallel_degrees, recompute_families, zero_stages
 from pipeplan.errors import BadInputError, InfeasibleError
-from pipeplan.facts.launchers import gradient_bucket_params, launcher_overlaps
 from pipeplan.facts.schedules import valid_virtual_stages
 from pipeplan.facts.training_state import optimizer_step_ms, precision_of, state_bytes_per_param_byte, training_state
 from pipeplan.formats.plan import Plan, PlanSettings
@@ -163,7 +163,7 @@ class _Search:
     def view(self, tensor: int, selective: bool, experts) -> DegreeView:
         """The profile one GPU sees at degree ``tensor`` (and C), collectives and exchange timed."""
         return context_view(self.profile, self.context_source, self.context, tensor, self.cluster, selective,
-                            experts, self.settings.num_gpus, tp_comm=_tp_comm(self.settings))
+                            experts, self.settings.num_gpus, tp_comm=tp_comm_launcher(self.settings))
     compares: list = field(default_factory=list)
     """Each ``--compare`` layout's trials (:class:`pipeplan.cluster.runners.Compare`)."""
 
@@ -319,7 +319,7 @@ def _bound_trials(search: _Search, trials: Optional[list] = None) -> None:
             m, work, largest = replica_batch // b, at.work_ms, at.largest_unit_ms
             # Averaged over the ranks: some rank's busy time plus sync is at least the mean's
             # (bandwidth terms only, which are linear in the parameters).
-            hidden = _bound_overlap(settings, trial, overlap)
+            hidden = bound_overlap(settings, trial, overlap)
             if trial.moe:
                 sync = moe_rank_tails(trial, [params / trial.pipeline], [expert_params / trial.pipeline], m,
                                       bandwidth_only, state, None, hidden, False, OPTIMIZER_HBM_EFFICIENCY)[0][0]
@@ -521,15 +521,15 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     sub = _sub_settings(settings, trial, link, max(1, usable - gathered - buffers), recompute)
     span, fp16 = layout.data_span(), profile.dtype == "fp16"
     incumbent = None
-    bound_overlap = _bound_overlap(settings, trial, overlap)
+    lower_overlap = bound_overlap(settings, trial, overlap)
     if best_ms is not None and settings.layers_per_stage is None:
         def iteration_ms(rank_end_ms, rank_param_bytes, m):
             params = [b / profile.dtype_bytes for b in rank_param_bytes]
             if trial.moe:  # only each rank's total is known here: a lower bound
-                sync, step = moe_tails_lower_bound(trial, params, m, cluster, state, hbm, bound_overlap, fp16,
+                sync, step = moe_tails_lower_bound(trial, params, m, cluster, state, hbm, lower_overlap, fp16,
                                                    OPTIMIZER_HBM_EFFICIENCY)
             else:
-                sync, step = _rank_tails(trial, params, m, span, cluster, state, hbm, bound_overlap, fp16)
+                sync, step = _rank_tails(trial, params, m, span, cluster, state, hbm, lower_overlap, fp16)
             return max(end + s for end, s in zip(rank_end_ms, sync)) + max(step)
 
         incumbent = Incumbent(best_ms, iteration_ms, trial.extras["bound_by_size"])
@@ -572,15 +572,11 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
                                     OPTIMIZER_HBM_EFFICIENCY)
     else:
         sync, step = _rank_tails(trial, rank_params, m, span, cluster, state, hbm, overlap, fp16)
-    overlaps = _trial_overlaps(settings, trial.zero_stage)
+    overlaps = trial_overlaps(settings, trial.zero_stage)
     split = None
     if overlaps & SYNC_OVERLAPS and trial.shard > 1:
-        syncs = _rank_syncs(trial, rank_params, rank_experts, m, span, cluster, state)
-        units = _rank_stage_units(plan, sim, view, settings, trial)
-        split = [exposed_sync_ms(one.gradient_ms, one.weight_gather_ms, trial.zero_stage, overlaps, units[r],
-                                 rank_end[r], m) for r, one in enumerate(syncs)]
-        sync = [(1 - overlap) * (gradient + gather) for gradient, gather in split]
-        split = [(gradient, gather, one.total_ms) for (gradient, gather), one in zip(split, syncs)]
+        sync, split = overlapped_rank_sync(plan, sim, view, settings, trial, overlaps, rank_params, rank_experts,
+                                           rank_end, span, cluster, state, overlap)
     critical = sim.critical_rank
     trial.parts = iteration_parts(sim.compute_ms, min(rank_tp[critical], sim.compute_ms), sim.transfer_ms,
                                   sim.bubble_ms + sim.overhead_ms, rank_end, sync, step,
@@ -590,82 +586,8 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     trial.status = "planned"
     trial.extras = {"layout": layout, "link": "inter" if "inter" in links else ("intra" if links else "local"),
                     "gathered": gathered, "buffers": buffers,
-                    **_overlap_parts(trial.parts, split, rank_end, sync, overlap, overlaps,
+                    **overlap_parts(trial.parts, split, rank_end, sync, overlap, overlaps,
                                      rank_tp_hidden[critical] if view.tensor_parallel_hidden_ms else None)}
 
 
 
-
-#: The overlaps that hide part of the data-parallel sync (the rest, tp-comm, is the view's).
-SYNC_OVERLAPS = frozenset({"grad-reduce", "param-gather"})
-
-
-def _trial_overlaps(settings: PlanSettings, zero_stage: int) -> frozenset:
-    """What a trial overlaps: ``--overlap`` as given, else the launcher's defaults at its ZeRO stage."""
-    if settings.overlap is not None:
-        return frozenset(settings.overlap)
-    return launcher_overlaps(settings.launcher, zero_stage)
-
-
-def _tp_comm(settings: PlanSettings):
-    """The launcher whose tensor-parallel overlap the views model (``"megatron"`` without one), or None."""
-    overlaps = settings.overlap if settings.overlap is not None else launcher_overlaps(settings.launcher, 1)
-    return (settings.launcher or "megatron") if "tp-comm" in overlaps else None
-
-
-def _bound_overlap(settings: PlanSettings, trial, overlap: float) -> float:
-    """The share of the sync a lower bound may take as hidden: all of it where an overlap of the
-    sync is modelled (its exposed part needs the split and the schedule), else the legacy share."""
-    return 1.0 if _trial_overlaps(settings, trial.zero_stage) & SYNC_OVERLAPS else overlap
-
-
-def _rank_syncs(trial, rank_params, rank_experts, m: int, span, cluster, state):
-    """Each pipeline rank's whole sync (:class:`DataParallelSync`, nothing hidden)."""
-    if not trial.moe:
-        return [data_parallel_sync(p, state, trial.zero_stage, span, cluster, m) for p in rank_params]
-    layout = cluster_layout(cluster, trial.data, trial.tensor, trial.pipeline)
-    expert_span = layout.loose_span(layout.expert_data_group(trial.expert, trial.expert_tensor))
-    return [moe_data_parallel_sync(total - expert, expert, state, trial.zero_stage, layout.data_span(), expert_span,
-                                   cluster, m) for total, expert in zip(rank_params, rank_experts)]
-
-
-def _rank_stage_units(plan, sim, view: DegreeView, settings: PlanSettings, trial) -> list[list[StageUnits]]:
-    """Per pipeline rank, its stages in order as :class:`StageUnits`: each unit's parameters and
-    passes at the plan's micro-batch size, the stage's last backward (from the simulation), and its
-    gradient buckets (Megatron: buckets of ``bucket_size`` on the first stage only, one bucket per
-    later stage or chunk; the other launchers: one per unit)."""
-    layers = {layer.name: layer for layer in view.profile.layers}
-    dtype_bytes = view.profile.dtype_bytes
-    last: dict = {}
-    for event in sim.events:
-        if event.kind in ("FULL_B", "W") and (event.stage not in last or event.end_ms > last[event.stage][1]):
-            last[event.stage] = (event.start_ms, event.end_ms)
-    bucket = gradient_bucket_params(settings.launcher, trial.data, settings.ddp_bucket_size)
-    out: list[list[StageUnits]] = [[] for _ in range(trial.pipeline)]
-    for stage in sorted(plan.stages, key=lambda s: s.index):
-        costs = [next(c for c in layers[name].costs if c.microbatch_size == plan.microbatch_size)
-                 for name in stage.layers]
-        size = bucket if (settings.launcher != "megatron" or stage.index == 0) else None
-        out[stage.rank].append(StageUnits(
-            params=tuple(layers[name].param_bytes / dtype_bytes for name in stage.layers),
-            forward_ms=tuple(c.forward_ms for c in costs), backward_ms=tuple(c.backward_ms for c in costs),
-            last_backward=last.get(stage.index, (0.0, 0.0)), bucket_params=size))
-    return out
-
-
-def _overlap_parts(parts, split, rank_end, sync, overlap: float, overlaps, tp_hidden_ms) -> dict:
-    """The trial's overlap record for the plan (``{}`` where nothing is overlapped): the exposed
-    sync of the rank that ends last split into gradient reduce and parameter all-gather, what the
-    overlaps hid of that rank's sync, and the tensor-parallel collectives hidden."""
-    out: dict = {}
-    if tp_hidden_ms is not None:
-        out["tensor_parallel_hidden_ms"] = tp_hidden_ms
-    if split is None:
-        return out
-    last = max(range(len(rank_end)), key=lambda r: (rank_end[r] + sync[r], -r))
-    gradient, gather, whole = split[last]
-    exposed = parts.data_parallel_ms
-    share = gradient / (gradient + gather) if gradient + gather > 0 else 1.0
-    out.update(overlaps=sorted(overlaps), gradient_reduce_ms=exposed * share,
-               param_gather_ms=exposed * (1 - share), data_parallel_hidden_ms=whole - (1 - overlap) * (gradient + gather))
-    return out

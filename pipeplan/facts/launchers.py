@@ -27,7 +27,7 @@ from typing import Optional
 from pipeplan.facts.schedules import LAUNCHER_SCHEDULES
 
 __all__ = ["LauncherFacts", "LAUNCHERS", "launcher_zero_stages", "launcher_optimizer", "DEFAULT_OPTIMIZER",
-           "launcher_overlaps", "gradient_bucket_params", "MEGATRON_MIN_BUCKET_PARAMS"]
+           "launcher_overlaps", "plan_overlaps", "gradient_bucket_params", "MEGATRON_MIN_BUCKET_PARAMS"]
 
 #: The optimizer state a plan keeps without a launcher (16-bit weights and gradients, fp32 Adam).
 DEFAULT_OPTIMIZER = "adam"
@@ -139,6 +139,17 @@ def launcher_overlaps(launcher: Optional[str], zero_stage: int) -> frozenset:
     if launcher == "deepspeed" and zero_stage == 3:
         return frozenset({"grad-reduce", "param-gather"})
     return frozenset()
+
+
+def plan_overlaps(overlap, launcher: Optional[str], zero_stage: int) -> frozenset:
+    """What a plan overlaps: its ``settings.overlap`` where given, else ``launcher``'s defaults.
+
+    Examples
+    --------
+    >>> sorted(plan_overlaps(None, "torchtitan", 3)), sorted(plan_overlaps([], "torchtitan", 3))
+    (['grad-reduce', 'param-gather'], [])
+    """
+    return frozenset(overlap) if overlap is not None else launcher_overlaps(launcher, zero_stage)
 
 
 def gradient_bucket_params(launcher: Optional[str], data: int, given: Optional[int] = None) -> Optional[float]:

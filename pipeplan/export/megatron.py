@@ -324,6 +324,7 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
     notes += tied_weight_notes(plan, profile, "megatron")
     recompute = _recompute_flags(plan, notes)
     optimizer = _optimizer_flags(plan, degrees, notes)
+    overlap = overlap_flags(plan, degrees, notes)
     if degrees.tensor > 1 and not degrees.sequence_parallel:
         notes.append("the plan has no sequence parallelism: --sequence-parallel is left out")
     if shape.num_ranks == 1:
@@ -362,7 +363,7 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
         # The ring exchange the plan costs is Megatron-core's default (cp_comm_type "p2p").
         flags += [("--context-parallel-size", str(degrees.context)), ("--cp-comm-type", "p2p")]
     flags += optimizer + recompute + _expert_flags(plan, profile) + precision_flags(plan)
-    flags += overlap_flags(plan, degrees, notes)
+    flags += overlap
     flags += [
         ("--micro-batch-size", str(degrees.microbatch_size)),
         ("--global-batch-size", str(degrees.global_batch)),

@@ -570,3 +570,26 @@ def test_overlapped_cluster_plan_parts_add_up_and_match_the_stream_by_hand(tmp_p
     assert p.data_parallel_hidden_ms == pytest.approx(sync.gradient_ms - exposed, rel=1e-6, abs=1e-6)
     assert on.predicted.iteration_ms < off.predicted.iteration_ms
     assert off.predicted.data_parallel_ms == pytest.approx(sync.total_ms, rel=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(units=st.lists(st.tuples(st.floats(1e5, 1e9), st.floats(0.01, 10.0), st.floats(0.01, 20.0)),
+                      min_size=1, max_size=8),
+       bucket=st.sampled_from([None, 0, 5e7, 4e8]), zero=st.sampled_from([0, 1, 2, 3]),
+       gradient_ms=st.floats(0.0, 500.0), gather_ms=st.floats(0.0, 500.0), m=st.integers(1, 16),
+       overlaps=st.sets(st.sampled_from(["grad-reduce", "param-gather"])), slack_ms=st.floats(0.0, 50.0))
+def test_overlap_never_adds_time_and_off_is_the_whole_sync(units, bucket, zero, gradient_ms, gather_ms, m, overlaps,
+                                                           slack_ms):
+    from pipeplan.cluster.overlap import StageUnits, exposed_sync_ms
+
+    params, forward, backward = (tuple(x) for x in zip(*units))
+    end = 100.0 + sum(backward)
+    stage = StageUnits(params, forward, backward, (100.0, end), bucket_params=bucket)
+    gradient, gather = exposed_sync_ms(gradient_ms, gather_ms, zero, overlaps, [stage], end + slack_ms, m)
+    assert -1e-9 <= gradient <= gradient_ms * (1 + 1e-9) + 1e-9
+    assert -1e-9 <= gather <= gather_ms * (1 + 1e-9) + 1e-9
+    assert exposed_sync_ms(gradient_ms, gather_ms, zero, set(), [stage], end, m) == pytest.approx(
+        (gradient_ms, gather_ms))
+    more = exposed_sync_ms(gradient_ms, gather_ms, zero, overlaps | {"grad-reduce", "param-gather"}, [stage],
+                           end + slack_ms, m)
+    assert sum(more) <= gradient + gather + 1e-6 * (1 + gradient_ms + gather_ms)

@@ -3,7 +3,9 @@
 Each row of ``benchmarks/data/megatron_bridge_runs.json`` (origin and licence in the file) is
 planned with every degree, the micro-batch size and the global batch fixed as published, through
 pipeplan's own command line (the commands are printed, so any row can be rerun by hand), with
-the defaults otherwise: no constant is set for a row. A row pipeplan cannot state yet (a system
+the defaults otherwise: no constant is set for a row. The communication overlap is Megatron
+Bridge's own (BRIDGE_DATA_PARALLEL_OVERLAP, BRIDGE_TP_COMM_OVERLAP: its CommOverlapConfig and
+recipes), not Megatron-LM's defaults. A row pipeplan cannot state yet (a system
 without a preset, a precision, context parallelism) is reported as not expressible with the
 command line's own reason. Results go to docs/cluster-validation.md with this command:
 
@@ -34,6 +36,18 @@ MODELS = {"llama3.1-405b": "llama3-405b"}
 #: The published precision as pipeplan's --precision (BF16: the default, no option).
 PRECISIONS = {"BF16": None, "FP8-CS": "fp8", "MXFP8": "mxfp8", "NVFP4": "nvfp4"}
 
+#: Megatron Bridge's communication overlap, as its CommOverlapConfig sets it for every recipe
+#: (src/megatron/bridge/training/comm_overlap.py): with data parallelism (d > 1)
+#: ``overlap_grad_reduce = overlap_param_gather = True`` and ``bucket_size = 128 * 1024 * 1024``.
+BRIDGE_DATA_PARALLEL_OVERLAP = ("grad-reduce", "param-gather")
+BRIDGE_BUCKET_PARAMS = 128 * 1024 * 1024
+
+#: Models whose Bridge pretraining recipe turns on tensor-parallel overlap (``CommOverlapConfig(
+#: tp_comm_overlap=True, tp_comm_overlap_cfg=userbuffers_bf16_h100_h16384_tp8_cp2_mbs1_seqlen8192)``
+#: in src/megatron/bridge/recipes/llama/llama3.py, the 405B configs). The other rows' recipes
+#: were not read for it: planned without it.
+BRIDGE_TP_COMM_OVERLAP = {"llama3.1-405b"}
+
 
 def commands(row: dict, workdir: Path) -> tuple[list[str], list[str]]:
     """The profile and plan command lines of one row (``pipeplan`` arguments)."""
@@ -56,6 +70,12 @@ def commands(row: dict, workdir: Path) -> tuple[list[str], list[str]]:
         plan += ["--context-parallel", str(row["cp"])]
     if row["ep"] > 1:
         plan += ["--expert-parallel", str(row["ep"])]
+    overlap = list(BRIDGE_DATA_PARALLEL_OVERLAP if dp > 1 else ())
+    if row["model"] in BRIDGE_TP_COMM_OVERLAP and row["tp"] > 1:
+        overlap.append("tp-comm")
+    plan += ["--overlap", ",".join(overlap) or "none"]
+    if dp > 1:
+        plan += ["--ddp-bucket-size", str(BRIDGE_BUCKET_PARAMS)]
     recipe = row.get("recipe") or {}
     if recipe.get("recompute_modules"):
         plan += ["--recompute-modules", ",".join(recipe["recompute_modules"])]

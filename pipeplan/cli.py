@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from pipeplan import cli_run
 from pipeplan.cli_common import Group, echo, handled, rich_console, state, terminal_progress
 from pipeplan.progress import reporting
+from pipeplan.cluster.overlap import OVERLAPS
 from pipeplan.cluster.presets import resolve_cluster
 from pipeplan.errors import BadInputError
 from pipeplan.formats.limits import MAX_TIMELINE_WIDTH, check_option_range
@@ -116,14 +117,26 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
+def _overlaps(text: str) -> list[str]:
+    """``--overlap grad-reduce,param-gather`` (or ``none``) as the plan's list."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if names == ["none"]:
+        return []
+    for name in names:
+        if name not in OVERLAPS:
+            raise BadInputError(f"--overlap: {name!r} is not one of {', '.join(OVERLAPS)} (or none)")
+    return sorted(set(names), key=OVERLAPS.index)
+
+
 def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_parallel=None, zero=None,
                      data_parallel_overlap=None, expert_parallel=None, expert_tensor_parallel=None,
-                     expert_imbalance=None, compare=None, context_parallel=None):
+                     expert_imbalance=None, compare=None, context_parallel=None, overlap=None, ddp_bucket_size=None):
     """The cluster options of ``pipeplan plan`` (docs/cluster-model.md); empty without --gpus."""
     if num_gpus is None:
         given = [name for name, value in (("--cluster", cluster), ("--data-parallel", data_parallel),
                                           ("--tensor-parallel", tensor_parallel), ("--zero", zero),
                                           ("--data-parallel-overlap", data_parallel_overlap),
+                                          ("--overlap", overlap), ("--ddp-bucket-size", ddp_bucket_size),
                                           ("--expert-parallel", expert_parallel),
                                           ("--expert-tensor-parallel", expert_tensor_parallel),
                                           ("--expert-imbalance", expert_imbalance),
@@ -136,6 +149,8 @@ def _cluster_options(num_gpus=None, cluster=None, data_parallel=None, tensor_par
         raise BadInputError("--gpus: give --cluster NAME or FILE too (pipeplan cluster lists the presets)")
     return {"num_gpus": num_gpus, "cluster": resolve_cluster(cluster), "data_parallel": data_parallel,
             "tensor_parallel": tensor_parallel, "zero_stage": zero, "data_parallel_overlap": data_parallel_overlap,
+            **({"overlap": _overlaps(overlap)} if overlap is not None else {}),
+            **({"ddp_bucket_size": ddp_bucket_size} if ddp_bucket_size is not None else {}),
             **{name: value for name, value in (("expert_parallel", expert_parallel),
                                                ("expert_tensor_parallel", expert_tensor_parallel),
                                                ("expert_imbalance", expert_imbalance),
@@ -248,7 +263,9 @@ def plan(
     data_parallel: Optional[int] = typer.Option(None, "--data-parallel", help="With --gpus: fix the data-parallel degree d."),
     tensor_parallel: Optional[int] = typer.Option(None, "--tensor-parallel", help="With --gpus: fix the tensor-parallel degree t."),
     zero: Optional[int] = typer.Option(None, "--zero", help="With --gpus: fix the ZeRO stage (0-3); default: search."),
-    data_parallel_overlap: Optional[float] = typer.Option(None, "--data-parallel-overlap", help="With --gpus: share of the gradient sync hidden behind compute (default 0)."),
+    data_parallel_overlap: Optional[float] = typer.Option(None, "--data-parallel-overlap", help="With --gpus: a further share of the sync the modelled overlaps leave exposed, assumed hidden (default 0)."),
+    overlap: Optional[str] = typer.Option(None, "--overlap", help="With --gpus: the communication overlapped with compute, e.g. grad-reduce,param-gather,tp-comm, or none; default: the --launcher's (docs/cluster-model.md)."),
+    ddp_bucket_size: Optional[int] = typer.Option(None, "--ddp-bucket-size", help="With --gpus and grad-reduce: parameters per gradient bucket (Megatron's --ddp-bucket-size; default max(40M, 1M x d))."),
     layers_per_stage: Optional[str] = typer.Option(None, "--layers-per-stage", help="Fix the split: units per stage in profile order, e.g. 5,7,7,7 (virtual stages in order); needs a named --schedule."),
     expert_parallel: Optional[int] = typer.Option(None, "--expert-parallel", help="With --gpus, a mixture-of-experts profile: fix the expert-parallel degree E (E x ETP divides t x d; E divides the experts); default: search."),
     expert_tensor_parallel: Optional[int] = typer.Option(None, "--expert-tensor-parallel", help="With --gpus: the experts' tensor-parallel degree (divides t; default 1)."),
@@ -269,7 +286,8 @@ def plan(
                             data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero=zero,
                             data_parallel_overlap=data_parallel_overlap, expert_parallel=expert_parallel,
                             expert_tensor_parallel=expert_tensor_parallel, expert_imbalance=expert_imbalance,
-                            fp8_param_gather=fp8_param_gather, compare=compare, context_parallel=context_parallel)
+                            fp8_param_gather=fp8_param_gather, compare=compare, context_parallel=context_parallel,
+                            overlap=overlap, ddp_bucket_size=ddp_bucket_size)
     if layers_per_stage is not None:
         request = request.model_copy(update={"layers_per_stage": _counts(layers_per_stage)})
     if recompute_modules is not None:

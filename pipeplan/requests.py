@@ -50,6 +50,7 @@ def _required(name: str, description: str):
 
 #: Fields only a cluster request has.
 CLUSTER_ONLY_FIELDS = ("cluster", "data_parallel", "tensor_parallel", "zero_stage", "data_parallel_overlap",
+                       "overlap", "ddp_bucket_size",
                        "search_stages", "expert_parallel", "expert_tensor_parallel", "expert_imbalance",
                        "expert_data_parallel", "compare", "context_parallel")
 
@@ -177,6 +178,8 @@ class ClusterRequest(_Request):
     tensor_parallel: _FIELDS["tensor_parallel"].annotation = _FIELDS["tensor_parallel"]
     zero_stage: _FIELDS["zero_stage"].annotation = _FIELDS["zero_stage"]
     data_parallel_overlap: _FIELDS["data_parallel_overlap"].annotation = _FIELDS["data_parallel_overlap"]
+    overlap: _FIELDS["overlap"].annotation = _FIELDS["overlap"]
+    ddp_bucket_size: _FIELDS["ddp_bucket_size"].annotation = _FIELDS["ddp_bucket_size"]
     search_stages: _FIELDS["search_stages"].annotation = _FIELDS["search_stages"]
     expert_parallel: _FIELDS["expert_parallel"].annotation = _FIELDS["expert_parallel"]
     expert_tensor_parallel: _FIELDS["expert_tensor_parallel"].annotation = _FIELDS["expert_tensor_parallel"]

@@ -318,3 +318,17 @@ def test_fixed_virtual_stages_leave_out_pipelines_too_deep_for_them():
     assert plan.virtual_stages == 5 and plan.parallelism.pipeline * 5 <= 35
     with pytest.raises(BadInputError, match="--virtual-stages: 8 ranks x 5 stages per rank = 40 stages"):
         _plan(schedule="interleaved", virtual_stages=5, num_gpus=8, stages=8)
+
+
+@pytest.mark.parametrize("overlap", [["grad-reduce", "param-gather"], ["grad-reduce", "param-gather", "tp-comm"]],
+                         ids=str)
+def test_pruning_keeps_the_winner_when_the_sync_overlaps(monkeypatch, overlap):
+    """The bounds take an overlapped sync as fully hidden (its exposed part needs the split), so
+    they stay lower bounds: the same winner and plan as with every bound off."""
+    pruned = _plan(overlap=overlap, launcher="megatron", schedule="auto")
+    exhaustive = _exhaustive(monkeypatch, lambda: _plan(overlap=overlap, launcher="megatron", schedule="auto"))
+    _check_pruning_keeps_the_winner(pruned, exhaustive)
+    p = pruned.predicted
+    assert _parts_sum(p) == pytest.approx(p.iteration_ms, abs=1e-5)
+    if pruned.parallelism.data > 1:
+        assert p.gradient_reduce_ms + p.param_gather_ms == pytest.approx(p.data_parallel_ms, abs=1e-5)

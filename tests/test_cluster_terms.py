@@ -398,3 +398,198 @@ def test_iteration_errors_and_throughput():
         iteration_parts(2.0, 0.0, 0.0, 0.0, [1.0], [0.0], [0.0])
     assert model_flops_utilization(312e12, 1000.0, 1, 312e12) == pytest.approx(1.0)
     assert pipeline_lower_bound_ms(100.0, 4, 4) == 100.0
+
+
+# --------------------------------------------------------------------------- overlap (pipeplan.cluster.overlap)
+
+
+def test_megatron_buckets_fill_in_reverse_and_close_at_bucket_size():
+    """Megatron-core's _does_param_require_new_bucket loop: parameters in reverse, a bucket closes
+    once it holds bucket_size; each ready when the last micro-batch's backward has passed its
+    last (earliest) parameter. Units of 30M, 50M, 50M parameters, buckets of 40M, backward 1, 2, 2 ms
+    in a window [10, 15] ms."""
+    from pipeplan.cluster.overlap import StageUnits, buckets
+
+    stage = StageUnits((30e6, 50e6, 50e6), (0.5, 1.0, 1.0), (1.0, 2.0, 2.0), (10.0, 15.0), bucket_params=40e6)
+    # reverse: unit 2 (50M) ends at 12 ms, unit 1 at 14 ms, unit 0 at 15 ms
+    expected = [
+        (40e6, 12.0, 1.0 * 40 / 50),                       # 40M of unit 2
+        (40e6, 14.0, 1.0 * 10 / 50 + 1.0 * 30 / 50),       # 10M of unit 2, 30M of unit 1
+        (40e6, 15.0, 1.0 * 20 / 50 + 0.5 * 20 / 30),       # 20M of unit 1, 20M of unit 0
+        (10e6, 15.0, 0.5 * 10 / 30),                       # the rest of unit 0: the last bucket
+    ]
+    got = buckets(stage)
+    assert len(got) == len(expected)
+    assert [x for b in got for x in b] == pytest.approx([x for b in expected for x in b])
+    one = StageUnits((30e6, 50e6), (0.5, 1.0), (1.0, 2.0), (10.0, 13.0))
+    assert buckets(one) == [(80e6, 13.0, 1.5)]
+    per_unit = StageUnits((30e6, 50e6), (0.5, 1.0), (1.0, 2.0), (10.0, 13.0), bucket_params=0)
+    assert buckets(per_unit) == [(50e6, 12.0, 1.0), (30e6, 13.0, 0.5)]
+
+
+def test_gradient_stream_exposes_at_least_the_last_bucket():
+    from pipeplan.cluster.overlap import StageUnits, exposed_sync_ms, stream_exposed_ms
+
+    stage = StageUnits((30e6, 50e6, 50e6), (0.5, 1.0, 1.0), (1.0, 2.0, 2.0), (10.0, 15.0), bucket_params=40e6)
+    # 13 ms of reduce-scatter over 130M parameters: 4, 4, 4 and 1 ms by bucket
+    ready = [(12.0, 4.0), (14.0, 4.0), (15.0, 4.0), (15.0, 1.0)]
+    # stream: 12-16, 16-20, 20-24, 24-25: 10 ms after the rank's end at 15 ms
+    assert stream_exposed_ms(ready, 15.0) == pytest.approx(10.0)
+    assert exposed_sync_ms(13.0, 0.0, 1, {"grad-reduce"}, [stage], 15.0, 8) == pytest.approx((10.0, 0.0))
+    # without the overlap everything is exposed; a rank that ends later hides more
+    assert exposed_sync_ms(13.0, 0.0, 1, set(), [stage], 15.0, 8) == (13.0, 0.0)
+    assert exposed_sync_ms(13.0, 0.0, 1, {"grad-reduce"}, [stage], 20.0, 8) == pytest.approx((5.0, 0.0))
+    # the last bucket, ready as the rank's backward ends, is never hidden; later work (another
+    # chunk's) hides it
+    assert exposed_sync_ms(13.0, 0.0, 1, {"grad-reduce"}, [stage], 15.0, 8)[0] >= 1.0
+    assert exposed_sync_ms(13.0, 0.0, 1, {"grad-reduce"}, [stage], 30.0, 8)[0] == 0.0
+    # ZeRO 2: every micro-batch's reduce-scatter (13 / 8 ms each), as the last one's, times 8
+    per = stream_exposed_ms([(r, c / 8) for r, c in ready], 15.0)
+    assert exposed_sync_ms(13.0, 0.0, 2, {"grad-reduce"}, [stage], 15.0, 8)[0] == pytest.approx(8 * per)
+
+
+def test_param_gather_hides_each_bucket_behind_the_forward_of_the_one_before():
+    from pipeplan.cluster.overlap import StageUnits, exposed_sync_ms
+
+    stage = StageUnits((30e6, 50e6, 50e6), (0.5, 1.0, 1.0), (1.0, 2.0, 2.0), (10.0, 15.0), bucket_params=40e6)
+    # forward order: buckets of 10M, 40M, 40M, 40M; forwards 0.1667, 0.7333, 0.8, 0.8 ms; 13 ms of all-gather
+    comm = [1.0, 4.0, 4.0, 4.0]
+    forward = [0.5 * 10 / 30, 0.5 * 20 / 30 + 1.0 * 20 / 50, 1.0 * 30 / 50 + 1.0 * 10 / 50, 1.0 * 40 / 50]
+    hand = comm[0] + sum(max(0.0, comm[i + 1] - forward[i]) for i in range(3))
+    assert exposed_sync_ms(0.0, 13.0, 1, {"param-gather"}, [stage], 15.0, 8) == pytest.approx((0.0, hand))
+    assert exposed_sync_ms(0.0, 13.0, 1, {"grad-reduce"}, [stage], 15.0, 8) == (0.0, 13.0)
+
+
+def test_zero3_prefetch_per_unit_against_hand_computation():
+    """Three units of 10, 20, 30 parameters; 6 ms of all-gathers (both passes) and 6 ms of
+    reduce-scatters per iteration of 2 micro-batches: per micro-batch a unit's all-gather is
+    1.5 ms x its share, its reduce-scatter 3 ms x its share."""
+    from pipeplan.cluster.overlap import StageUnits, exposed_sync_ms, fsdp_microbatch_exposed_ms
+
+    stage = StageUnits((10.0, 20.0, 30.0), (0.2, 0.2, 0.2), (0.4, 0.4, 0.4), (0.0, 1.2))
+    g = [1.5 / 6, 1.5 * 2 / 6, 1.5 * 3 / 6]        # 0.25, 0.5, 0.75
+    r = [3.0 / 6, 3.0 * 2 / 6, 3.0 * 3 / 6]        # 0.5, 1, 1.5
+    forward = g[0] + max(0, g[1] - 0.2) + max(0, g[2] - 0.2)
+    backward = g[2] + max(0, g[1] - 0.4) + max(0, g[0] + r[2] - 0.4) + max(0, r[1] - 0.4) + r[0]
+    assert fsdp_microbatch_exposed_ms(g, r, stage.forward_ms, stage.backward_ms, True, True) == pytest.approx(
+        forward + backward)
+    gradient, gather = exposed_sync_ms(6.0, 6.0, 3, {"grad-reduce", "param-gather"}, [stage], 1.2, 2)
+    assert gradient + gather == pytest.approx(2 * (forward + backward)) and gradient == pytest.approx(gather)
+    # nothing overlapped: 2 gathers + a reduce-scatter of every unit, every micro-batch: the whole sync
+    assert sum(exposed_sync_ms(6.0, 6.0, 3, set(), [stage], 1.2, 2)) == pytest.approx(12.0)
+
+
+def test_tensor_parallel_shares_and_their_floor():
+    from pipeplan.cluster.overlap import tensor_parallel_exposed_shares as shares
+
+    assert shares({"tp-comm"}, "megatron", "reduce_scatter_all_gather", 8) == (0.125, 0.0)
+    assert shares({"tp-comm"}, None, "reduce_scatter_all_gather", 2) == (0.125, 0.0)
+    assert shares({"tp-comm"}, "torchtitan", "reduce_scatter_all_gather", 2) == (0.5, 0.5)
+    assert shares({"tp-comm"}, "megatron", "all_reduce", 8) == (1.0, 1.0)   # needs sequence parallelism
+    assert shares(set(), "megatron", "reduce_scatter_all_gather", 8) == (1.0, 1.0)
+
+
+def test_tp_comm_view_keeps_the_exposed_share_and_the_plan_reports_the_rest(tmp_path):
+    """The view at t = 2 with tp-comm: each unit's forward keeps max(1/8 x TP, TP - compute), the
+    backward max(0, TP - compute); exposed + hidden is the whole collective."""
+    from pipeplan.api import make_profile
+    from pipeplan.cluster.profile_view import degree_view
+
+    path = tmp_path / "l8.json"
+    make_profile("llama3-8b", path, analytic=True, gpu="h100-sxm", seq_len=2048, microbatch_sizes="1",
+                 tensor_parallel="2")
+    from pipeplan.formats.io import load_profile
+
+    profile, cluster = load_profile(path), PRESETS["dgx-h100"]
+    whole = degree_view(profile, 2, cluster)
+    hidden = degree_view(profile, 2, cluster, tp_comm="megatron")
+    checked = 0
+    for layer in profile.layers:
+        cost = next(c for c in layer.costs if c.tensor_parallel == 2)
+        key = (layer.name, 1)
+        forward, backward = whole.tensor_parallel_ms[key]
+        if not forward:
+            continue
+        exposed = hidden.tensor_parallel_ms[key]
+        assert exposed[0] == pytest.approx(max(forward / 8, forward - cost.forward_ms))
+        assert exposed[1] == pytest.approx(max(0.0, backward - cost.backward_ms))
+        assert sum(exposed) + sum(hidden.tensor_parallel_hidden_ms[key]) == pytest.approx(forward + backward)
+        checked += 1
+    assert checked >= 32
+
+
+def test_overlapped_cluster_plan_parts_add_up_and_match_the_stream_by_hand(tmp_path):
+    """p = 1, d = 8 (one GPU per replica on one node), Megatron's buckets of 40M parameters: the
+    plan's exposed gradient reduce is the stream of hand-made buckets over its one backward."""
+    from pipeplan.api import plan_profile
+    from pipeplan.cluster.placement import cluster_layout
+    from pipeplan.formats.io import load_profile
+    from pipeplan.plan import plan_simulation
+    from pipeplan.requests import ClusterRequest
+
+    profile_path = "profiles/transformer32-analytic.json"
+    profile, cluster = load_profile(profile_path), PRESETS["dgx-a100"]
+
+    def plan(overlap):
+        return plan_profile(profile_path, ClusterRequest(
+            num_gpus=8, cluster=cluster, global_batch=16, data_parallel=8, tensor_parallel=1, stages=1,
+            zero_stage=1, launcher="megatron", overlap=overlap, microbatch_size=1))
+
+    off, on = plan(None), plan(["grad-reduce"])
+    assert off.predicted.gradient_reduce_ms is None and on.settings.overlap == ["grad-reduce"]
+    p = on.predicted
+    parts = (p.compute_ms + (p.tensor_parallel_ms or 0) + p.transfer_ms + p.bubble_ms + (p.overhead_ms or 0)
+             + p.data_parallel_ms + p.optimizer_ms)
+    assert parts == pytest.approx(p.iteration_ms, abs=1e-5)
+    assert p.gradient_reduce_ms + p.param_gather_ms == pytest.approx(p.data_parallel_ms, abs=1e-5)
+    # by hand: the reduce-scatter of every parameter's fp32... here adam: 2-byte gradients
+    state = training_state("adam-fp32-grads", profile.dtype_bytes)
+    params = [layer.param_bytes / profile.dtype_bytes for layer in profile.layers]
+    span = cluster_layout(cluster, 8, 1, 1).data_span()
+    sync = data_parallel_sync(sum(params), state, 1, span, cluster, on.num_microbatches)
+    sim = plan_simulation(on)
+    start, end = max(((e.start_ms, e.end_ms) for e in sim.events if e.kind in ("FULL_B", "W")), key=lambda x: x[1])
+    backward = [next(c.backward_ms for c in layer.costs if c.microbatch_size == 1) for layer in profile.layers]
+    size, held, ready = 40e6, 0.0, []
+    done = 0.0
+    for n, b in zip(reversed(params), reversed(backward)):
+        done += b
+        at = start + (end - start) * done / sum(backward)
+        held += n
+        while held >= size:
+            ready.append((at, size))
+            held -= size
+    if held > 0:
+        ready.append((end, held))
+    finish = 0.0
+    for at, n in ready:
+        finish = max(at, finish) + sync.gradient_ms * n / sum(params)
+    exposed = max(0.0, finish - sim.iteration_ms)
+    assert p.gradient_reduce_ms == pytest.approx(exposed, rel=1e-6, abs=1e-6)
+    assert p.param_gather_ms == pytest.approx(sync.weight_gather_ms, rel=1e-6)   # not overlapped
+    assert p.data_parallel_hidden_ms == pytest.approx(sync.gradient_ms - exposed, rel=1e-6, abs=1e-6)
+    assert on.predicted.iteration_ms < off.predicted.iteration_ms
+    assert off.predicted.data_parallel_ms == pytest.approx(sync.total_ms, rel=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(units=st.lists(st.tuples(st.floats(1e5, 1e9), st.floats(0.01, 10.0), st.floats(0.01, 20.0)),
+                      min_size=1, max_size=8),
+       bucket=st.sampled_from([None, 0, 5e7, 4e8]), zero=st.sampled_from([0, 1, 2, 3]),
+       gradient_ms=st.floats(0.0, 500.0), gather_ms=st.floats(0.0, 500.0), m=st.integers(1, 16),
+       overlaps=st.sets(st.sampled_from(["grad-reduce", "param-gather"])), slack_ms=st.floats(0.0, 50.0))
+def test_overlap_never_adds_time_and_off_is_the_whole_sync(units, bucket, zero, gradient_ms, gather_ms, m, overlaps,
+                                                           slack_ms):
+    from pipeplan.cluster.overlap import StageUnits, exposed_sync_ms
+
+    params, forward, backward = (tuple(x) for x in zip(*units))
+    end = 100.0 + sum(backward)
+    stage = StageUnits(params, forward, backward, (100.0, end), bucket_params=bucket)
+    gradient, gather = exposed_sync_ms(gradient_ms, gather_ms, zero, overlaps, [stage], end + slack_ms, m)
+    assert -1e-9 <= gradient <= gradient_ms * (1 + 1e-9) + 1e-9
+    assert -1e-9 <= gather <= gather_ms * (1 + 1e-9) + 1e-9
+    assert exposed_sync_ms(gradient_ms, gather_ms, zero, set(), [stage], end, m) == pytest.approx(
+        (gradient_ms, gather_ms))
+    more = exposed_sync_ms(gradient_ms, gather_ms, zero, overlaps | {"grad-reduce", "param-gather"}, [stage],
+                           end + slack_ms, m)
+    assert sum(more) <= gradient + gather + 1e-6 * (1 + gradient_ms + gather_ms)

@@ -325,3 +325,25 @@ def test_deepspeed_with_tensor_parallelism_is_costed_at_its_degree(tmp_path, pro
     cli = _invoke("doctor", "deepspeed", path, "--profile", profiles["8b"], "--cluster", "dgx-h100", "--same-layout",
                   "--world-size", "16", "--tensor-parallel", "2", "--parts", ",".join(map(str, parts)))
     assert cli.exit_code == 0 and f"{result.plan.predicted.iteration_ms:.6g} ms per iteration" in cli.output, cli.output
+
+
+def test_megatron_overlap_flags_are_costed_as_the_plan_with_the_same_overlap(tmp_path, profiles):
+    """--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size in the script: doctor's cluster
+    costing hides what `pipeplan plan --overlap grad-reduce,param-gather` hides, to the digit."""
+    script = _script(tmp_path)
+    plain, _, _ = _doctor("megatron", script, profiles["70b"])
+    text = script.read_text().replace("    --use-distributed-optimizer\n", "    --use-distributed-optimizer\n"
+                                      "    --overlap-grad-reduce\n    --overlap-param-gather\n"
+                                      "    --ddp-bucket-size 50000000\n")
+    script.write_text(text)
+    result, report, _ = _doctor("megatron", script, profiles["70b"])
+    assert result.config.overlap == ("grad-reduce", "param-gather") and result.config.ddp_bucket_size == 50_000_000
+    mine, before = result.plan.predicted, plain.plan.predicted
+    assert mine.iteration_ms < before.iteration_ms and before.gradient_reduce_ms is None
+    assert mine.gradient_reduce_ms + mine.param_gather_ms == pytest.approx(mine.data_parallel_ms, abs=1e-5)
+    assert "exposed: gradient reduce" in report
+    done, plan = _plan(tmp_path, profiles["70b"], result, "--recompute", "none", "--optimizer", "adam-fp32-grads",
+                       "--overlap", "grad-reduce,param-gather", "--ddp-bucket-size", "50000000")
+    assert done.exit_code == 0, done.output
+    assert plan.predicted.iteration_ms == mine.iteration_ms
+    assert plan.predicted.data_parallel_hidden_ms == mine.data_parallel_hidden_ms

@@ -436,3 +436,83 @@ def test_llama_405b_shape_at_eight_stages_per_rank_exports_to_megatron_and_torch
     config, dims, microbatches = torchtitan_accepts(tmp_path, export_plan(plan, None, "torchtitan")[".toml"], 1024)
     assert (microbatches, dims.pp, config.parallelism.pipeline_parallel_schedule) == (96, 8, "Interleaved1F1B")
     assert config.parallelism.module_fqns_per_model_part == [s.layers for s in plan.stages]
+
+
+# --------------------------------------------------------------------------- overlap flags, export -> doctor
+
+
+def _overlap_plan(d, t, p, zero, overlap, launcher=None, sp=False, bucket=None):
+    profile, plan = degree_plan(d, t, p, 1, "1f1b", 1, 4, zero=zero, sp=sp)
+    settings = plan.settings.model_copy(update={"overlap": overlap, "launcher": launcher, "ddp_bucket_size": bucket})
+    return profile, plan.model_copy(update={"settings": settings})
+
+
+@pytest.mark.parametrize("overlap", [["grad-reduce", "param-gather", "tp-comm"], ["grad-reduce"], []], ids=str)
+def test_megatron_overlap_flags_round_trip_and_megatron_core_takes_them(overlap):
+    from pipeplan.doctor.megatron import parse_megatron
+
+    profile, plan = _overlap_plan(4, 2, 2, 1, overlap, launcher="megatron", sp=True, bucket=134217728)
+    text = export_plan(plan, profile, "megatron")[".sh"]
+    flags = megatron_flags(text)
+    assert ("--overlap-grad-reduce" in flags) == ("grad-reduce" in overlap)
+    assert ("--overlap-param-gather" in flags) == ("param-gather" in overlap)
+    assert ("--tp-comm-overlap" in flags) == ("tp-comm" in overlap)
+    assert flags.get("--ddp-bucket-size") == ("134217728" if overlap else None)
+    core = _megatron_core()
+    # megatron-core's own configs take what the flags set (training/arguments.py copies them over)
+    ddp = core.DDP(use_distributed_optimizer=True, overlap_grad_reduce="--overlap-grad-reduce" in flags,
+                   overlap_param_gather="--overlap-param-gather" in flags,
+                   bucket_size=int(flags["--ddp-bucket-size"]) if "--ddp-bucket-size" in flags else None)
+    assert ddp.overlap_grad_reduce == ("grad-reduce" in overlap)
+    import torch
+
+    core.TC(num_layers=int(flags["--num-layers"]), hidden_size=64, num_attention_heads=8,
+            tensor_model_parallel_size=2, pipeline_model_parallel_size=2, pipeline_dtype=torch.bfloat16,
+            sequence_parallel=True, tp_comm_overlap="--tp-comm-overlap" in flags)
+    config = parse_megatron("exported.sh", text, world_size=16)
+    assert config.overlap == tuple(overlap)
+    assert config.ddp_bucket_size == (134217728 if overlap else None)
+
+
+def test_megatron_overlap_without_its_prerequisites_is_left_out_with_a_note():
+    profile, plan = _overlap_plan(4, 2, 2, 1, ["param-gather", "tp-comm"], launcher="megatron", sp=False)
+    text = export_plan(plan, profile, "megatron")[".sh"]
+    flags = megatron_flags(text)
+    assert "--overlap-param-gather" not in flags and "--tp-comm-overlap" not in flags
+    assert "--overlap-grad-reduce" in text and "--sequence-parallel: --tp-comm-overlap left out" in text
+
+
+def test_torchtitan_async_tp_round_trips_through_its_config_manager(tmp_path):
+    pytest.importorskip("torch")
+    from pipeplan.doctor.torchtitan import parse_torchtitan
+
+    _, plan = _overlap_plan(2, 2, 2, 1, ["grad-reduce", "param-gather", "tp-comm"], launcher="torchtitan", sp=True)
+    text = export_plan(plan, None, "torchtitan")[".toml"]
+    assert "enable_async_tensor_parallel = true" in text and "[compile] enable = true" in text
+    config, _, _ = torchtitan_accepts(tmp_path, text, 8)
+    assert config.parallelism.enable_async_tensor_parallel is True
+    read = parse_torchtitan("job.toml", text, validate_with_torchtitan=False, world_size=8)
+    assert "tp-comm" in read.overlap and "grad-reduce" in read.overlap
+    _, plain = _overlap_plan(2, 2, 2, 1, None, launcher="torchtitan", sp=True)
+    text = export_plan(plain, None, "torchtitan")[".toml"]
+    assert "enable_async_tensor_parallel" not in text
+    assert parse_torchtitan("job.toml", text, validate_with_torchtitan=False, world_size=8).overlap is None
+
+
+@pytest.mark.parametrize("zero,overlap,keys,read", [
+    (3, ["grad-reduce"], {"stage3_prefetch_bucket_size": 0}, ("grad-reduce",)),
+    (3, None, {}, ("grad-reduce", "param-gather")),          # DeepSpeed's stage-3 defaults
+    (2, ["grad-reduce"], {"overlap_comm": True}, ("grad-reduce",)),
+    (3, [], {"overlap_comm": False, "stage3_prefetch_bucket_size": 0}, ()),
+], ids=str)
+def test_deepspeed_overlap_keys_round_trip_through_deepspeed_config(monkeypatch, zero, overlap, keys, read):
+    from pipeplan.doctor.deepspeed import parse_deepspeed
+
+    _, plan = _overlap_plan(4, 1, 1, zero, overlap, launcher="deepspeed")
+    exported = json.loads(export_plan(plan, None, "deepspeed")[".json"])
+    assert exported["ds_config"]["zero_optimization"] == {"stage": zero, **keys}
+    config, _ = deepspeed_accepts(monkeypatch, exported)
+    assert config.zero_config.overlap_comm == ("grad-reduce" in read)
+    assert (config.zero_config.prefetch_bucket_size > 0) == ("param-gather" in read or zero < 3)
+    parsed = parse_deepspeed("ds.json", json.dumps(exported["ds_config"]), num_stages=1, world_size=4)
+    assert parsed.overlap == read

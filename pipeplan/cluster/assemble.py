@@ -167,6 +167,10 @@ def _predicted(plan, parts, best, profile, settings, cluster):
             for name in ("expert_dispatch_ms", "expert_compute_ms", "expert_combine_ms", "shared_expert_ms")})
     if settings.precision is not None:
         predicted = predicted.model_copy(update={"quantize_ms": round(parts.quantize_ms, 6)})
+    predicted = predicted.model_copy(update={
+        name: round(best.extras[name], 6) for name in ("gradient_reduce_ms", "param_gather_ms",
+                                                       "data_parallel_hidden_ms", "tensor_parallel_hidden_ms")
+        if best.extras.get(name) is not None})
     if profile.sequence_length:
         predicted = predicted.model_copy(update={"tokens_per_second_per_gpu": round(
             tokens_per_s_per_gpu(G, profile.sequence_length, iteration_ms, settings.num_gpus), 6)})
@@ -223,8 +227,7 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
              for note in plan.notes] + [
         f"layout d={d} x t={t} x p={p} on {cluster.name} ({cluster.gpus_per_node} GPUs per node{domain_text}), "
         f"ranks in Megatron's order (tensor, data, pipeline); pipeline transfers on {link_text}",
-        f"data-parallel sync: {int(round(100 * (settings.data_parallel_overlap or 0)))}% assumed hidden behind "
-        f"compute (--data-parallel-overlap)" if d > 1 else "no data parallelism: no gradient sync",
+        _sync_note(settings, best) if d > 1 else "no data parallelism: no gradient sync",
     ]
     notes = context_notes(notes, len(plan.notes), profile, (d, t, p, c), cluster.domain_gpus_for(settings.num_gpus))
     if best.moe:
@@ -265,3 +268,17 @@ def _fast_link(cluster, num_gpus: int) -> tuple[str, str]:
 
 def _sequence_parallel(profile) -> bool:
     return any(getattr(c, "sequence_parallel", None) for layer in profile.layers for c in layer.costs)
+
+
+def _sync_note(settings: PlanSettings, best) -> str:
+    """The plan's note on how much of the data-parallel sync is hidden (the words of plans before
+    the overlaps were modelled where none is)."""
+    legacy = f"{int(round(100 * (settings.data_parallel_overlap or 0)))}%"
+    overlaps = best.extras.get("overlaps")
+    if not overlaps:
+        return f"data-parallel sync: {legacy} assumed hidden behind compute (--data-parallel-overlap)"
+    source = "--overlap" if settings.overlap is not None else f"the {settings.launcher} launcher's defaults"
+    return (f"data-parallel sync: {', '.join(overlaps)} overlapped with compute ({source}; docs/cluster-model.md, "
+            f"\"Overlap as each launcher runs it\"), {best.extras['data_parallel_hidden_ms']:.1f} ms of the last "
+            f"rank's sync hidden" + (f", {legacy} more assumed hidden (--data-parallel-overlap)"
+                                    if settings.data_parallel_overlap else ""))

@@ -45,8 +45,10 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from pipeplan.cluster.collectives import all_to_all_ms, tensor_parallel_ms
+from pipeplan.cluster.overlap import tensor_parallel_exposed_shares
 from pipeplan.errors import BadInputError
 from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.formats.profile import Layer, LayerCost
@@ -163,6 +165,14 @@ class DegreeView:
                 total[part] += forward * (2 if twice else 1) + backward
         return total
 
+    tensor_parallel_hidden_ms: dict = field(default_factory=dict)
+    """With ``tp-comm``: ``{(unit name, micro-batch size): (forward ms, backward ms)}`` of the
+    collectives hidden behind their GEMMs (:attr:`tensor_parallel_ms` holds the exposed rest)."""
+
+    def stage_tensor_parallel_hidden_ms(self, layer_names, microbatch_size: int, recompute) -> float:
+        """The hidden collectives of a stage per micro-batch (:func:`stage_pass_ms`)."""
+        return stage_pass_ms(self.tensor_parallel_hidden_ms, layer_names, microbatch_size, recompute)
+
     quantize_ms: dict = field(default_factory=dict)
     """``{(unit name, micro-batch size): (forward ms, backward ms)}`` of a quantized precision's
     casts (the profile's ``quantize_*_ms``; empty without one)."""
@@ -177,9 +187,14 @@ class DegreeView:
 
 
 def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: bool = False,
-                experts: ExpertGroup = ExpertGroup()) -> DegreeView:
+                experts: ExpertGroup = ExpertGroup(), tp_comm: Optional[str] = None) -> DegreeView:
     """The profile one GPU of a ``tensor_parallel`` group sees, collectives timed on ``cluster``
     (and, for an MoE profile, one GPU of an ``experts`` group: the module docstring).
+
+    ``tp_comm`` (a launcher's name, or ``"megatron"`` without one; None: off) overlaps the
+    collectives with their GEMMs: each pass keeps the exposed share of
+    :func:`pipeplan.cluster.overlap.tensor_parallel_exposed_shares`, and never less than what the
+    pass's own compute cannot cover (``collectives - compute``).
 
     Raises
     ------
@@ -189,7 +204,7 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
     """
     t = tensor_parallel
     link = cluster.intra_node
-    layers, tp_ms, ep_ms, cast_ms = [], {}, {}, {}
+    layers, tp_ms, ep_ms, cast_ms, tp_hidden = [], {}, {}, {}, {}
     moe = getattr(profile, "experts", None) is not None
     for layer in profile.layers:
         entries = [c for c in layer.costs if _degree(c) == t]
@@ -207,6 +222,12 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
                                                 c.tensor_parallel_forward_count or 0, t, link)
                 backward_tp = tensor_parallel_ms(kind, c.tensor_parallel_backward_bytes or 0,
                                                  c.tensor_parallel_backward_count or 0, t, link)
+                if tp_comm is not None:
+                    whole = (forward_tp, backward_tp)
+                    shares = tensor_parallel_exposed_shares({"tp-comm"}, tp_comm, kind, t)
+                    forward_tp, backward_tp = (min(ms, max(share * ms, ms - compute)) for ms, share, compute in
+                                               zip(whole, shares, (c.forward_ms, c.backward_ms)))
+                    tp_hidden[(layer.name, c.microbatch_size)] = (whole[0] - forward_tp, whole[1] - backward_tp)
             extra_backward = backward_tp
             if selective:
                 if getattr(c, "selective_activation_bytes", None) is None:
@@ -253,7 +274,7 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
                                   for tie in profile.tied_weights]
     view = profile.model_copy(update=update)
     return DegreeView(profile=view, tensor_parallel=t, selective=selective, tensor_parallel_ms=tp_ms,
-                      expert_ms=ep_ms, experts=experts, quantize_ms=cast_ms,
+                      expert_ms=ep_ms, experts=experts, quantize_ms=cast_ms, tensor_parallel_hidden_ms=tp_hidden,
                       expert_bytes={layer.name: layer.expert_param_bytes for layer in layers
                                     if layer.expert_param_bytes})
 

@@ -28,6 +28,8 @@ from pipeplan.cluster.bounds import seed_estimate_ms, unit_sums
 from pipeplan.cluster.context import (best_over_context, check_context_request, context_choices, context_profile,
                                       context_view, largest_buffer_bytes, stage_context_ms)
 from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
+from pipeplan.cluster.overlap_plan import (SYNC_OVERLAPS, bound_overlap, overlap_parts, overlapped_rank_sync,
+                                           tp_comm_launcher, trial_overlaps)
 from pipeplan.cluster.experts import (check_expert_request, expert_choices, expert_data_degree, expert_group,
                                       moe_rank_tails, moe_static_bytes, moe_tails_lower_bound,
                                       no_expert_layout_message, view_expert_bytes)
@@ -161,7 +163,7 @@ class _Search:
     def view(self, tensor: int, selective: bool, experts) -> DegreeView:
         """The profile one GPU sees at degree ``tensor`` (and C), collectives and exchange timed."""
         return context_view(self.profile, self.context_source, self.context, tensor, self.cluster, selective,
-                            experts, self.settings.num_gpus)
+                            experts, self.settings.num_gpus, tp_comm=tp_comm_launcher(self.settings))
     compares: list = field(default_factory=list)
     """Each ``--compare`` layout's trials (:class:`pipeplan.cluster.runners.Compare`)."""
 
@@ -317,12 +319,13 @@ def _bound_trials(search: _Search, trials: Optional[list] = None) -> None:
             m, work, largest = replica_batch // b, at.work_ms, at.largest_unit_ms
             # Averaged over the ranks: some rank's busy time plus sync is at least the mean's
             # (bandwidth terms only, which are linear in the parameters).
+            hidden = bound_overlap(settings, trial, overlap)
             if trial.moe:
                 sync = moe_rank_tails(trial, [params / trial.pipeline], [expert_params / trial.pipeline], m,
-                                      bandwidth_only, state, None, overlap, False, OPTIMIZER_HBM_EFFICIENCY)[0][0]
+                                      bandwidth_only, state, None, hidden, False, OPTIMIZER_HBM_EFFICIENCY)[0][0]
             else:
                 sync = data_parallel_sync(params / trial.pipeline, state, trial.zero_stage, span, bandwidth_only,
-                                          m, overlap).exposed_ms
+                                          m, hidden).exposed_ms
             round_trip = at.round_trip_ms(m) if trial.pipeline > 1 else 0.0
             by_size[b] = max(pipeline_lower_bound_ms(work, m, trial.pipeline) + sync, m * largest, round_trip) + step
             pipeline_by_size[b] = max(pipeline_lower_bound_ms(work, m, trial.pipeline, largest_unit_ms=largest),
@@ -518,14 +521,15 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     sub = _sub_settings(settings, trial, link, max(1, usable - gathered - buffers), recompute)
     span, fp16 = layout.data_span(), profile.dtype == "fp16"
     incumbent = None
+    lower_overlap = bound_overlap(settings, trial, overlap)
     if best_ms is not None and settings.layers_per_stage is None:
         def iteration_ms(rank_end_ms, rank_param_bytes, m):
             params = [b / profile.dtype_bytes for b in rank_param_bytes]
             if trial.moe:  # only each rank's total is known here: a lower bound
-                sync, step = moe_tails_lower_bound(trial, params, m, cluster, state, hbm, overlap, fp16,
+                sync, step = moe_tails_lower_bound(trial, params, m, cluster, state, hbm, lower_overlap, fp16,
                                                    OPTIMIZER_HBM_EFFICIENCY)
             else:
-                sync, step = _rank_tails(trial, params, m, span, cluster, state, hbm, overlap, fp16)
+                sync, step = _rank_tails(trial, params, m, span, cluster, state, hbm, lower_overlap, fp16)
             return max(end + s for end, s in zip(rank_end_ms, sync)) + max(step)
 
         incumbent = Incumbent(best_ms, iteration_ms, trial.extras["bound_by_size"])
@@ -547,12 +551,14 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     rank_params = [0.0] * trial.pipeline
     rank_experts = [0.0] * trial.pipeline
     rank_tp = [0.0] * trial.pipeline
+    rank_tp_hidden = [0.0] * trial.pipeline
     rank_cp = [0.0] * trial.pipeline
     rank_moe = [dict() for _ in range(trial.pipeline)]
     for stage in plan.stages:
         rank_params[stage.rank] += stage.param_bytes / profile.dtype_bytes
         again = recomputed_layers(stage, plan.settings, view.profile)  # the layers whose forward runs twice
         rank_tp[stage.rank] += m * view.stage_tensor_parallel_ms(stage.layers, plan.microbatch_size, again)
+        rank_tp_hidden[stage.rank] += m * view.stage_tensor_parallel_hidden_ms(stage.layers, plan.microbatch_size, again)
         if view.quantize_ms:
             rank_moe[stage.rank]["quantize"] = rank_moe[stage.rank].get("quantize", 0.0) + m * view.stage_quantize_ms(
                 stage.layers, plan.microbatch_size, again)
@@ -566,6 +572,11 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
                                     OPTIMIZER_HBM_EFFICIENCY)
     else:
         sync, step = _rank_tails(trial, rank_params, m, span, cluster, state, hbm, overlap, fp16)
+    overlaps = trial_overlaps(settings, trial.zero_stage)
+    split = None
+    if overlaps & SYNC_OVERLAPS and trial.shard > 1:
+        sync, split = overlapped_rank_sync(plan, sim, view, settings, trial, overlaps, rank_params, rank_experts,
+                                           rank_end, span, cluster, state, overlap)
     critical = sim.critical_rank
     trial.parts = iteration_parts(sim.compute_ms, min(rank_tp[critical], sim.compute_ms), sim.transfer_ms,
                                   sim.bubble_ms + sim.overhead_ms, rank_end, sync, step,
@@ -574,6 +585,9 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     trial.plan = plan
     trial.status = "planned"
     trial.extras = {"layout": layout, "link": "inter" if "inter" in links else ("intra" if links else "local"),
-                    "gathered": gathered, "buffers": buffers}
+                    "gathered": gathered, "buffers": buffers,
+                    **overlap_parts(trial.parts, split, rank_end, sync, overlap, overlaps,
+                                     rank_tp_hidden[critical] if view.tensor_parallel_hidden_ms else None)}
+
 
 

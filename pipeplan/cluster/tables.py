@@ -71,6 +71,8 @@ def cluster_plan_tables(plan):
         ("iteration", f"{p.iteration_ms:.1f} ms"),
         ("  compute", share(p.compute_ms)),
         ("  tensor-parallel collectives", share(p.tensor_parallel_ms or 0.0)),
+        *([("    hidden behind their GEMMs (tp-comm, not in the iteration)", f"{p.tensor_parallel_hidden_ms:.1f} ms")]
+          if p.tensor_parallel_hidden_ms is not None else []),
         *([("  expert dispatch (all-to-all)", share(p.expert_dispatch_ms or 0.0)),
            ("  routed experts", share(p.expert_compute_ms or 0.0)),
            ("  expert combine (all-to-all)", share(p.expert_combine_ms or 0.0)),
@@ -82,6 +84,10 @@ def cluster_plan_tables(plan):
         ("  pipeline bubble", share(p.bubble_ms + (p.overhead_ms or 0.0))),
         ("  pipeline transfers", share(p.transfer_ms)),
         ("  data-parallel sync", share(p.data_parallel_ms or 0.0)),
+        *([("    of it gradient reduce (exposed)", share(p.gradient_reduce_ms)),
+           ("    of it parameter all-gather (exposed)", share(p.param_gather_ms or 0.0)),
+           ("    hidden behind compute (not in the iteration)", f"{p.data_parallel_hidden_ms or 0.0:.1f} ms")]
+          if p.gradient_reduce_ms is not None else []),
         ("  optimizer step", share(p.optimizer_ms or 0.0)),
         ("throughput", f"{p.samples_per_second:.2f} samples/s"),
     ]

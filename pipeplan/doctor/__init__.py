@@ -141,6 +141,18 @@ def launcher_precision(config: LauncherConfig, profile, settings, optimizer_auto
     return (settings.model_copy(update=update) if update else settings), findings
 
 
+def launcher_overlap(config: LauncherConfig, settings):
+    """The plan settings with the overlap the config runs (its flags; the launcher's defaults where
+    the config says nothing), so that its cluster costing (``--cluster``; the overlap is a cluster
+    setting) hides what the launcher hides."""
+    update = {}
+    if config.overlap is not None:
+        update["overlap"] = list(config.overlap)
+    if config.ddp_bucket_size is not None:
+        update["ddp_bucket_size"] = config.ddp_bucket_size
+    return settings.model_copy(update=update) if update else settings
+
+
 def doctor_file(launcher: str, path: str | Path, profile_path: str | Path, settings, *,
                 options: DoctorOptions = DoctorOptions(), fix_output: str | Path | None = None,
                 output_format: str = "table", junit_path: str | Path | None = None) -> tuple[Diagnosis, str, list[Path]]:
@@ -186,6 +198,7 @@ def doctor_file(launcher: str, path: str | Path, profile_path: str | Path, setti
         cluster = resolve_cluster(options.cluster)
     config, layout = read_config(launcher, path, profile, options)
     settings, precision_findings = launcher_precision(config, profile, settings, options.optimizer_auto)
+    settings = launcher_overlap(config, settings) if cluster is not None else settings
     result = diagnose(config, layout, profile, settings, profile_sha256=file_sha256(profile_path), cluster=cluster,
                       search_layouts=options.search_layouts)
     result.findings[:0] = precision_findings

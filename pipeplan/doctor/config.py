@@ -69,6 +69,11 @@ class LauncherConfig:
     None: its default."""
     """Megatron's sequence parallelism (``--sequence-parallel``; torchtitan's tensor parallelism
     always shards the norms' activations this way)."""
+    overlap: tuple[str, ...] | None = None
+    """The communication the launcher overlaps with compute (names of
+    :data:`pipeplan.cluster.overlap.OVERLAPS`, from its flags); None: the launcher's defaults."""
+    ddp_bucket_size: int | None = None
+    """Parameters per gradient bucket (Megatron's ``--ddp-bucket-size``); None: the launcher's."""
     settings: dict[str, str] = field(default_factory=dict)
     """Launcher setting name to the value as written, for the ones doctor read."""
     recompute_modules: tuple[str, ...] | None = None

@@ -222,12 +222,34 @@ def parse_deepspeed(path: str, text: str, *, num_stages: int | None = None, part
         settings["ep_size"] = str(ep_size)
     if isinstance(zero, dict) and "stage" in zero:
         settings["zero_optimization.stage"] = str(stage)
+    overlap = deepspeed_overlap(path, zero if isinstance(zero, dict) else {}, stage, p, settings)
     return LauncherConfig(
         launcher="deepspeed", path=path, pipeline_degree=p, virtual_stages=1, schedule="1f1b",
         microbatch_size=micro, num_microbatches=gas, tensor_degree=t, data_degree=d, expert_degree=ep_size,
         recompute="full" if interval else "none", sharded_optimizer=bool(stage),
-        zero_stage=stage, settings=settings,
+        zero_stage=stage, settings=settings, overlap=overlap,
     )
+
+
+def deepspeed_overlap(path: str, zero: dict, stage: int, pipeline: int, settings: dict) -> tuple[str, ...]:
+    """What a DeepSpeed config overlaps (pipeplan.cluster.overlap): ``zero_optimization.overlap_comm``
+    (default true at stage 3 only: ``deepspeed/runtime/zero/config.py``, ``overlap_comm_valid``) is
+    the gradient reduce behind the backward, ``stage3_prefetch_bucket_size`` above 0 (default 5e7) the
+    stage-3 prefetch; with a pipeline (its PipelineEngine reduces after the last backward) or at
+    ZeRO 0, nothing."""
+    for key in ("overlap_comm", "stage3_prefetch_bucket_size"):
+        if key in zero:
+            settings[f"zero_optimization.{key}"] = str(zero[key])
+    overlap_comm = zero.get("overlap_comm", stage == 3)
+    if not isinstance(overlap_comm, bool):
+        raise BadInputError(f"{path}: zero_optimization.overlap_comm: {overlap_comm!r} is not true or false")
+    prefetch = zero.get("stage3_prefetch_bucket_size", 5e7)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, (int, float)):
+        raise BadInputError(f"{path}: zero_optimization.stage3_prefetch_bucket_size: {prefetch!r} is not a number")
+    if pipeline > 1 or stage == 0:
+        return ()
+    return tuple(name for name, on in (("grad-reduce", overlap_comm), ("param-gather", stage == 3 and prefetch > 0))
+                 if on)
 
 
 def deepspeed_layout_of(config: LauncherConfig, layer_names: list[str], param_counts: list[int],

@@ -89,7 +89,11 @@ def parts_text(plan: Plan) -> str:
             text += f" + {plan.settings.precision} casts {pr.quantize_ms:.6g}"
         if pr.context_exchange_ms is not None:
             text += f" + context-parallel exchange {pr.context_exchange_ms:.6g}"
-        text += f" + data-parallel sync {dp:.6g} + optimizer {opt:.6g}"
+        text += f" + data-parallel sync {dp:.6g}"
+        if pr.gradient_reduce_ms is not None:  # an overlap of the sync: its exposed parts and what hid
+            text += (f" (exposed: gradient reduce {pr.gradient_reduce_ms:.6g} + all-gather {pr.param_gather_ms or 0:.6g};"
+                     f" {pr.data_parallel_hidden_ms or 0:.6g} hidden)")
+        text += f" + optimizer {opt:.6g}"
     text += " ms"
     if pr.tokens_per_second_per_gpu is not None:
         text += f"; {pr.tokens_per_second_per_gpu:.4g} tokens/s per GPU"

@@ -30,8 +30,11 @@ MEGATRON_INT_FLAGS = (
     "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
     "--micro-batch-size", "--global-batch-size", "--recompute-num-layers", "--context-parallel-size",
     "--microbatch-group-size-per-virtual-pipeline-stage", "--seq-length", "--expert-model-parallel-size",
-    "--fp8-amax-history-len",
+    "--fp8-amax-history-len", "--ddp-bucket-size",
 )
+#: Megatron-LM's overlap flags and the overlaps they switch (pipeplan.cluster.overlap), all off by default.
+_OVERLAP_FLAGS = (("--overlap-grad-reduce", "grad-reduce"), ("--overlap-param-gather", "param-gather"),
+                  ("--tp-comm-overlap", "tp-comm"))
 _CHOICE_FLAGS = {
     "--recompute-granularity": ("full", "selective"),
     "--recompute-method": ("uniform", "block"),
@@ -47,6 +50,7 @@ _BOOL_FLAGS = (
     "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
     "--use-distributed-optimizer", "--sequence-parallel", "--recompute-activations", "--fp16", "--bf16",
     "--fp8-param-gather", "--fp4-param-gather", "--grad-reduce-in-bf16",
+    *(flag for flag, _ in _OVERLAP_FLAGS),
 )
 _MULTI_FLAGS = {"--rampup-batch-size": 3}
 _LIST_FLAGS = ("--recompute-modules",)
@@ -250,6 +254,8 @@ def parse_megatron(path: str, text: str, *, variables: dict[str, str] | None = N
         precision=megatron_precision(flags),
         quantized_params="--fp8-param-gather" in flags or "--fp4-param-gather" in flags,
         gradient_reduce_dtype="bf16" if "--grad-reduce-in-bf16" in flags else None,
+        overlap=tuple(name for flag, name in _OVERLAP_FLAGS if flag in flags),
+        ddp_bucket_size=_int(path, flags, "--ddp-bucket-size"),
     )
 
 

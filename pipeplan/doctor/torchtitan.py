@@ -18,6 +18,7 @@ import re
 from pipeplan.doctor.config import LauncherConfig, Layout, LayoutStage, Problem
 from pipeplan.doctor.torchtitan_inputs import apply_overrides
 from pipeplan.errors import BadInputError
+from pipeplan.facts.launchers import launcher_overlaps
 from pipeplan.formats.reading import load_toml as load_limited_toml
 
 __all__ = ["torchtitan_precision",
@@ -53,6 +54,7 @@ _TYPES = {
     ("parallelism", "pipeline_parallel_schedule_csv"): str,
     ("parallelism", "module_fqns_per_model_part"): list,
     ("parallelism", "pipeline_parallel_split_points"): list,
+    ("parallelism", "enable_async_tensor_parallel"): bool,
     ("training", "local_batch_size"): int,
     ("training", "global_batch_size"): int,
     ("training", "seq_len"): int,
@@ -104,7 +106,7 @@ def _get(path: str, data: dict, section: str, key: str, default=None):
     if bad:
         raise BadInputError(
             f"{path}: {section}.{key}: {value!r} is a {type(value).__name__}; torchtitan expects "
-            f"{'an integer' if kind is int else 'a string' if kind is str else 'a list'}"
+            f"{'an integer' if kind is int else 'a string' if kind is str else 'a boolean' if kind is bool else 'a list'}"
         )
     if key == "module_fqns_per_model_part" and not all(
             isinstance(part, list) and all(isinstance(n, str) for n in part) for part in value):
@@ -266,6 +268,7 @@ def parse_torchtitan(path: str, text: str | None, *, num_layers: int | None = No
         recompute={"full": "full", "selective": "selective"}.get(mode, "none"),
         sharded_optimizer=shard != 1, zero_stage=_zero_stage(path, data, shard, p),
         sequence_parallel=t > 1, settings=settings, precision=precision, quantized_params=quantized,
+        overlap=_overlap(path, data, _zero_stage(path, data, shard, p)),
     )
 
 
@@ -278,6 +281,15 @@ def _selective_ac_option(path: str, data: dict) -> str:
         raise BadInputError(f"{path}: activation_checkpoint.selective_ac_option: {option!r} is not 'op' or a "
                             f"positive whole number (torchtitan's apply_ac refuses it)")
     return option
+
+
+def _overlap(path: str, data: dict, zero_stage: int):
+    """What the job overlaps: torchtitan's own (FSDP2's reduce-scatter stream and prefetch, DDP's
+    buckets: :func:`pipeplan.facts.launchers.launcher_overlaps`) and, with
+    ``parallelism.enable_async_tensor_parallel``, the tensor-parallel collectives; None: the defaults."""
+    if not _get(path, data, "parallelism", "enable_async_tensor_parallel", False):
+        return None
+    return tuple(sorted(launcher_overlaps("torchtitan", zero_stage) | {"tp-comm"}))
 
 
 def _zero_stage(path: str, data: dict, shard: int, p: int) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pipeplan.errors import BadInputError
 from pipeplan.export.common import compact_json, header_lines, pipeline_shape, precision_notes, tied_weight_notes
-from pipeplan.facts.launchers import LAUNCHERS
+from pipeplan.facts.launchers import LAUNCHERS, plan_overlaps
 from pipeplan.export.degrees import degree_line, degrees_of, recompute_of
 from pipeplan.formats.plan import Plan
 
@@ -40,6 +40,31 @@ def _zero(degrees, notes: list[str]) -> dict:
         notes.append(f"p = 1 with ZeRO {zero}: give deepspeed.initialize the plain model, not a PipelineModule "
                      f"(its PipelineEngine refuses ZeRO 2-3: {DEEPSPEED_PIPELINE_ZERO_RULE})")
     return {"stage": zero}
+
+
+def overlap_keys(plan: Plan, degrees, notes: list[str]) -> dict:
+    """The plan's overlap as ``zero_optimization`` keys: ``overlap_comm`` (the gradient reduce behind
+    the backward; DeepSpeed's default is true at stage 3 only) and, at stage 3 without the prefetch,
+    ``stage3_prefetch_bucket_size = 0``. Written only where they differ from DeepSpeed's defaults.
+    The PipelineEngine reduces after the last backward (``_exec_reduce_grads``): nothing overlaps there."""
+    overlaps = plan_overlaps(plan.settings.overlap, plan.settings.launcher, degrees.zero_stage)
+    zero, out = degrees.zero_stage, {}
+    if degrees.data == 1 or (plan.settings.overlap is None and plan.settings.launcher != "deepspeed"):
+        return out  # a plan that assumed no launcher's overlap: DeepSpeed's defaults (an upper bound)
+    if degrees.pipeline > 1 or zero == 0:
+        if overlaps & {"grad-reduce", "param-gather"}:
+            notes.append("the plan overlaps the data-parallel sync, which DeepSpeed runs after the last backward "
+                         "here (PipelineEngine / ZeRO 0): expect a slower run than planned")
+        return out
+    grad = "grad-reduce" in overlaps
+    if grad != (zero == 3):
+        out["overlap_comm"] = grad
+    if zero == 3 and "param-gather" not in overlaps:
+        out["stage3_prefetch_bucket_size"] = 0
+    if zero < 3 and "param-gather" in overlaps:
+        notes.append("the plan overlaps the updated weights' all-gather, which DeepSpeed's ZeRO 1/2 runs after the "
+                     "step: expect a slower run than planned")
+    return out
 
 
 def _activation_checkpoint_interval(plan: Plan, notes: list[str]) -> int:
@@ -150,7 +175,7 @@ def export_deepspeed(plan: Plan, profile=None) -> str:
             "train_micro_batch_size_per_gpu": degrees.microbatch_size,
             "gradient_accumulation_steps": degrees.num_microbatches,
             "train_batch_size": degrees.global_batch,
-            "zero_optimization": zero,
+            "zero_optimization": {**zero, **overlap_keys(plan, degrees, notes)},
         },
     }
     if moe is not None:

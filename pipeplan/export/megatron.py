@@ -27,6 +27,7 @@ import shlex
 from pipeplan.errors import BadInputError
 from pipeplan.export.common import check_profile_matches, header_lines, pipeline_shape, tied_weight_notes
 from pipeplan.export.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
+from pipeplan.facts.launchers import plan_overlaps
 from pipeplan.facts.precision import get_precision
 from pipeplan.formats.plan import Plan
 from pipeplan.facts.schedules import megatron_interleaved_refusal as interleaved_refusal
@@ -246,6 +247,32 @@ def precision_flags(plan: Plan) -> list[tuple[str, str | None]]:
     return flags
 
 
+def overlap_flags(plan: Plan, degrees, notes: list[str]) -> list[tuple[str, str | None]]:
+    """The communication overlap the plan costs, as Megatron-LM's flags (all off by default there):
+    ``--overlap-grad-reduce`` (with ``--ddp-bucket-size`` where the plan gives one),
+    ``--overlap-param-gather`` (needs the distributed optimizer) and ``--tp-comm-overlap`` (needs
+    sequence parallelism and Transformer Engine). docs/cluster-model.md."""
+    overlaps = plan_overlaps(plan.settings.overlap, plan.settings.launcher, degrees.zero_stage)
+    flags: list[tuple[str, str | None]] = []
+    if degrees.data > 1 and "grad-reduce" in overlaps:
+        flags.append(("--overlap-grad-reduce", None))
+        if plan.settings.ddp_bucket_size is not None:
+            flags.append(("--ddp-bucket-size", str(plan.settings.ddp_bucket_size)))
+    if degrees.data > 1 and "param-gather" in overlaps:
+        if degrees.zero_stage >= 1 and "grad-reduce" in overlaps:
+            flags.append(("--overlap-param-gather", None))
+        else:
+            notes.append("the plan overlaps the parameter all-gather, which Megatron-LM runs only with "
+                         "--use-distributed-optimizer and --overlap-grad-reduce: left out")
+    if degrees.tensor > 1 and "tp-comm" in overlaps:
+        if degrees.sequence_parallel:
+            flags.append(("--tp-comm-overlap", None))
+        else:
+            notes.append("the plan overlaps the tensor-parallel collectives, which Megatron-LM does only with "
+                         "--sequence-parallel: --tp-comm-overlap left out")
+    return flags
+
+
 def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -> str:
     """The plan as a bash array of Megatron-LM flags.
 
@@ -297,6 +324,7 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
     notes += tied_weight_notes(plan, profile, "megatron")
     recompute = _recompute_flags(plan, notes)
     optimizer = _optimizer_flags(plan, degrees, notes)
+    overlap = overlap_flags(plan, degrees, notes)
     if degrees.tensor > 1 and not degrees.sequence_parallel:
         notes.append("the plan has no sequence parallelism: --sequence-parallel is left out")
     if shape.num_ranks == 1:
@@ -335,6 +363,7 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
         # The ring exchange the plan costs is Megatron-core's default (cp_comm_type "p2p").
         flags += [("--context-parallel-size", str(degrees.context)), ("--cp-comm-type", "p2p")]
     flags += optimizer + recompute + _expert_flags(plan, profile) + precision_flags(plan)
+    flags += overlap
     flags += [
         ("--micro-batch-size", str(degrees.microbatch_size)),
         ("--global-batch-size", str(degrees.global_batch)),

@@ -23,6 +23,7 @@ import re
 from pipeplan.errors import BadInputError
 from pipeplan.export.common import TORCH_SCHEDULE_NAME, header_lines, pipeline_shape, tied_weight_notes
 from pipeplan.export.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
+from pipeplan.facts.launchers import launcher_overlaps, plan_overlaps
 from pipeplan.formats.plan import Plan
 from pipeplan.plan.actions import rank_actions
 from pipeplan.facts.schedules import SCHEDULES
@@ -215,6 +216,22 @@ def _precision_lines(plan: Plan, notes: list[str]) -> list[str]:
             "", "[quantize.linear.mx]", 'recipe_name = "mxfp8_cublas"', 'filter_fqns = ["output"]']
 
 
+def async_tp_lines(plan: Plan, degrees, notes: list[str]) -> list[str]:
+    """``enable_async_tensor_parallel`` where the plan overlaps the tensor-parallel collectives
+    (torchtitan's async TP needs ``compile.enable`` with ``"model"`` in ``compile.components``:
+    ``torchtitan/distributed/tensor_parallel.py``, ``maybe_enable_async_tp``); FSDP2's own overlap
+    of the gradient reduce and the prefetch has no switch, so a plan without them says so."""
+    overlaps = plan_overlaps(plan.settings.overlap, plan.settings.launcher, degrees.zero_stage)
+    if (plan.settings.overlap is not None and degrees.data > 1
+            and not overlaps >= launcher_overlaps("torchtitan", degrees.zero_stage)):
+        notes.append("the plan leaves the data-parallel sync exposed; torchtitan's FSDP2 / DDP overlap it anyway "
+                     "(no switch): expect a faster run than planned")
+    if degrees.tensor > 1 and "tp-comm" in overlaps:
+        notes.append("async tensor parallelism needs [compile] enable = true with \"model\" in components")
+        return ["enable_async_tensor_parallel = true"]
+    return []
+
+
 def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profile=None) -> str:
     """The plan as torchtitan TOML (``[parallelism]``, ``[training]`` and ``[activation_checkpoint]``).
 
@@ -275,6 +292,7 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profi
     replicate, shard, reshard = _data_parallel(plan, degrees, notes)
     checkpoint = _activation_checkpoint(plan, notes)
     precision = _precision_lines(plan, notes)
+    async_tp = async_tp_lines(plan, degrees, notes)
     if degrees.context > 1 and degrees.zero_stage < 3:
         notes.append(f"context_parallel_degree {degrees.context}: torchtitan turns FSDP on over its dp_shard x cp mesh "
                      f"whenever cp > 1 (ParallelDims.fsdp_enabled), so it shards the weights over {shard * degrees.context}"
@@ -305,6 +323,7 @@ def export_torchtitan(plan: Plan, *, schedule_csv_path: str | None = None, profi
     lines += [f"tensor_parallel_degree = {degrees.tensor}",
               f"pipeline_parallel_degree = {shape.num_ranks}"]
     lines += _expert_lines(plan)
+    lines += async_tp
     if degrees.context > 1:
         lines.append(f"context_parallel_degree = {degrees.context}")
     if pipelined:

@@ -26,7 +26,8 @@ from typing import Optional
 
 from pipeplan.facts.schedules import LAUNCHER_SCHEDULES
 
-__all__ = ["LauncherFacts", "LAUNCHERS", "launcher_zero_stages", "launcher_optimizer", "DEFAULT_OPTIMIZER"]
+__all__ = ["LauncherFacts", "LAUNCHERS", "launcher_zero_stages", "launcher_optimizer", "DEFAULT_OPTIMIZER",
+           "launcher_overlaps", "plan_overlaps", "gradient_bucket_params", "MEGATRON_MIN_BUCKET_PARAMS"]
 
 #: The optimizer state a plan keeps without a launcher (16-bit weights and gradients, fp32 Adam).
 DEFAULT_OPTIMIZER = "adam"
@@ -102,3 +103,68 @@ def launcher_zero_stages(launcher: Optional[str], data: int, pipeline: int) -> t
 def launcher_optimizer(launcher: Optional[str]) -> str:
     """The optimizer state a plan keeps by default for ``launcher`` (``--optimizer auto``)."""
     return DEFAULT_OPTIMIZER if launcher is None else LAUNCHERS[launcher].optimizer
+
+
+#: Megatron-core's default gradient bucket, ``max(40000000, 1000000 x dp_size)`` parameters
+#: (``megatron/core/distributed/distributed_data_parallel.py``; DistributedDataParallelConfig.bucket_size).
+MEGATRON_MIN_BUCKET_PARAMS = 40_000_000
+
+
+def launcher_overlaps(launcher: Optional[str], zero_stage: int) -> frozenset:
+    """The communication a launcher overlaps with compute by default (names of
+    :data:`pipeplan.cluster.overlap.OVERLAPS`), at a ZeRO stage.
+
+    - Megatron-LM: none (``--overlap-grad-reduce``, ``--overlap-param-gather`` and
+      ``--tp-comm-overlap`` are off unless given: DistributedDataParallelConfig's
+      ``overlap_grad_reduce = False``, ``overlap_param_gather = False``).
+    - torchtitan: FSDP2 reduce-scatters each unit's gradients on its own stream during the backward
+      and prefetches the next unit's all-gather (implicit forward prefetch, one unit ahead in the
+      backward), whatever the ZeRO stage it runs as; DDP (ZeRO 0) reduces its buckets during the
+      backward: ``grad-reduce`` (and ``param-gather`` with FSDP). Async TP is off
+      (``parallelism.enable_async_tensor_parallel = false``).
+    - DeepSpeed: ``zero_optimization.overlap_comm`` defaults to true at stage 3 only
+      (``deepspeed/runtime/zero/config.py``, ``overlap_comm_valid``), which overlaps the reduce and
+      the prefetch (``stage3_prefetch_bucket_size``); stages 0-2 overlap nothing by default.
+    - No launcher: none, so a plan is an upper bound on the sync (what plans said before).
+
+    Examples
+    --------
+    >>> sorted(launcher_overlaps("deepspeed", 3)), sorted(launcher_overlaps("deepspeed", 1))
+    (['grad-reduce', 'param-gather'], [])
+    >>> sorted(launcher_overlaps("torchtitan", 0)), sorted(launcher_overlaps(None, 3))
+    (['grad-reduce'], [])
+    """
+    if launcher == "torchtitan":
+        return frozenset({"grad-reduce"} if zero_stage == 0 else {"grad-reduce", "param-gather"})
+    if launcher == "deepspeed" and zero_stage == 3:
+        return frozenset({"grad-reduce", "param-gather"})
+    return frozenset()
+
+
+def plan_overlaps(overlap, launcher: Optional[str], zero_stage: int) -> frozenset:
+    """What a plan overlaps: its ``settings.overlap`` where given, else ``launcher``'s defaults.
+
+    Examples
+    --------
+    >>> sorted(plan_overlaps(None, "torchtitan", 3)), sorted(plan_overlaps([], "torchtitan", 3))
+    (['grad-reduce', 'param-gather'], [])
+    """
+    return frozenset(overlap) if overlap is not None else launcher_overlaps(launcher, zero_stage)
+
+
+def gradient_bucket_params(launcher: Optional[str], data: int, given: Optional[int] = None) -> Optional[float]:
+    """How the first stage's gradients are bucketed: a bucket of this many parameters
+    (Megatron-core: ``given``, else ``max(40e6, 1e6 x d)``), or 0 for one bucket per unit (FSDP's
+    units, DDP's and DeepSpeed's buckets taken as the units). Megatron's later stages and model
+    chunks are one bucket each (:mod:`pipeplan.cluster.overlap`).
+
+    Examples
+    --------
+    >>> gradient_bucket_params("megatron", 64), gradient_bucket_params("megatron", 64, 128 * 2**20)
+    (64000000, 134217728)
+    >>> gradient_bucket_params("torchtitan", 64)
+    0
+    """
+    if launcher == "megatron":
+        return given if given is not None else max(MEGATRON_MIN_BUCKET_PARAMS, 1_000_000 * data)
+    return given if given is not None else 0

@@ -196,7 +196,19 @@ class PlanSettings(_Strict):
         default=None, description="Fixed split: units per stage in profile order (virtual stages in order).")
     data_parallel_overlap: Optional[FiniteFloat] = Field(
         default=None, ge=0, le=1,
-        description="Share of the data-parallel sync hidden behind compute; null: 0 (all exposed).")
+        description="A further share of what the modelled overlaps (overlap) leave exposed of the "
+                    "data-parallel sync, assumed hidden; null: 0.")
+    overlap: Optional[list[Literal["grad-reduce", "param-gather", "tp-comm"]]] = Field(
+        default=None,
+        description="--overlap: the communication overlapped with compute (grad-reduce: the data-parallel "
+                    "gradient reduce behind the backward, bucketed; param-gather: the updated weights' "
+                    "all-gather behind the next forward, or ZeRO 3's prefetch; tp-comm: tensor-parallel "
+                    "collectives chunked behind their GEMMs); [] none; null: the launcher's defaults "
+                    "(pipeplan.facts.launchers.launcher_overlaps).")
+    ddp_bucket_size: Optional[PositiveCount] = Field(
+        default=None,
+        description="--ddp-bucket-size: parameters per gradient bucket with grad-reduce (Megatron's "
+                    "--ddp-bucket-size); null: the launcher's (Megatron-core: max(40M, 1M x d)).")
     search_stages: Optional[bool] = Field(
         default=None, description="True in a cluster plan whose pipeline degree was searched (stages is the choice).")
     expert_parallel: Optional[PositiveCount] = Field(
@@ -373,6 +385,18 @@ class Predicted(_Strict):
     tensor_parallel_ms: Optional[PlanMs] = Field(default=None, description="Tensor-parallel collectives.")
     data_parallel_ms: Optional[PlanMs] = Field(default=None, description="What the data-parallel sync adds.")
     optimizer_ms: Optional[PlanMs] = Field(default=None, description="The optimizer step.")
+    gradient_reduce_ms: Optional[PlanMs] = Field(
+        default=None, description="With an overlap of the sync (settings.overlap): the gradient reduce's share of "
+                                  "data_parallel_ms (exposed); null: no overlap modelled.")
+    param_gather_ms: Optional[PlanMs] = Field(
+        default=None, description="With an overlap of the sync: the parameter all-gathers' share of "
+                                  "data_parallel_ms (exposed); gradient_reduce_ms + param_gather_ms = data_parallel_ms.")
+    data_parallel_hidden_ms: Optional[PlanMs] = Field(
+        default=None, description="With an overlap of the sync: what the overlaps hid of the sync of the rank that "
+                                  "ends last (not part of the iteration).")
+    tensor_parallel_hidden_ms: Optional[PlanMs] = Field(
+        default=None, description="With tp-comm: the critical rank's tensor-parallel collectives hidden behind "
+                                  "their GEMMs (not part of the iteration; tensor_parallel_ms is the exposed rest).")
     expert_dispatch_ms: Optional[PlanMs] = Field(
         default=None, description="Mixture of experts: the token dispatch all-to-alls (forward and backward).")
     expert_compute_ms: Optional[PlanMs] = Field(

@@ -32,7 +32,7 @@ from pipeplan.cluster.experts import (check_expert_request, expert_choices, expe
                                       moe_rank_tails, moe_static_bytes, moe_tails_lower_bound,
                                       no_expert_layout_message, view_expert_bytes)
 from pipeplan.cluster.iteration import iteration_parts, pipeline_lower_bound_ms
-from pipeplan.cluster.memory import plannable_bytes, zero3_gathered_bytes
+from pipeplan.cluster.memory import plannable_for, trial_layout, zero3_gathered_bytes
 from pipeplan.cluster.placement import cluster_layout
 from pipeplan.cluster.profile_view import DegreeView, head_counts, tensor_degrees
 from pipeplan.cluster.runners import compare_search, informative_layouts, kind_label
@@ -166,8 +166,10 @@ class _Search:
     """Each ``--compare`` layout's trials (:class:`pipeplan.cluster.runners.Compare`)."""
 
     def run(self, trial: _Trial, best_ms: Optional[float] = None) -> None:
+        # Each layout's own NCCL communicators come out of its plannable bytes (cluster.memory).
+        usable = plannable_for(self.cap, self.cluster, self.settings.launcher, trial_layout(trial))
         _run_trial(trial, self.profile, self.settings, self.views[trial.view_key], self.cluster,
-                   self.usable, self.state, self.hbm, self.overlap, self.profile_sha256, self.record_time, best_ms)
+                   usable, self.state, self.hbm, self.overlap, self.profile_sha256, self.record_time, best_ms)
 
 
 def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool,
@@ -225,7 +227,7 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
     cap = settings.cap_bytes()
     search = _Search(
         profile=profile, settings=settings, cluster=cluster, cap=cap,
-        usable=plannable_bytes(cap, cluster.reserve_bytes, cluster.fragmentation),
+        usable=plannable_for(cap, cluster, settings.launcher),
         state=training_state(settings.optimizer, profile.dtype_bytes, *precision_of(settings)),
         hbm=hbm_bytes_per_s(profile, cluster),
         overlap=DEFAULT_OVERLAP if settings.data_parallel_overlap is None else settings.data_parallel_overlap,

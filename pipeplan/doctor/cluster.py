@@ -11,7 +11,8 @@ iteration is the plan's, to the digit.
 The cap is lifted for that call so that a config over the cap is still costed; its memory per
 rank (weights, gradients, optimizer state, activations, the reserve) is then held against the
 real cap here, with the planner's own rule (planned bytes plus the reserve within the cap,
-:func:`pipeplan.cluster.memory.reserve_bytes`).
+:func:`pipeplan.cluster.memory.job_memory`: the CUDA context, the workspaces, the layout's NCCL
+buffers and the allocator's fragmentation share, each a part of the reserve).
 
 The best plans come from the same search: at the config's own degrees (what ``--fix`` writes)
 and, with ``search_layouts``, over every d x t x p of the same GPUs.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.limits import MAX_BYTES
 from pipeplan.formats.plan import Plan, PlanSettings, effective_cap_bytes
-from pipeplan.cluster.memory import reserve_bytes
+from pipeplan.cluster.memory import job_memory
 from pipeplan.plan.assemble import stage_state_memory
 from pipeplan.cluster.search import plan_cluster
 
@@ -49,12 +50,14 @@ class RankMemory:
     activation_bytes: int
     """Activations at the rank's peak (the micro-batches in flight)."""
     reserve_bytes: int
-    """CUDA context, NCCL and allocator fragmentation (the cluster spec's reserve)."""
+    """CUDA context, cuBLAS workspaces, NCCL buffers and allocator fragmentation (``job`` by part)."""
     expert_bytes: int = 0
     """Mixture of experts: the routed experts' weights, gradients and optimizer state it holds
     (1 / E of them); the other parts are then the dense layers'."""
     quantized_weight_bytes: int = 0
     """A quantized precision's weight copies (pipeplan.facts.training_state)."""
+    job: object = None
+    """The reserve by part (:class:`pipeplan.cluster.memory.JobMemory`)."""
 
     @property
     def planned_bytes(self) -> int:
@@ -106,11 +109,17 @@ def rank_memory(plan: Plan, profile, cluster) -> tuple[RankMemory, ...]:
         static = weights + gradients + optimizer + experts + quantized
         activations = max(0, r.peak_memory_bytes - static)
         planned = static + gathered + activations
+        job = job_memory(planned, cluster, plan.settings.launcher, _layout(plan))
         out.append(RankMemory(rank=r.rank, weight_bytes=weights + gathered, gradient_bytes=gradients,
                               optimizer_bytes=optimizer, activation_bytes=activations, expert_bytes=experts,
-                              quantized_weight_bytes=quantized,
-                              reserve_bytes=reserve_bytes(planned, cluster.reserve_bytes, cluster.fragmentation)))
+                              quantized_weight_bytes=quantized, reserve_bytes=job.total_bytes, job=job))
     return tuple(out)
+
+
+def _layout(plan) -> tuple[int, int, int, int, int]:
+    """(d, t, p, C, E) of a cluster plan, for its NCCL communicators."""
+    par = plan.parallelism
+    return (par.data, par.tensor, par.pipeline, par.context or 1, par.expert or 1)
 
 
 def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int], *, cluster, data: int,

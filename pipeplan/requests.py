@@ -124,6 +124,7 @@ class _Request(BaseModel):
     recompute_modules: _FIELDS["recompute_modules"].annotation = _FIELDS["recompute_modules"]
     recompute_method: _FIELDS["recompute_method"].annotation = _FIELDS["recompute_method"]
     recompute_num_layers: _FIELDS["recompute_num_layers"].annotation = _FIELDS["recompute_num_layers"]
+    cpu_offload_layers: _FIELDS["cpu_offload_layers"].annotation = _FIELDS["cpu_offload_layers"]
 
     @classmethod
     def make(cls, where: str = "request", **fields: Any):

@@ -27,6 +27,7 @@ from pipeplan.formats.limits import MAX_BYTES
 from pipeplan.formats.plan import Plan, PlanSettings, effective_cap_bytes
 from pipeplan.cluster.memory import job_memory
 from pipeplan.plan.assemble import stage_state_memory
+from pipeplan.plan.offload import check_cpu_offload, with_cpu_offload, with_offload_part
 from pipeplan.cluster.search import plan_cluster
 
 __all__ = ["RankMemory", "ClusterCost", "LAUNCHER_ZERO_STAGES", "cost_on_cluster", "best_on_cluster",
@@ -122,6 +123,15 @@ def _layout(plan) -> tuple[int, int, int, int, int]:
     return (par.data, par.tensor, par.pipeline, par.context or 1, par.expert or 1)
 
 
+def _plan_with_offload(profile, given: PlanSettings, profile_sha256: str) -> Plan:
+    """The cluster plan, with the config's CPU activation offload costed (pipeplan.plan.offload)."""
+    if given.cpu_offload_layers is None:
+        return plan_cluster(profile, given, profile_sha256=profile_sha256)
+    given = check_cpu_offload(given, profile)
+    plan = plan_cluster(with_cpu_offload(profile, given.cpu_offload_layers), given, profile_sha256=profile_sha256)
+    return with_offload_part(plan, profile, given)
+
+
 def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int], *, cluster, data: int,
                     tensor: int, zero_stage: int, schedule: str, virtual_stages: int, microbatch_size: int,
                     num_microbatches: int, recompute: str, profile_sha256: str, expert: int = 1,
@@ -171,7 +181,7 @@ def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int]
         "memory_cap_bytes": MAX_BYTES,
     })
     try:
-        plan = plan_cluster(profile, given, profile_sha256=profile_sha256)
+        plan = _plan_with_offload(profile, given, profile_sha256)
     except InfeasibleError as exc:  # only the fixed reserve over a lifted cap: not a real case
         raise BadInputError(f"--cluster: the layout cannot be costed: {exc}") from None
     plan = plan.model_copy(update={"settings": plan.settings.model_copy(update={"memory_cap_bytes": cap})})
@@ -216,6 +226,7 @@ def best_on_cluster(profile, settings: PlanSettings, *, launcher: str, cluster, 
                 "zero_stage": zero, "recompute": recompute, "data_parallel": d, "tensor_parallel": t, "stages": p,
                 "memory_cap_bytes": cap, "layers_per_stage": None, "schedule": "auto", "virtual_stages": None,
                 "microbatch_size": None, "bandwidth_bytes_per_s": None, "search_stages": None,
+                "cpu_offload_layers": None,  # the search's plans are costed without it
                 "expert_parallel": expert if degrees is not None and getattr(profile, "experts", None) else None,
                 "context_parallel": context if context > 1 else None})
             try:

@@ -90,6 +90,8 @@ def parts_text(plan: Plan) -> str:
         if pr.context_exchange_ms is not None:
             text += f" + context-parallel exchange {pr.context_exchange_ms:.6g}"
         text += f" + data-parallel sync {dp:.6g} + optimizer {opt:.6g}"
+        if pr.cpu_offload_ms is not None:
+            text += f" + CPU offload {pr.cpu_offload_ms:.6g}"
     text += " ms"
     if pr.tokens_per_second_per_gpu is not None:
         text += f"; {pr.tokens_per_second_per_gpu:.4g} tokens/s per GPU"

@@ -21,7 +21,8 @@ from pipeplan.doctor.shell import read_script
 from pipeplan.errors import BadInputError
 from pipeplan.plan.recompute import check_recompute_modules
 
-__all__ = ["megatron_precision", "parse_megatron", "megatron_layout_of", "MEGATRON_INT_FLAGS"]
+__all__ = ["megatron_precision", "parse_megatron", "megatron_layout_of", "MEGATRON_INT_FLAGS",
+           "megatron_cpu_offload_layers"]
 
 #: Flags doctor reads that take an integer.
 MEGATRON_INT_FLAGS = (
@@ -30,7 +31,7 @@ MEGATRON_INT_FLAGS = (
     "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
     "--micro-batch-size", "--global-batch-size", "--recompute-num-layers", "--context-parallel-size",
     "--microbatch-group-size-per-virtual-pipeline-stage", "--seq-length", "--expert-model-parallel-size",
-    "--fp8-amax-history-len",
+    "--fp8-amax-history-len", "--cpu-offloading-num-layers",
 )
 _CHOICE_FLAGS = {
     "--recompute-granularity": ("full", "selective"),
@@ -46,7 +47,7 @@ _STR_FLAGS = ("--pipeline-model-parallel-layout",)
 _BOOL_FLAGS = (
     "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
     "--use-distributed-optimizer", "--sequence-parallel", "--recompute-activations", "--fp16", "--bf16",
-    "--fp8-param-gather", "--fp4-param-gather", "--grad-reduce-in-bf16",
+    "--fp8-param-gather", "--fp4-param-gather", "--grad-reduce-in-bf16", "--cpu-offloading",
 )
 _MULTI_FLAGS = {"--rampup-batch-size": 3}
 _LIST_FLAGS = ("--recompute-modules",)
@@ -251,6 +252,15 @@ def parse_megatron(path: str, text: str, *, variables: dict[str, str] | None = N
         quantized_params="--fp8-param-gather" in flags or "--fp4-param-gather" in flags,
         gradient_reduce_dtype="bf16" if "--grad-reduce-in-bf16" in flags else None,
     )
+
+
+def megatron_cpu_offload_layers(settings: dict) -> int | None:
+    """N of ``--cpu-offloading --cpu-offloading-num-layers N`` in a parsed config's flags (None
+    without ``--cpu-offloading``, or with N = 0: Megatron then offloads nothing)."""
+    if settings.get("--cpu-offloading") is None:
+        return None
+    n = int(settings.get("--cpu-offloading-num-layers") or 0)
+    return n if n > 0 else None
 
 
 def _layout_stage_count(path: str, layout: str) -> int:

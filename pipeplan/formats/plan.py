@@ -241,6 +241,11 @@ class PlanSettings(_Strict):
                     "the rest keep everything); null: uniform 1.")
     recompute_num_layers: Optional[PositiveCount] = Field(
         default=None, description="--recompute-num-layers: N of recompute_method (Megatron's flag); null: 1.")
+    cpu_offload_layers: Optional[PositiveCount] = Field(
+        default=None,
+        description="--cpu-offload-layers (with --launcher megatron): the first N transformer layers' saved "
+                    "activations go to host memory in the forward and come back in the backward, Megatron's "
+                    "--cpu-offloading --cpu-offloading-num-layers N (one pipeline rank, no recomputation); null: none.")
     context_parallel: Optional[PositiveCount] = Field(
         default=None,
         description="--context-parallel: fixed context-parallel degree C (the sequence split over C GPUs; "
@@ -381,6 +386,9 @@ class Predicted(_Strict):
     context_exchange_ms: Optional[PlanMs] = Field(
         default=None, description="Context parallelism: the ring's KV sends not hidden behind the attention "
                                   "blocks they overlap (forward and backward), out of compute_ms.")
+    cpu_offload_ms: Optional[PlanMs] = Field(
+        default=None, description="CPU activation offload (settings.cpu_offload_layers): the host-link copies "
+                                  "(D2H in the forward, H2D in the backward) that compute does not cover; null: none.")
     tokens_per_second_per_gpu: Optional[NonNegativeFloat] = Field(default=None, description="Training throughput per GPU.")
     model_flops_utilization: Optional[FiniteFloat] = Field(
         default=None, ge=0, description="Model FLOPs per iteration (no recompute) over the GPUs' peak (MFU).")

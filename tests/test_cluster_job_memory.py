@@ -173,3 +173,28 @@ def test_offload_without_a_cluster_is_refused():
         check_cpu_offload(PlanSettings(stages=1, launcher="megatron", cpu_offload_layers=2),
                           type("P", (), {"layers": [type("L", (), {"kind": "block", "name": str(i)})()
                                                     for i in range(4)]})())
+
+
+@pytest.mark.parametrize("fields, accepted", [
+    (dict(cpu_offloading_num_layers=16), True),                       # what the export writes
+    (dict(cpu_offloading_num_layers=32), False),                      # N at the layer count
+    (dict(cpu_offloading_num_layers=16, pipeline_model_parallel_size=2), False),
+    (dict(cpu_offloading_num_layers=16, recompute_granularity="full", recompute_method="uniform",
+          recompute_num_layers=1), False),
+])
+def test_the_planners_offload_rules_are_megatron_cores(fields, accepted):
+    # The planner refuses (exit 2, test above) exactly what megatron-core's TransformerConfig refuses.
+    torch = pytest.importorskip("torch")
+    try:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except ImportError:
+        pytest.skip("megatron-core not installed")
+    make = lambda: TransformerConfig(num_layers=32, hidden_size=64, num_attention_heads=8, cpu_offloading=True,
+                                     pipeline_dtype=torch.bfloat16, **fields)
+    if accepted:
+        config = make()
+        assert (config.cpu_offloading, config.cpu_offloading_num_layers, config.cpu_offloading_activations,
+                config.cpu_offloading_weights) == (True, 16, True, False)
+    else:
+        with pytest.raises(ValueError):
+            make()

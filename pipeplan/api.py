@@ -13,7 +13,7 @@ from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.cluster.search import plan_cluster
 from pipeplan.requests import ClusterRequest, PipelineRequest, Request, request_of
 from pipeplan.plan.given import plan_split
-from pipeplan.plan.offload import check_cpu_offload, with_cpu_offload, with_offload_part
+from pipeplan.plan.offload import check_cpu_offload, with_offload_note
 from pipeplan.plan.recompute import check_full_method, with_module_parts, with_selective_modules
 from pipeplan.plan.search import make_plan, with_profile_defaults
 from pipeplan.formats.limits import check_microbatch_count, check_option_range
@@ -100,12 +100,11 @@ def plan_any(profile, request: Request | PlanSettings, *, profile_sha256: str, r
     settings = request.settings()
     check_full_method(settings)
     if settings.cpu_offload_layers is not None:
-        # Megatron's CPU activation offload: the kept activations from the offloaded profile, the
-        # host-link copies as their own part (pipeplan.plan.offload).
+        # Megatron's CPU activation offload: its rules here, its memory and time in each layout the
+        # cluster search costs (pipeplan.plan.offload.offload_view).
         settings = check_cpu_offload(settings, profile)
-        plan = _plan_any(with_cpu_offload(profile, settings.cpu_offload_layers), request_of(settings), settings,
-                         profile_sha256, record_time)
-        return with_offload_part(plan, profile, settings)
+        plan = _plan_any(profile, request_of(settings), settings, profile_sha256, record_time)
+        return with_offload_note(plan, profile, settings)
     if settings.recompute_modules is not None:
         # The selective mode then means these modules; the plan's stages list them as parts
         # (pipeplan.plan.recompute).

@@ -163,6 +163,7 @@ def _predicted(plan, parts, best, profile, settings, cluster):
         "data_parallel_ms": round(parts.data_parallel_ms, 6),
         "optimizer_ms": round(parts.optimizer_ms, 6),
         **({"context_exchange_ms": round(parts.context_exchange_ms, 6)} if c > 1 else {}),
+        **({"cpu_offload_ms": round(parts.cpu_offload_ms, 6)} if settings.cpu_offload_layers else {}),
     })
     if best.moe:
         predicted = predicted.model_copy(update={

@@ -45,6 +45,7 @@ from pipeplan.plan import make_plan, plan_simulation, with_profile_defaults
 from pipeplan.plan.bound import Incumbent, PrunedError
 from pipeplan.plan.given import plan_split
 from pipeplan.plan.memo import planning_cache
+from pipeplan.plan.offload import offload_view
 from pipeplan.plan.recompute import recomputed_layers
 from pipeplan.progress import task
 from pipeplan.quantities import format_bytes
@@ -160,8 +161,9 @@ class _Search:
 
     def view(self, tensor: int, selective: bool, experts) -> DegreeView:
         """The profile one GPU sees at degree ``tensor`` (and C), collectives and exchange timed."""
-        return context_view(self.profile, self.context_source, self.context, tensor, self.cluster, selective,
+        view = context_view(self.profile, self.context_source, self.context, tensor, self.cluster, selective,
                             experts, self.settings.num_gpus)
+        return offload_view(view, self.settings.cpu_offload_layers, self.cluster.gpu)
     compares: list = field(default_factory=list)
     """Each ``--compare`` layout's trials (:class:`pipeplan.cluster.runners.Compare`)."""
 
@@ -572,7 +574,8 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     trial.parts = iteration_parts(sim.compute_ms, min(rank_tp[critical], sim.compute_ms), sim.transfer_ms,
                                   sim.bubble_ms + sim.overhead_ms, rank_end, sync, step,
                                   expert_ms=rank_moe[critical] if trial.moe or view.quantize_ms else None,
-                                  context_ms=rank_cp[critical])
+                                  context_ms=rank_cp[critical],
+                                  offload_ms=m * view.offload_ms.get(plan.microbatch_size, 0.0))
     trial.plan = plan
     trial.status = "planned"
     trial.extras = {"layout": layout, "link": "inter" if "inter" in links else ("intra" if links else "local"),

@@ -27,7 +27,7 @@ from pipeplan.formats.limits import MAX_BYTES
 from pipeplan.formats.plan import Plan, PlanSettings, effective_cap_bytes
 from pipeplan.cluster.memory import job_memory
 from pipeplan.plan.assemble import stage_state_memory
-from pipeplan.plan.offload import check_cpu_offload, with_cpu_offload, with_offload_part
+from pipeplan.plan.offload import check_cpu_offload, with_offload_note
 from pipeplan.cluster.search import plan_cluster
 
 __all__ = ["RankMemory", "ClusterCost", "LAUNCHER_ZERO_STAGES", "cost_on_cluster", "best_on_cluster",
@@ -128,8 +128,7 @@ def _plan_with_offload(profile, given: PlanSettings, profile_sha256: str) -> Pla
     if given.cpu_offload_layers is None:
         return plan_cluster(profile, given, profile_sha256=profile_sha256)
     given = check_cpu_offload(given, profile)
-    plan = plan_cluster(with_cpu_offload(profile, given.cpu_offload_layers), given, profile_sha256=profile_sha256)
-    return with_offload_part(plan, profile, given)
+    return with_offload_note(plan_cluster(profile, given, profile_sha256=profile_sha256), profile, given)
 
 
 def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int], *, cluster, data: int,

@@ -23,18 +23,21 @@ Costed here:
       exposed_i = max(0, A_i / bw - w F_i) + max(0, A_i / bw - w B_i)
 
   and the iteration adds ``m x sum_i exposed_i`` (one pipeline rank: its micro-batches run one
-  after the other), the plan's ``cpu_offload_ms`` (:func:`with_offload_part`).
+  after the other), the plan's ``cpu_offload_ms``: each layout of the cluster search is costed
+  with it (:func:`offload_view`).
 
 docs/cost-model.md, "CPU activation offload".
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pipeplan.errors import BadInputError
 from pipeplan.facts.gpus import HOST_LINK_BYTES_PER_S
 
-__all__ = ["check_cpu_offload", "offloaded_layers", "with_cpu_offload", "offload_exposed_ms", "with_offload_part",
-           "host_link_bytes_per_s"]
+__all__ = ["check_cpu_offload", "offloaded_layers", "with_cpu_offload", "offload_exposed_ms", "offload_view",
+           "with_offload_note", "host_link_bytes_per_s"]
 
 
 def _blocks(profile) -> list:
@@ -134,23 +137,28 @@ def offload_exposed_ms(profile, n: int, microbatch_size: int, tensor: int, host_
     return {"d2h_ms": d2h, "h2d_ms": d2h, "exposed_ms": exposed}
 
 
-def with_offload_part(plan, profile, settings):
-    """The cluster plan with the offload's exposed copies added to the iteration as ``cpu_offload_ms``
-    (throughput and MFU rescaled to the longer iteration) and a note; ``profile`` is the original."""
+def offload_view(view, n, gpu: str):
+    """A cluster search's view (:class:`pipeplan.cluster.profile_view.DegreeView`, degree-1
+    entries at its t) with the first ``n`` layers offloaded (:func:`with_cpu_offload`) and, per
+    micro-batch size, the copies' exposed ms (:func:`offload_exposed_ms` on the view's own
+    entries, its tensor-parallel collectives in the time that covers them); ``view`` itself when
+    ``n`` is None."""
+    if n is None:
+        return view
+    bw = host_link_bytes_per_s(gpu)
+    exposed = {b: offload_exposed_ms(view.profile, n, b, 1, bw)["exposed_ms"] for b in view.profile.microbatch_sizes}
+    return replace(view, profile=with_cpu_offload(view.profile, n), offload_ms=exposed)
+
+
+def with_offload_note(plan, profile, settings):
+    """The cluster plan with a note on its offload (``profile``: the original, at the plan's t)."""
     n = settings.cpu_offload_layers
     tensor = plan.parallelism.tensor if plan.parallelism is not None else 1
     bw = host_link_bytes_per_s(settings.cluster.gpu)
     per = offload_exposed_ms(profile, n, plan.microbatch_size, tensor, bw)
-    added = plan.num_microbatches * per["exposed_ms"]
-    p = plan.predicted
-    scale = p.iteration_ms / (p.iteration_ms + added)
-    update = {"iteration_ms": round(p.iteration_ms + added, 6), "cpu_offload_ms": round(added, 6),
-              "samples_per_second": round(p.samples_per_second * scale, 6)}
-    for name in ("tokens_per_second_per_gpu", "model_flops_utilization"):
-        if getattr(p, name) is not None:
-            update[name] = round(getattr(p, name) * scale, 6)
     note = (f"CPU activation offload (Megatron's --cpu-offloading --cpu-offloading-num-layers {n}): the first {n} "
             f"transformer layers' activations go to host memory over {bw / 1e9:g} GB/s per direction, "
-            f"{per['d2h_ms']:.1f} ms each way per micro-batch, {per['exposed_ms']:.2f} ms of it not covered by "
-            f"the next {len(_blocks(profile)) // n} layers' compute; one offloaded layer stays (the double buffer)")
-    return plan.model_copy(update={"predicted": p.model_copy(update=update), "notes": [*plan.notes, note]})
+            f"{per['d2h_ms']:.1f} ms each way per micro-batch; {plan.predicted.cpu_offload_ms or 0:.2f} ms per "
+            f"iteration not covered by the next {len(_blocks(profile)) // n} layers' compute; one offloaded "
+            f"layer's activations stay (the double buffer)")
+    return plan.model_copy(update={"notes": [*plan.notes, note]})

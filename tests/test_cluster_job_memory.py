@@ -206,3 +206,15 @@ def test_the_planners_offload_rules_are_megatron_cores(fields, accepted):
     else:
         with pytest.raises(ValueError):
             make()
+
+
+def test_doctor_refuses_offload_with_a_pipeline_as_megatron_core_does(profile_8b, tmp_path):
+    out, script = tmp_path / "plan.json", tmp_path / "train.sh"
+    assert _invoke("plan", profile_8b, "--gpus", "8", "--cluster", "dgx-h100", "--global-batch", "64", "--launcher",
+                   "megatron", "--zero", "1", "--cpu-offload-layers", "8", "-q", "-o", out).exit_code == 0
+    assert _invoke("export", "-f", "megatron", out, "--profile", profile_8b, "-o", script).exit_code == 0
+    script.write_text(script.read_text().replace("--cpu-offloading-num-layers 8",
+                                                 "--cpu-offloading-num-layers 8 --pipeline-model-parallel-size 2"))
+    done = _invoke("doctor", "megatron", script, "--profile", profile_8b, "--cluster", "dgx-h100", "--same-layout",
+                   "--world-size", "8")
+    assert done.exit_code == 2 and "--cpu-offloading" in done.output and "pipeline" in done.output, done.output

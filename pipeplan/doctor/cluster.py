@@ -127,7 +127,11 @@ def _plan_with_offload(profile, given: PlanSettings, profile_sha256: str) -> Pla
     """The cluster plan, with the config's CPU activation offload costed (pipeplan.plan.offload)."""
     if given.cpu_offload_layers is None:
         return plan_cluster(profile, given, profile_sha256=profile_sha256)
-    given = check_cpu_offload(given, profile)
+    try:
+        given = check_cpu_offload(given, profile)
+    except BadInputError as exc:  # the planner's rules are megatron-core's: the script would not run
+        raise BadInputError(f"--cpu-offloading: megatron-core refuses this configuration "
+                            f"({str(exc).split(': ', 1)[-1]})") from None
     return with_offload_note(plan_cluster(profile, given, profile_sha256=profile_sha256), profile, given)
 
 

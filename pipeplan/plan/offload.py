@@ -1,9 +1,10 @@
 """CPU activation offload as Megatron-core runs it: ``--cpu-offloading --cpu-offloading-num-layers N``.
 
 Megatron-core (``TransformerConfig.cpu_offloading``, ``cpu_offloading_num_layers``,
-``cpu_offloading_activations`` True by default, ``cpu_offloading_weights`` False) hands its
-transformer block a CPU-offload context (``transformer_block.py``: ``get_cpu_offload_context``,
-Transformer Engine's ``cpu_offload.py``): the saved activations of the first N layers are copied
+``cpu_offloading_activations`` True by default, ``cpu_offloading_weights`` False,
+``cpu_offloading_double_buffering`` False) hands its transformer block a CPU-offload context
+(``transformer_block.py``: ``get_cpu_offload_context``, Transformer Engine's
+``transformer_engine/pytorch/cpu_offload_v1.py``): the saved activations of the first N layers are copied
 to host memory on a side stream (D2H) while later layers run their forward, and copied back (H2D)
 one group ahead of the backward that needs them (``AsyncDoubleBufferGroupOffloadHandler``: group
 ``i`` is synchronised at layer ``(L // N) (i + 1) - 1``, so each copy has ``L // N`` layers of
@@ -15,7 +16,8 @@ Costed here:
 - **memory**: each offloaded layer's saved activations leave the GPU, except one layer's worth,
   the group in flight (offloading in the forward, prefetched in the backward: the handler's
   double buffer), so the GPU keeps ``sum over kept layers + max over offloaded layers`` of the
-  activations (:func:`with_cpu_offload`);
+  activations (:func:`with_cpu_offload`). With ``cpu_offloading_double_buffering`` (off by
+  default, and not exported) TE keeps two reload buffers of a group for the whole step: not costed;
 - **time**, per micro-batch and offloaded layer ``i`` with saved bytes ``A_i``, forward ``F_i``
   and backward ``B_i`` on the host link's one-direction bandwidth ``bw``
   (:data:`pipeplan.facts.gpus.HOST_LINK_BYTES_PER_S`) and window ``w = L // N``::

@@ -54,6 +54,9 @@ def test_each_fixed_term_is_its_documented_figure():
     # the expert all-to-all reaches every other rank of its group: (E - 1) x 2 channels x 4 MiB
     assert nccl_buffer_bytes([("expert", "all-to-all", 8)]) == 7 * 2 * 4 * MIB
     assert nccl_communicators(1, 1, 1) == []
+    # E 8 over t 4 x d 16: the experts' own data-parallel group of EDP = 64 / 8 = 8 reduces their gradients
+    assert ("expert data", "collective", 8) in nccl_communicators(16, 4, 1, 1, 8, 8)
+    assert all(name != "expert data" for name, _, _ in nccl_communicators(16, 4, 1, 1, 1, 64))
 
 
 def test_the_plan_reserve_is_its_parts_by_hand(profile_8b, tmp_path):

@@ -119,8 +119,8 @@ class JobMemory:
         return self.fixed_bytes + self.fragmentation_bytes
 
 
-def nccl_communicators(data: int, tensor: int, pipeline: int, context: int = 1,
-                       expert: int = 1) -> list[tuple[str, str, int]]:
+def nccl_communicators(data: int, tensor: int, pipeline: int, context: int = 1, expert: int = 1,
+                       expert_data: int = 1) -> list[tuple[str, str, int]]:
     """The NCCL communicators one rank of a d x t x p (x C, E) Megatron layout holds:
     ``(group, kind, ranks)`` with kind ``collective`` (ring / tree), ``p2p`` (sends to the
     neighbours) or ``all-to-all``.
@@ -129,7 +129,8 @@ def nccl_communicators(data: int, tensor: int, pipeline: int, context: int = 1,
     communicator on its first operation, so only the groups a training step uses count: the
     default (world) group, tensor (t > 1), data with context (the gradient reduce, d x C > 1),
     pipeline sends (p > 1) and the tied embedding's first-and-last-stage group (p > 1), the
-    context ring (C > 1) and the expert all-to-all (E > 1).
+    context ring (C > 1), the expert all-to-all (E > 1) and the experts' own data-parallel group
+    (``expert_data``, EDP = t x d / (E x ETP) > 1: their gradient reduce).
 
     Examples
     --------
@@ -140,7 +141,7 @@ def nccl_communicators(data: int, tensor: int, pipeline: int, context: int = 1,
     groups = [("world", "collective", world), ("tensor", "collective", tensor),
               ("data", "collective", data * context), ("pipeline", "p2p", pipeline),
               ("embedding", "collective", 2 if pipeline > 1 else 1), ("context", "p2p", context),
-              ("expert", "all-to-all", expert)]
+              ("expert", "all-to-all", expert), ("expert data", "collective", expert_data if expert > 1 else 1)]
     return [g for g in groups if g[2] > 1]
 
 
@@ -206,6 +207,7 @@ def plannable_for(cap_bytes: int, cluster, launcher, layout: tuple[int, ...] = (
                            job_fragmentation(cluster, launcher))
 
 
-def trial_layout(trial) -> tuple[int, int, int, int, int]:
-    """(d, t, p, C, E) of a cluster search's trial (E 1 on a dense model)."""
-    return (trial.data, trial.tensor, trial.pipeline, trial.context, trial.expert if trial.moe else 1)
+def trial_layout(trial) -> tuple[int, int, int, int, int, int]:
+    """(d, t, p, C, E, EDP) of a cluster search's trial (E and EDP 1 on a dense model)."""
+    return (trial.data, trial.tensor, trial.pipeline, trial.context, trial.expert if trial.moe else 1,
+            trial.expert_data if trial.moe else 1)

@@ -117,10 +117,10 @@ def rank_memory(plan: Plan, profile, cluster) -> tuple[RankMemory, ...]:
     return tuple(out)
 
 
-def _layout(plan) -> tuple[int, int, int, int, int]:
-    """(d, t, p, C, E) of a cluster plan, for its NCCL communicators."""
+def _layout(plan) -> tuple[int, int, int, int, int, int]:
+    """(d, t, p, C, E, EDP) of a cluster plan, for its NCCL communicators."""
     par = plan.parallelism
-    return (par.data, par.tensor, par.pipeline, par.context or 1, par.expert or 1)
+    return (par.data, par.tensor, par.pipeline, par.context or 1, par.expert or 1, par.expert_data)
 
 
 def _plan_with_offload(profile, given: PlanSettings, profile_sha256: str) -> Plan:

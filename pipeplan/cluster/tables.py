@@ -81,10 +81,10 @@ def cluster_plan_tables(plan):
           else []),
         ("  pipeline bubble", share(p.bubble_ms + (p.overhead_ms or 0.0))),
         ("  pipeline transfers", share(p.transfer_ms)),
-        ("  data-parallel sync", share(p.data_parallel_ms or 0.0)),
-        ("  optimizer step", share(p.optimizer_ms or 0.0)),
         *([(f"  CPU offload copies not covered ({plan.settings.cpu_offload_layers} layers)", share(p.cpu_offload_ms))]
           if p.cpu_offload_ms is not None else []),
+        ("  data-parallel sync", share(p.data_parallel_ms or 0.0)),
+        ("  optimizer step", share(p.optimizer_ms or 0.0)),
         ("throughput", f"{p.samples_per_second:.2f} samples/s"),
     ]
     if p.tokens_per_second_per_gpu is not None:

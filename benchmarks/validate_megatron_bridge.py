@@ -79,6 +79,10 @@ def commands(row: dict, workdir: Path) -> tuple[list[str], list[str]]:
     recipe = row.get("recipe") or {}
     if recipe.get("recompute_modules"):
         plan += ["--recompute-modules", ",".join(recipe["recompute_modules"])]
+    if recipe.get("cpu_offloading_num_layers"):
+        # The recipe's CPU activation offload (megatron-core cpu_offloading_num_layers), in place of
+        # the recomputation the planner would otherwise choose: Megatron runs no recomputation with it.
+        plan += ["--cpu-offload-layers", str(recipe["cpu_offloading_num_layers"])]
     return make, plan
 
 

@@ -25,6 +25,7 @@ from pipeplan.analytic.efficiency import EfficiencyModel
 from pipeplan.analytic.families import load_model_config, parse_family
 from pipeplan.analytic.fit import fit_log_residuals, fittable_fields, from_log_space, load_efficiency, \
     parse_fit_fields, to_log_space
+from pipeplan.plan.offload import check_cpu_offload, with_offload_note
 from pipeplan.plan.recompute import check_full_method, with_module_parts, with_selective_modules
 from pipeplan.plan.torchtitan_ac import check_selective_ac_option, with_torchtitan_selective
 from pipeplan.plan.search import make_plan, with_profile_defaults
@@ -117,6 +118,12 @@ def plan_any(profile, request: Request | PlanSettings, *, profile_sha256: str, r
     check_selective_ac_option(settings)
     # torchtitan's selective form (per op, or every N-th block) as the profile's selective fields.
     profile = with_torchtitan_selective(profile, settings)
+    if settings.cpu_offload_layers is not None:
+        # Megatron's CPU activation offload: its rules here, its memory and time in each layout the
+        # cluster search costs (pipeplan.plan.offload.offload_view).
+        settings = check_cpu_offload(settings, profile)
+        plan = _plan_any(profile, request_of(settings), settings, profile_sha256, record_time)
+        return with_offload_note(plan, profile, settings)
     if settings.recompute_modules is not None:
         # The selective mode then means these modules; the plan's stages list them as parts
         # (pipeplan.plan.recompute).

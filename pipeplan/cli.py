@@ -277,6 +277,7 @@ def plan(
     recompute_modules: Optional[str] = typer.Option(None, "--recompute-modules", help="What selective recomputation recomputes, Megatron's module names, e.g. layernorm,moe_act (core_attn, layernorm, mlp, moe_act, moe, shared_experts, mla_up_proj); default: the attention core."),
     context_parallel: Optional[int] = typer.Option(None, "--context-parallel", help="With --gpus: the context-parallel degree C (the sequence split over C GPUs; 2 C divides it; default 1)."),
     selective_ac_option: Optional[str] = typer.Option(None, "--selective-ac-option", help="With --launcher torchtitan: what selective recomputation is, torchtitan's selective_ac_option: op (per-op: every other matmul's and the attention's outputs saved; the default) or N (every N-th block checkpointed in full)."),
+    cpu_offload_layers: Optional[int] = typer.Option(None, "--cpu-offload-layers", help="With --gpus and --launcher megatron: offload the first N transformer layers' activations to host memory (Megatron's --cpu-offloading --cpu-offloading-num-layers N; one pipeline rank, no recomputation)."),
 ):
     """Find the fastest pipeline plan that fits the memory cap (with --gpus: the whole cluster's)."""
     refuse_overwriting_input(output, profile)
@@ -300,6 +301,9 @@ def plan(
                                              "recompute_num_layers": recompute_num_layers})
     if selective_ac_option is not None:
         request = request.model_copy(update={"selective_ac_option": parse_selective_ac_option(selective_ac_option)})
+    if cpu_offload_layers is not None:
+        check_option_range("--cpu-offload-layers", cpu_offload_layers, 1, 100_000)
+        request = request.model_copy(update={"cpu_offload_layers": cpu_offload_layers})
     with reporting(terminal_progress(quiet)):
         result = plan_profile(profile, request, output, record_time=record_time)
     if not quiet:

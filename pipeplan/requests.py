@@ -126,6 +126,7 @@ class _Request(BaseModel):
     recompute_method: _FIELDS["recompute_method"].annotation = _FIELDS["recompute_method"]
     recompute_num_layers: _FIELDS["recompute_num_layers"].annotation = _FIELDS["recompute_num_layers"]
     selective_ac_option: _FIELDS["selective_ac_option"].annotation = _FIELDS["selective_ac_option"]
+    cpu_offload_layers: _FIELDS["cpu_offload_layers"].annotation = _FIELDS["cpu_offload_layers"]
 
     @classmethod
     def make(cls, where: str = "request", **fields: Any):

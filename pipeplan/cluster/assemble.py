@@ -11,11 +11,12 @@ from typing import Optional
 from pipeplan.cluster.context import context_buffer_bytes, context_notes, ranks_with_buffers
 from pipeplan.cluster.experts import expert_note, moe_stage_memory, moe_static_bytes, view_expert_bytes
 from pipeplan.cluster.iteration import model_flops_utilization, tokens_per_s_per_gpu
+from pipeplan.cluster.memory import job_fixed_bytes, job_fragmentation, job_memory, trial_layout
 from pipeplan.cluster.profile_view import DegreeView
 from pipeplan.errors import BadInputError
 from pipeplan.facts.gpus import get_gpu
 from pipeplan.facts.training_state import precision_of
-from pipeplan.formats.plan import Alternative, Parallelism, Plan, PlanSettings
+from pipeplan.formats.plan import Alternative, Parallelism, Plan, PlanSettings, ReserveParts
 from pipeplan.plan.assemble import plan_cost_model, stage_state_memory
 from pipeplan.quantities import format_bytes
 
@@ -61,16 +62,18 @@ def infeasible_message(trials, settings: PlanSettings, cluster, usable: int, cap
     gpus = gpus if gpus <= G else math.ceil(gpus / G) * G
     least = min((t.extras.get("state_per_gpu", math.inf) for t in trials), default=math.inf)
     planned = sorted({trial_reason(t) for t in trials if t.status == "infeasible"})
+    fixed = job_fixed_bytes(cluster, settings.launcher, (1, 1, 1)).fixed_bytes
+    share = job_fragmentation(cluster, settings.launcher)
     lines = [f"nothing fits {format_bytes(cap)} per GPU ({format_bytes(usable)} plannable after the "
-             f"{format_bytes(cluster.reserve_bytes)} reserve and {cluster.fragmentation:.0%} for fragmentation) "
-             f"on {settings.num_gpus} GPUs of {cluster.name}"]
+             f"{format_bytes(fixed)} reserve (CUDA context, workspaces; NCCL buffers per layout on top) and "
+             f"{share:.0%} for fragmentation) on {settings.num_gpus} GPUs of {cluster.name}"]
     if math.isfinite(least):
         lines.append(f"the training state alone needs at least {format_bytes(least)} per GPU in the best layout "
                      f"tried; fully sharded (ZeRO 3) it fits only from about {gpus} GPUs (activations not counted)")
     peak, key, zero = needs
     if key is not None and math.isfinite(peak):
         d, t, p, _, e = key
-        planned_cap = math.ceil(peak * (1 + cluster.fragmentation) + cluster.reserve_bytes)
+        planned_cap = math.ceil(peak) + job_memory(peak, cluster, settings.launcher, (d, t, p, 1, e)).total_bytes
         experts = f" E={e}" if settings.expert_parallel is not None or e > 1 else ""
         lines.append(f"a cap of {format_bytes(planned_cap)} per GPU fits d={d} t={t} p={p}{experts} ZeRO {zero} "
                      f"without recomputation")
@@ -160,6 +163,7 @@ def _predicted(plan, parts, best, profile, settings, cluster):
         "data_parallel_ms": round(parts.data_parallel_ms, 6),
         "optimizer_ms": round(parts.optimizer_ms, 6),
         **({"context_exchange_ms": round(parts.context_exchange_ms, 6)} if c > 1 else {}),
+        **({"cpu_offload_ms": round(parts.cpu_offload_ms, 6)} if settings.cpu_offload_layers else {}),
     })
     if best.moe:
         predicted = predicted.model_copy(update={
@@ -252,8 +256,16 @@ def assemble_cluster_plan(best, trials, profile, settings: PlanSettings, view: D
                                    expert_tensor=best.expert_tensor if best.moe else None,
                                    context=c if c > 1 else None),
         **({"ranks": ranks_with_buffers(plan.ranks, buffers)} if c > 1 else {}),
-        "reserve_bytes": cluster.reserve_bytes + math.ceil(cluster.fragmentation * peak_rank),
+        **_reserve(job_memory(peak_rank, cluster, settings.launcher, trial_layout(best))),
     })
+
+
+def _reserve(job) -> dict:
+    """The plan's ``reserve_bytes`` and its parts (cluster.memory.job_memory)."""
+    parts = ReserveParts(cuda_context_bytes=job.cuda_context_bytes, cublas_workspace_bytes=job.cublas_workspace_bytes,
+                         nccl_buffer_bytes=job.nccl_buffer_bytes, fragmentation_bytes=job.fragmentation_bytes,
+                         spec_reserve_bytes=job.fixed_override_bytes)
+    return {"reserve_bytes": job.total_bytes, "reserve_parts": parts}
 
 
 def _fast_link(cluster, num_gpus: int) -> tuple[str, str]:

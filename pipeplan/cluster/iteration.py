@@ -52,6 +52,9 @@ class IterationParts:
     outside the experts' parts (the quantized GEMMs themselves are in ``compute_ms``)."""
     context_exchange_ms: float = 0.0
     """Context parallelism: the critical rank's KV ring sends not hidden behind attention."""
+    cpu_offload_ms: float = 0.0
+    """CPU activation offload: the host-link copies compute does not cover (pipeplan.plan.offload),
+    after the make-span's micro-batches, before the sync."""
 
     @property
     def expert_ms(self) -> float:
@@ -66,13 +69,13 @@ class IterationParts:
 
     @property
     def iteration_ms(self) -> float:
-        return self.pipeline_ms + self.data_parallel_ms + self.optimizer_ms
+        return self.pipeline_ms + self.cpu_offload_ms + self.data_parallel_ms + self.optimizer_ms
 
 
 def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: float, bubble_ms: float,
                     rank_end_ms: Sequence[float], rank_sync_ms: Sequence[float],
                     rank_optimizer_ms: Sequence[float], expert_ms: Optional[dict] = None,
-                    context_ms: float = 0.0) -> IterationParts:
+                    context_ms: float = 0.0, offload_ms: float = 0.0) -> IterationParts:
     """The iteration's parts from the pipeline's simulation and each rank's sync and step.
 
     Parameters
@@ -93,6 +96,9 @@ def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: floa
     context_ms : float
         The critical rank's exposed context-parallel KV exchange (:mod:`pipeplan.cluster.context`),
         out of ``compute_ms`` too, never below zero.
+    offload_ms : float
+        CPU activation offload's exposed copies over the iteration (one pipeline rank: its
+        micro-batches run one after another), added to the iteration as ``cpu_offload_ms``.
 
     Returns
     -------
@@ -136,7 +142,7 @@ def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: floa
         compute_ms=left, tensor_parallel_ms=tensor_parallel_ms,
         pipeline_transfer_ms=transfer_ms, bubble_ms=bubble_ms,
         data_parallel_ms=synced - makespan, optimizer_ms=max(rank_optimizer_ms), **moe,
-        context_exchange_ms=exchange,
+        context_exchange_ms=exchange, cpu_offload_ms=max(0.0, offload_ms),
     )
 
 

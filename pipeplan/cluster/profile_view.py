@@ -146,6 +146,9 @@ class DegreeView:
     context_ms: dict = field(default_factory=dict)
     """``{(unit name, micro-batch size): (forward ms, backward ms)}`` of the context-parallel KV
     exchange's exposed time (:mod:`pipeplan.cluster.context`; empty at C = 1)."""
+    offload_ms: dict = field(default_factory=dict)
+    """``{micro-batch size: exposed ms per micro-batch}`` of CPU activation offload's copies
+    (:func:`pipeplan.plan.offload.offload_view`; empty without it)."""
 
     def stage_expert_bytes(self, layer_names) -> float:
         """The routed experts' parameter bytes one GPU holds of these units."""

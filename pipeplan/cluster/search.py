@@ -34,7 +34,7 @@ from pipeplan.cluster.experts import (check_expert_request, expert_choices, expe
                                       moe_rank_tails, moe_static_bytes, moe_tails_lower_bound,
                                       no_expert_layout_message, view_expert_bytes)
 from pipeplan.cluster.iteration import iteration_parts, pipeline_lower_bound_ms
-from pipeplan.cluster.memory import plannable_bytes, zero3_gathered_bytes
+from pipeplan.cluster.memory import plannable_for, trial_layout, zero3_gathered_bytes
 from pipeplan.cluster.placement import cluster_layout
 from pipeplan.cluster.profile_view import DegreeView, head_counts, tensor_degrees
 from pipeplan.cluster.runners import compare_search, informative_layouts, kind_label
@@ -47,6 +47,7 @@ from pipeplan.plan import make_plan, plan_simulation, with_profile_defaults
 from pipeplan.plan.bound import Incumbent, PrunedError
 from pipeplan.plan.given import plan_split
 from pipeplan.plan.memo import planning_cache
+from pipeplan.plan.offload import offload_view
 from pipeplan.plan.recompute import recomputed_layers
 from pipeplan.progress import task
 from pipeplan.quantities import format_bytes
@@ -162,14 +163,17 @@ class _Search:
 
     def view(self, tensor: int, selective: bool, experts) -> DegreeView:
         """The profile one GPU sees at degree ``tensor`` (and C), collectives and exchange timed."""
-        return context_view(self.profile, self.context_source, self.context, tensor, self.cluster, selective,
+        view = context_view(self.profile, self.context_source, self.context, tensor, self.cluster, selective,
                             experts, self.settings.num_gpus, tp_comm=tp_comm_launcher(self.settings))
+        return offload_view(view, self.settings.cpu_offload_layers, self.cluster.gpu)
     compares: list = field(default_factory=list)
     """Each ``--compare`` layout's trials (:class:`pipeplan.cluster.runners.Compare`)."""
 
     def run(self, trial: _Trial, best_ms: Optional[float] = None) -> None:
+        # Each layout's own NCCL communicators come out of its plannable bytes (cluster.memory).
+        usable = plannable_for(self.cap, self.cluster, self.settings.launcher, trial_layout(trial))
         _run_trial(trial, self.profile, self.settings, self.views[trial.view_key], self.cluster,
-                   self.usable, self.state, self.hbm, self.overlap, self.profile_sha256, self.record_time, best_ms)
+                   usable, self.state, self.hbm, self.overlap, self.profile_sha256, self.record_time, best_ms)
 
 
 def _plan_cluster(profile, settings: PlanSettings, *, profile_sha256: str, record_time: bool,
@@ -227,7 +231,7 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
     cap = settings.cap_bytes()
     search = _Search(
         profile=profile, settings=settings, cluster=cluster, cap=cap,
-        usable=plannable_bytes(cap, cluster.reserve_bytes, cluster.fragmentation),
+        usable=plannable_for(cap, cluster, settings.launcher),
         state=training_state(settings.optimizer, profile.dtype_bytes, *precision_of(settings)),
         hbm=hbm_bytes_per_s(profile, cluster),
         overlap=DEFAULT_OVERLAP if settings.data_parallel_overlap is None else settings.data_parallel_overlap,
@@ -581,7 +585,8 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     trial.parts = iteration_parts(sim.compute_ms, min(rank_tp[critical], sim.compute_ms), sim.transfer_ms,
                                   sim.bubble_ms + sim.overhead_ms, rank_end, sync, step,
                                   expert_ms=rank_moe[critical] if trial.moe or view.quantize_ms else None,
-                                  context_ms=rank_cp[critical])
+                                  context_ms=rank_cp[critical],
+                                  offload_ms=m * view.offload_ms.get(plan.microbatch_size, 0.0))
     trial.plan = plan
     trial.status = "planned"
     trial.extras = {"layout": layout, "link": "inter" if "inter" in links else ("intra" if links else "local"),

@@ -83,6 +83,8 @@ def cluster_plan_tables(plan):
           else []),
         ("  pipeline bubble", share(p.bubble_ms + (p.overhead_ms or 0.0))),
         ("  pipeline transfers", share(p.transfer_ms)),
+        *([(f"  CPU offload copies not covered ({plan.settings.cpu_offload_layers} layers)", share(p.cpu_offload_ms))]
+          if p.cpu_offload_ms is not None else []),
         ("  data-parallel sync", share(p.data_parallel_ms or 0.0)),
         *([("    of it gradient reduce (exposed)", share(p.gradient_reduce_ms)),
            ("    of it parameter all-gather (exposed)", share(p.param_gather_ms or 0.0)),
@@ -140,7 +142,7 @@ def cluster_plan_tables(plan):
         reserve = plan.reserve_bytes or 0
         ranks.add_row(str(r.rank), format_bytes(r.peak_memory_bytes), format_bytes(reserve),
                       format_bytes(r.peak_memory_bytes + reserve), format_bytes(cap) if cap else "none")
-    parts = [summary, placement, stages, ranks]
+    parts = [summary, placement, stages, ranks, *_reserve_table(plan)]
     if plan.alternatives:
         parts.extend(_runner_up_tables(plan))
     if plan.comparisons:
@@ -148,6 +150,23 @@ def cluster_plan_tables(plan):
                                    p.iteration_ms, "asked as"))
     parts.extend(f"note: {note}" for note in plan.notes)
     return Group(*parts)
+
+
+def _reserve_table(plan) -> list:
+    """The reserve by part (plan.reserve_parts; none in older plans): they add up to the reserve."""
+    r = plan.reserve_parts
+    if r is None:
+        return []
+    table = Table(title="reserve per GPU by part (docs/cluster-model.md, Memory a real job sees)", show_header=False)
+    table.add_column("part")
+    table.add_column("bytes", justify="right")
+    rows = ([("the cluster spec's reserve", r.spec_reserve_bytes)] if r.spec_reserve_bytes is not None else [
+        ("CUDA context", r.cuda_context_bytes), ("cuBLAS / cuBLASLt workspaces", r.cublas_workspace_bytes),
+        ("NCCL buffers (the layout's communicators)", r.nccl_buffer_bytes)])
+    for name, value in [*rows, ("allocator fragmentation (share of the fullest GPU's plan)", r.fragmentation_bytes),
+                        ("reserve", plan.reserve_bytes or 0)]:
+        table.add_row(name, format_bytes(value))
+    return [table]
 
 
 #: Layouts the search did not plan in full that ``show`` lists after the runners-up planned in full.

@@ -11,7 +11,8 @@ iteration is the plan's, to the digit.
 The cap is lifted for that call so that a config over the cap is still costed; its memory per
 rank (weights, gradients, optimizer state, activations, the reserve) is then held against the
 real cap here, with the planner's own rule (planned bytes plus the reserve within the cap,
-:func:`pipeplan.cluster.memory.reserve_bytes`).
+:func:`pipeplan.cluster.memory.job_memory`: the CUDA context, the workspaces, the layout's NCCL
+buffers and the allocator's fragmentation share, each a part of the reserve).
 
 The best plans come from the same search: at the config's own degrees (what ``--fix`` writes)
 and, with ``search_layouts``, over every d x t x p of the same GPUs.
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 from pipeplan.errors import BadInputError, InfeasibleError
 from pipeplan.formats.limits import MAX_BYTES
 from pipeplan.formats.plan import Plan, PlanSettings, effective_cap_bytes
-from pipeplan.cluster.memory import reserve_bytes
+from pipeplan.cluster.memory import job_memory
 from pipeplan.plan.assemble import stage_state_memory
+from pipeplan.plan.offload import check_cpu_offload, with_offload_note
 from pipeplan.cluster.search import plan_cluster
 
 __all__ = ["RankMemory", "ClusterCost", "LAUNCHER_ZERO_STAGES", "cost_on_cluster", "best_on_cluster",
@@ -49,12 +51,14 @@ class RankMemory:
     activation_bytes: int
     """Activations at the rank's peak (the micro-batches in flight)."""
     reserve_bytes: int
-    """CUDA context, NCCL and allocator fragmentation (the cluster spec's reserve)."""
+    """CUDA context, cuBLAS workspaces, NCCL buffers and allocator fragmentation (``job`` by part)."""
     expert_bytes: int = 0
     """Mixture of experts: the routed experts' weights, gradients and optimizer state it holds
     (1 / E of them); the other parts are then the dense layers'."""
     quantized_weight_bytes: int = 0
     """A quantized precision's weight copies (pipeplan.facts.training_state)."""
+    job: object = None
+    """The reserve by part (:class:`pipeplan.cluster.memory.JobMemory`)."""
 
     @property
     def planned_bytes(self) -> int:
@@ -106,11 +110,29 @@ def rank_memory(plan: Plan, profile, cluster) -> tuple[RankMemory, ...]:
         static = weights + gradients + optimizer + experts + quantized
         activations = max(0, r.peak_memory_bytes - static)
         planned = static + gathered + activations
+        job = job_memory(planned, cluster, plan.settings.launcher, _layout(plan))
         out.append(RankMemory(rank=r.rank, weight_bytes=weights + gathered, gradient_bytes=gradients,
                               optimizer_bytes=optimizer, activation_bytes=activations, expert_bytes=experts,
-                              quantized_weight_bytes=quantized,
-                              reserve_bytes=reserve_bytes(planned, cluster.reserve_bytes, cluster.fragmentation)))
+                              quantized_weight_bytes=quantized, reserve_bytes=job.total_bytes, job=job))
     return tuple(out)
+
+
+def _layout(plan) -> tuple[int, int, int, int, int, int]:
+    """(d, t, p, C, E, EDP) of a cluster plan, for its NCCL communicators."""
+    par = plan.parallelism
+    return (par.data, par.tensor, par.pipeline, par.context or 1, par.expert or 1, par.expert_data)
+
+
+def _plan_with_offload(profile, given: PlanSettings, profile_sha256: str) -> Plan:
+    """The cluster plan, with the config's CPU activation offload costed (pipeplan.plan.offload)."""
+    if given.cpu_offload_layers is None:
+        return plan_cluster(profile, given, profile_sha256=profile_sha256)
+    try:
+        given = check_cpu_offload(given, profile)
+    except BadInputError as exc:  # the planner's rules are megatron-core's: the script would not run
+        raise BadInputError(f"--cpu-offloading: megatron-core refuses this configuration "
+                            f"({str(exc).split(': ', 1)[-1]})") from None
+    return with_offload_note(plan_cluster(profile, given, profile_sha256=profile_sha256), profile, given)
 
 
 def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int], *, cluster, data: int,
@@ -162,7 +184,7 @@ def cost_on_cluster(profile, settings: PlanSettings, layers_per_stage: list[int]
         "memory_cap_bytes": MAX_BYTES,
     })
     try:
-        plan = plan_cluster(profile, given, profile_sha256=profile_sha256)
+        plan = _plan_with_offload(profile, given, profile_sha256)
     except InfeasibleError as exc:  # only the fixed reserve over a lifted cap: not a real case
         raise BadInputError(f"--cluster: the layout cannot be costed: {exc}") from None
     plan = plan.model_copy(update={"settings": plan.settings.model_copy(update={"memory_cap_bytes": cap})})
@@ -207,6 +229,7 @@ def best_on_cluster(profile, settings: PlanSettings, *, launcher: str, cluster, 
                 "zero_stage": zero, "recompute": recompute, "data_parallel": d, "tensor_parallel": t, "stages": p,
                 "memory_cap_bytes": cap, "layers_per_stage": None, "schedule": "auto", "virtual_stages": None,
                 "microbatch_size": None, "bandwidth_bytes_per_s": None, "search_stages": None,
+                "cpu_offload_layers": None,  # the search's plans are costed without it
                 "expert_parallel": expert if degrees is not None and getattr(profile, "experts", None) else None,
                 "context_parallel": context if context > 1 else None})
             try:

@@ -16,6 +16,7 @@ from pipeplan.doctor.evaluate import best_plan, cost_split
 from pipeplan.export.megatron import interleaved_refusal
 from pipeplan.doctor.units import stage_positions, unit_positions
 from pipeplan.errors import BadInputError
+from pipeplan.doctor.megatron import megatron_cpu_offload_layers
 from pipeplan.plan.recompute import with_selective_modules
 from pipeplan.plan.torchtitan_ac import with_torchtitan_selective
 from pipeplan.formats.plan import Plan, PlanSettings
@@ -237,6 +238,9 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
     elif mode == "all" and (method, layers) not in ((None, None), ("uniform", "1")):
         result.notes.append(f"--recompute-method {method} --recompute-num-layers {layers}: costed as uniform 1 (every "
                             f"layer recomputed, each keeping its input); larger uniform groups are not costed yet")
+    if config.launcher == "megatron" and megatron_cpu_offload_layers(config.settings) is not None:
+        # --cpu-offloading: costed as the planner's --cpu-offload-layers (pipeplan.plan.offload).
+        settings = settings.model_copy(update={"cpu_offload_layers": megatron_cpu_offload_layers(config.settings)})
     if mode == "selective" and not selective_known:
         mode = "none"
         result.notes.append("the profile has no selective-recomputation costs (selective_activation_bytes): "

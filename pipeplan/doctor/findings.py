@@ -94,6 +94,8 @@ def parts_text(plan: Plan) -> str:
             text += (f" (exposed: gradient reduce {pr.gradient_reduce_ms:.6g} + all-gather {pr.param_gather_ms or 0:.6g};"
                      f" {pr.data_parallel_hidden_ms or 0:.6g} hidden)")
         text += f" + optimizer {opt:.6g}"
+        if pr.cpu_offload_ms is not None:
+            text += f" + CPU offload {pr.cpu_offload_ms:.6g}"
     text += " ms"
     if pr.tokens_per_second_per_gpu is not None:
         text += f"; {pr.tokens_per_second_per_gpu:.4g} tokens/s per GPU"

@@ -21,7 +21,8 @@ from pipeplan.doctor.shell import read_script
 from pipeplan.errors import BadInputError
 from pipeplan.plan.recompute import check_recompute_modules
 
-__all__ = ["megatron_precision", "parse_megatron", "megatron_layout_of", "MEGATRON_INT_FLAGS"]
+__all__ = ["megatron_precision", "parse_megatron", "megatron_layout_of", "MEGATRON_INT_FLAGS",
+           "megatron_cpu_offload_layers"]
 
 #: Flags doctor reads that take an integer.
 MEGATRON_INT_FLAGS = (
@@ -31,6 +32,7 @@ MEGATRON_INT_FLAGS = (
     "--micro-batch-size", "--global-batch-size", "--recompute-num-layers", "--context-parallel-size",
     "--microbatch-group-size-per-virtual-pipeline-stage", "--seq-length", "--expert-model-parallel-size",
     "--fp8-amax-history-len", "--ddp-bucket-size",
+    "--cpu-offloading-num-layers",
 )
 #: Megatron-LM's overlap flags and the overlaps they switch (pipeplan.cluster.overlap), all off by default.
 _OVERLAP_FLAGS = (("--overlap-grad-reduce", "grad-reduce"), ("--overlap-param-gather", "param-gather"),
@@ -51,6 +53,7 @@ _BOOL_FLAGS = (
     "--use-distributed-optimizer", "--sequence-parallel", "--recompute-activations", "--fp16", "--bf16",
     "--fp8-param-gather", "--fp4-param-gather", "--grad-reduce-in-bf16",
     *(flag for flag, _ in _OVERLAP_FLAGS),
+    "--fp8-param-gather", "--fp4-param-gather", "--grad-reduce-in-bf16", "--cpu-offloading",
 )
 _MULTI_FLAGS = {"--rampup-batch-size": 3}
 _LIST_FLAGS = ("--recompute-modules",)
@@ -257,6 +260,15 @@ def parse_megatron(path: str, text: str, *, variables: dict[str, str] | None = N
         overlap=tuple(name for flag, name in _OVERLAP_FLAGS if flag in flags),
         ddp_bucket_size=_int(path, flags, "--ddp-bucket-size"),
     )
+
+
+def megatron_cpu_offload_layers(settings: dict) -> int | None:
+    """N of ``--cpu-offloading --cpu-offloading-num-layers N`` in a parsed config's flags (None
+    without ``--cpu-offloading``, or with N = 0: Megatron then offloads nothing)."""
+    if settings.get("--cpu-offloading") is None:
+        return None
+    n = int(settings.get("--cpu-offloading-num-layers") or 0)
+    return n if n > 0 else None
 
 
 def _layout_stage_count(path: str, layout: str) -> int:

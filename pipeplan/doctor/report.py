@@ -105,6 +105,23 @@ def _memory_rows(result: Diagnosis) -> list[tuple[str, ...]]:
             for r in cost.memory]
 
 
+def _reserve_lines(result: Diagnosis) -> list[str]:
+    """The reserve by part (with --cluster): the fullest rank's, as cluster.memory.job_memory gives it."""
+    cost = result.cluster_cost
+    jobs = [r for r in (cost.memory if cost is not None else ()) if getattr(r, "job", None) is not None]
+    if not jobs:
+        return []
+    r = max(jobs, key=lambda r: r.total_bytes)
+    job = r.job
+    if job.fixed_override_bytes is not None:
+        fixed = f"the cluster spec's reserve {format_bytes(job.fixed_override_bytes)}"
+    else:
+        fixed = (f"CUDA context {format_bytes(job.cuda_context_bytes)} + cuBLAS workspaces "
+                 f"{format_bytes(job.cublas_workspace_bytes)} + NCCL buffers {format_bytes(job.nccl_buffer_bytes)}")
+    return [f"reserve of rank {r.rank}: {fixed} + allocator fragmentation {format_bytes(job.fragmentation_bytes)} "
+            f"(docs/cluster-model.md, Memory a real job sees)"]
+
+
 def _table(header, rows) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     return ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()] + \
@@ -146,7 +163,9 @@ def as_dict(result: Diagnosis) -> dict:
              "optimizer_bytes": r.optimizer_bytes, "activation_bytes": r.activation_bytes,
              **({"expert_bytes": r.expert_bytes} if r.expert_bytes else {}),
              **({"quantized_weight_bytes": r.quantized_weight_bytes} if r.quantized_weight_bytes else {}),
-             "reserve_bytes": r.reserve_bytes, "total_bytes": r.total_bytes} for r in result.cluster_cost.memory],
+             "reserve_bytes": r.reserve_bytes, "total_bytes": r.total_bytes,
+             **({"reserve_parts": dict(vars(r.job))} if getattr(r, "job", None) is not None else {})}
+            for r in result.cluster_cost.memory],
         "memory_cap_bytes": None if result.cluster_cost is None else result.cluster_cost.cap_bytes,
         "speedup": result.speedup,
         "notes": result.notes,
@@ -174,6 +193,7 @@ def render(result: Diagnosis, output_format: str = "table") -> str:
             header = _memory_header(result)
             out += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
             out += ["| " + " | ".join(r) + " |" for r in memory]
+            out += [""] + _reserve_lines(result)
         out += [""] + [f"> note: {n}" for n in result.notes]
         return "\n".join(out).rstrip() + "\n"
     out = list(_summary(result))
@@ -181,7 +201,7 @@ def render(result: Diagnosis, output_format: str = "table") -> str:
     out += _table(header, rows)
     memory = _memory_rows(result)
     if memory:
-        out += ["", "memory per GPU:"] + _table(_memory_header(result), memory)
+        out += ["", "memory per GPU:"] + _table(_memory_header(result), memory) + _reserve_lines(result)
     out.append("")
     for f in findings:
         out.append(f"{f.severity}: [{f.code}] {f.message}")

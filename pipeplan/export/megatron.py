@@ -191,6 +191,13 @@ def _recompute_flags(plan: Plan, notes: list[str]) -> list[tuple[str, str | tupl
             ("--recompute-num-layers", "1")]
 
 
+def cpu_offload_flags(plan: Plan) -> list[tuple[str, str | None]]:
+    """Megatron's CPU activation offload for a plan made with ``--cpu-offload-layers N``
+    (megatron-core's ``cpu_offloading``, ``cpu_offloading_num_layers``; pipeplan.plan.offload)."""
+    n = plan.settings.cpu_offload_layers
+    return [] if n is None else [("--cpu-offloading", None), ("--cpu-offloading-num-layers", str(n))]
+
+
 def _optimizer_flags(plan: Plan, degrees, notes: list[str]) -> list[tuple[str, str | None]]:
     zero = degrees.zero_stage
     if zero == 0:
@@ -322,7 +329,7 @@ def export_megatron(plan: Plan, profile, *, profile_sha256: str | None = None) -
             f"Megatron-LM runs {runs} with this split; the plan's numbers are for {plan.schedule}"
         )
     notes += tied_weight_notes(plan, profile, "megatron")
-    recompute = _recompute_flags(plan, notes)
+    recompute = _recompute_flags(plan, notes) + cpu_offload_flags(plan)
     optimizer = _optimizer_flags(plan, degrees, notes)
     overlap = overlap_flags(plan, degrees, notes)
     if degrees.tensor > 1 and not degrees.sequence_parallel:

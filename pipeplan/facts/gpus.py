@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeplan.errors import BadInputError
 
-__all__ = ["GpuSpec", "GPUS", "PRECISIONS", "get_gpu", "gpu_rows"]
+__all__ = ["GpuSpec", "GPUS", "PRECISIONS", "get_gpu", "gpu_rows", "HOST_LINK_BYTES_PER_S", "HOST_LINK_SOURCES"]
 
 _GIB = 2**30
 
@@ -230,6 +230,21 @@ GPUS: dict[str, GpuSpec] = {s.name: s for s in (
            "fp8": 2614.9e12},
           "AMD Instinct MI300X accelerator data sheet"),
 )}
+
+
+#: The GPU's link to its host CPU's memory, one direction, bytes/s: what CPU activation offload
+#: copies over (pipeplan.plan.offload). Grace superchips: NVLink-C2C, 900 GB/s both directions
+#: (NVIDIA GH200 / GB200 NVL72 data sheets), 450 GB/s each way; x86 systems: PCIe Gen5 x16 (32 GT/s
+#: x 16 lanes, 128b/130b: 63 GB/s each way; the DGX H100/H200/B200 user guides: PCIe Gen5 to the
+#: CPUs), A100 and L4 PCIe Gen4 x16 (31.5 GB/s each way).
+HOST_LINK_BYTES_PER_S = {"gh200": 450e9, "gb200": 450e9, "gb300": 450e9, "h100-sxm": 63e9, "h200": 63e9,
+                         "b200": 63e9, "b300": 63e9, "mi300x": 63e9, "a100-40gb": 31.5e9, "a100-80gb": 31.5e9,
+                         "l4": 31.5e9}
+HOST_LINK_SOURCES = {
+    "NVLink-C2C": "NVIDIA GH200 Grace Hopper and GB200 NVL72 data sheets: NVLink-C2C 900 GB/s (both directions)",
+    "PCIe Gen5 x16": "PCI-SIG PCIe 5.0: 32 GT/s x 16 lanes, 128b/130b = 63 GB/s per direction",
+    "PCIe Gen4 x16": "PCI-SIG PCIe 4.0: 16 GT/s x 16 lanes, 128b/130b = 31.5 GB/s per direction",
+}
 
 
 def get_gpu(name: str) -> GpuSpec:

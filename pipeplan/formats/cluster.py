@@ -39,7 +39,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pipeplan.errors import BadInputError, format_validation_error
 from pipeplan.facts.gpus import GPUS
 # Byte counts take 80e9 (a whole float, as the module docstring shows); a GPU count takes only 8.
-from pipeplan.formats.limits import Bytes, Efficiency, LatencyUs, LinkBandwidth, Name, NodeGpus, PositiveBytes, Share
+from pipeplan.formats.limits import (Bytes, Efficiency, LatencyUs, LinkBandwidth, Name, NodeGpus, PositiveBytes,
+                                     PositiveCount, Share)
 from pipeplan.formats.reading import load_toml
 from pipeplan.quantities import parse_bandwidth, parse_bytes
 
@@ -119,25 +120,36 @@ class ClusterSpec(_Strict):
                     "gpus_per_node (the domain is the node). docs/cluster-model.md, NVLink domains.")
     memory_cap_bytes: Optional[PositiveBytes] = Field(
         default=None,
-        description="Usable memory per GPU; null: the GPU model's memory. The reserve "
-                    "(reserve_bytes) comes out of it.")
+        description="Usable memory per GPU; null: the GPU model's memory. What a real job holds beside the "
+                    "plan (the CUDA context, workspaces, NCCL buffers, fragmentation) comes out of it.")
     intra_node: Link = Field(description="The link between GPUs of one NVLink domain (of one node unless "
                                          "gpus_per_nvlink_domain spans nodes).")
     inter_node: Link = Field(description="The network between domains, per GPU (rail-optimised: "
                                          "each GPU has its own NIC share).")
-    reserve_bytes: Bytes = Field(
-        default=2 * 2**30,
-        description="Per GPU, memory pipeplan never plans: the CUDA context, NCCL's buffers, "
-                    "kernel workspace (docs/cluster-model.md).")
-    fragmentation: Share = Field(
-        default=0.05,
-        description="Share of the planned memory added for the allocator's fragmentation.")
+    # What a real job holds beside the plan: each null field takes the documented figure
+    # (pipeplan.facts.job_memory); a file written for the old single reserve still loads.
+    reserve_bytes: Optional[Bytes] = Field(
+        default=None,
+        description="Per GPU, a fixed part pipeplan never plans, replacing the documented terms (the CUDA "
+                    "context, the cuBLAS workspaces, the NCCL buffers of the layout's communicators); null: "
+                    "those terms (docs/cluster-model.md, Memory a real job sees).")
+    fragmentation: Optional[Share] = Field(
+        default=None,
+        description="Share of the planned memory added for the caching allocator's fragmentation; null: the "
+                    "launcher's (pipeplan.facts.job_memory).")
+    cuda_context_bytes: Optional[Bytes] = Field(
+        default=None, description="Per GPU, the CUDA context (driver state and loaded kernels); null: the "
+                                  "documented figure (pipeplan.facts.job_memory).")
+    nccl_channels: Optional[PositiveCount] = Field(
+        default=None, description="Channels NCCL opens per collective communicator (NCCL_MIN/MAX_NCHANNELS); "
+                                  "null: the documented figure (8).")
 
     @model_validator(mode="before")
     @classmethod
     def _quantities(cls, data: Any) -> Any:
         return _parse_quantities(data, {"memory_cap": ("memory_cap_bytes", "bytes"),
-                                        "reserve": ("reserve_bytes", "bytes")})
+                                        "reserve": ("reserve_bytes", "bytes"),
+                                        "cuda_context": ("cuda_context_bytes", "bytes")})
 
     @model_validator(mode="after")
     def _whole_nodes(self) -> "ClusterSpec":
@@ -230,7 +242,7 @@ def cluster_from_dict(data: dict, where: str = "cluster", bases: Optional[Mappin
                 link = {k: v for k, v in merged[key].items() if not (k == "bandwidth_bytes_per_s" and "bandwidth" in value)}
                 link.update(value)
                 merged[key] = link
-            elif key in ("memory_cap", "reserve"):
+            elif key in ("memory_cap", "reserve", "cuda_context"):
                 merged.pop(f"{key}_bytes", None)
                 merged[key] = value
             else:

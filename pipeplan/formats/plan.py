@@ -42,6 +42,7 @@ __all__ = [
     "RankSummary",
     "Alternative",
     "SolverInfo",
+    "ReserveParts",
     "Plan",
 ]
 
@@ -259,6 +260,11 @@ class PlanSettings(_Strict):
                     "the attention's outputs saved, the rest recomputed; the profile's selective_op_sac) or N "
                     "(every N-th transformer block checkpointed in full, the others keep everything); "
                     "null: op under --launcher torchtitan.")
+    cpu_offload_layers: Optional[PositiveCount] = Field(
+        default=None,
+        description="--cpu-offload-layers (with --launcher megatron): the first N transformer layers' saved "
+                    "activations go to host memory in the forward and come back in the backward, Megatron's "
+                    "--cpu-offloading --cpu-offloading-num-layers N (one pipeline rank, no recomputation); null: none.")
     context_parallel: Optional[PositiveCount] = Field(
         default=None,
         description="--context-parallel: fixed context-parallel degree C (the sequence split over C GPUs; "
@@ -411,6 +417,9 @@ class Predicted(_Strict):
     context_exchange_ms: Optional[PlanMs] = Field(
         default=None, description="Context parallelism: the ring's KV sends not hidden behind the attention "
                                   "blocks they overlap (forward and backward), out of compute_ms.")
+    cpu_offload_ms: Optional[PlanMs] = Field(
+        default=None, description="CPU activation offload (settings.cpu_offload_layers): the host-link copies "
+                                  "(D2H in the forward, H2D in the backward) that compute does not cover; null: none.")
     tokens_per_second_per_gpu: Optional[NonNegativeFloat] = Field(default=None, description="Training throughput per GPU.")
     model_flops_utilization: Optional[FiniteFloat] = Field(
         default=None, ge=0, description="Model FLOPs per iteration (no recompute) over the GPUs' peak (MFU).")
@@ -472,6 +481,23 @@ class SolverInfo(_Strict):
                                   "ILP solve failed); also in the plan's notes. Null when none did.")
 
 
+class ReserveParts(_Strict):
+    """The reserve by part (cluster plans): what a real job holds per GPU beside the plan; the parts
+    add up to ``Plan.reserve_bytes`` (docs/cluster-model.md, Memory a real job sees)."""
+
+    cuda_context_bytes: PlanBytes = Field(description="The CUDA context (driver state, loaded kernels).")
+    cublas_workspace_bytes: PlanBytes = Field(description="PyTorch's cuBLAS and cuBLASLt workspaces.")
+    nccl_buffer_bytes: PlanBytes = Field(description="NCCL's buffers for the communicators the layout holds.")
+    fragmentation_bytes: PlanBytes = Field(description="The caching allocator's share of the fullest GPU's plan.")
+    spec_reserve_bytes: Optional[PlanBytes] = Field(
+        default=None, description="The cluster spec's reserve, replacing the three fixed parts (then 0); null: none.")
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.cuda_context_bytes + self.cublas_workspace_bytes + self.nccl_buffer_bytes
+                + self.fragmentation_bytes + (self.spec_reserve_bytes or 0))
+
+
 class Plan(_Strict):
     """A pipeline plan."""
 
@@ -491,7 +517,10 @@ class Plan(_Strict):
     parallelism: Optional[Parallelism] = Field(
         default=None, description="The cluster layout (schema_version 2); null: d = t = 1 on `stages` GPUs.")
     reserve_bytes: Optional[PlanBytes] = Field(
-        default=None, description="Per GPU, the memory not planned (the cluster's reserve and fragmentation share).")
+        default=None, description="Per GPU, the memory not planned (the CUDA context, workspaces, NCCL buffers and "
+                                  "the allocator's fragmentation share; reserve_parts by part).")
+    reserve_parts: Optional[ReserveParts] = Field(
+        default=None, description="reserve_bytes by part (cluster plans); null in older plans.")
     comparisons: Optional[list[Alternative]] = Field(
         default=None, description="Cluster plans with --compare: each named layout planned in full under the same "
                                   "rules (or why it does not fit), beside the winner; null when none was named.")
@@ -533,6 +562,9 @@ class Plan(_Strict):
         for index, summary in enumerate(self.ranks):
             if summary.rank >= ranks or any(i >= len(self.stages) for i in summary.stages):
                 raise ValueError(f"ranks[{index}]: rank {summary.rank} or its stages {summary.stages} are out of range")
+        if self.reserve_parts is not None and self.reserve_parts.total_bytes != self.reserve_bytes:
+            raise ValueError(f"reserve_parts: they add up to {self.reserve_parts.total_bytes} bytes, not "
+                             f"reserve_bytes {self.reserve_bytes}")
         return self
 
     @model_validator(mode="before")

@@ -59,6 +59,17 @@ class Part:
     bytes: float
     quantized: bool = False
     """A GEMM run at ``--precision``'s peak (its operands quantized)."""
+    m: float = 0.0
+    """A GEMM's output rows per group (tokens, or for a weight gradient the input features); 0:
+    not a GEMM (the efficiency model's tile and wave terms apply only where m, n and k are given)."""
+    n: float = 0.0
+    """A GEMM's output columns (one rank's, after the tensor-parallel split)."""
+    k: float = 0.0
+    """A GEMM's reduction length (a weight gradient's: the tokens)."""
+    groups: int = 1
+    """Independent GEMMs of one shape in one grouped launch (a routed GEMM's experts)."""
+    launches: int = 1
+    """Kernels the framework launches from the host for this part (the host-overhead term)."""
 
 
 @dataclass
@@ -101,6 +112,17 @@ UNQUANTIZED_GEMMS = frozenset({"router", "lm_head", "project_in", "project_out"}
 _SHARED_INPUT_GEMMS = frozenset({"k_proj", "v_proj", "up_proj", "shared_up_proj", "kv_a_proj_with_mqa"})
 
 
+def _gemm_dims(gemm: Gemm, routed: float, inp: int, out: int) -> tuple[dict, dict, dict]:
+    """Each pass's GEMM shape (``m x k @ k x n`` per group; docs/analytic.md, "GEMM shapes"):
+    forward ``[T, i] @ [i, o]``; input gradient ``[T, o] @ [o, i]``; weight gradient
+    ``[i, T] @ [T, o]``. A routed GEMM is one grouped GEMM over its experts, each with
+    ``T = routed / experts`` tokens (evenly loaded), as Megatron-core's grouped MLP runs them."""
+    groups = gemm.copies if gemm.expert else 1
+    tokens = routed / groups
+    return (dict(m=tokens, n=out, k=inp, groups=groups), dict(m=tokens, n=inp, k=out, groups=groups),
+            dict(m=inp, n=out, k=tokens, groups=groups))
+
+
 def _quantized_gemm_parts(gemm: Gemm, shape: Shape, routed: float, inp: int, out: int, weights: int,
                           flops: float) -> tuple[list[Part], list[Part], list[Part]]:
     """A GEMM at ``--precision`` (docs/analytic.md, "Precision"): its two operands quantized
@@ -110,12 +132,13 @@ def _quantized_gemm_parts(gemm: Gemm, shape: Shape, routed: float, inp: int, out
     The weights' casts happen once per iteration (TE's ``is_first_microbatch``) and are not counted."""
     q, e = shape.quantized_bytes, shape.dtype_bytes
     moved = q * (routed * inp + weights) + e * routed * out
-    forward = [Part(gemm.name, "gemm", flops, moved, True)]
+    dims_f, dims_b, dims_w = _gemm_dims(gemm, routed, inp, out)
+    forward = [Part(gemm.name, "gemm", flops, moved, True, **dims_f)]
     if gemm.name not in _SHARED_INPUT_GEMMS:
         forward.insert(0, Part(f"{gemm.name}_quantize", "memory", 0.0, (e + 2 * q) * routed * inp))
     backward = [Part(f"{gemm.name}_grad_quantize", "memory", 0.0, (e + 2 * q) * routed * out),
-                Part(gemm.name, "gemm", flops, moved, True)]
-    return forward, backward, [Part(gemm.name, "gemm", flops, moved, True)]
+                Part(gemm.name, "gemm", flops, moved, True, **dims_b)]
+    return forward, backward, [Part(gemm.name, "gemm", flops, moved, True, **dims_w)]
 
 
 def _gemm_parts(gemm: Gemm, cfg: ModelConfig, shape: Shape) -> tuple[list[Part], list[Part], list[Part]]:
@@ -131,8 +154,9 @@ def _gemm_parts(gemm: Gemm, cfg: ModelConfig, shape: Shape) -> tuple[list[Part],
     if shape.quantized_bytes is not None and gemm.name not in UNQUANTIZED_GEMMS:
         return _quantized_gemm_parts(gemm, shape, routed, inp, out, weights, flops)
     moved = e * (routed * inp + weights + routed * out)
-    return ([Part(gemm.name, "gemm", flops, moved)], [Part(gemm.name, "gemm", flops, moved)],
-            [Part(gemm.name, "gemm", flops, moved)])
+    dims_f, dims_b, dims_w = _gemm_dims(gemm, routed, inp, out)
+    return ([Part(gemm.name, "gemm", flops, moved, **dims_f)], [Part(gemm.name, "gemm", flops, moved, **dims_b)],
+            [Part(gemm.name, "gemm", flops, moved, **dims_w)])
 
 
 def _memory(name: str, elements: float, passes: float, shape: Shape, extra_bytes: float = 0.0) -> Part:

@@ -167,6 +167,8 @@ def _predicted(plan, parts, best, profile, settings, cluster):
             for name in ("expert_dispatch_ms", "expert_compute_ms", "expert_combine_ms", "shared_expert_ms")})
     if settings.precision is not None:
         predicted = predicted.model_copy(update={"quantize_ms": round(parts.quantize_ms, 6)})
+    if parts.host_wait_ms > 0:
+        predicted = predicted.model_copy(update={"host_wait_ms": round(parts.host_wait_ms, 6)})
     if profile.sequence_length:
         predicted = predicted.model_copy(update={"tokens_per_second_per_gpu": round(
             tokens_per_s_per_gpu(G, profile.sequence_length, iteration_ms, settings.num_gpus), 6)})

@@ -556,6 +556,9 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
         if view.quantize_ms:
             rank_moe[stage.rank]["quantize"] = rank_moe[stage.rank].get("quantize", 0.0) + m * view.stage_quantize_ms(
                 stage.layers, plan.microbatch_size, again)
+        if view.host_wait_ms:
+            rank_moe[stage.rank]["host_wait"] = rank_moe[stage.rank].get("host_wait", 0.0) + m * view.stage_host_wait_ms(
+                stage.layers, plan.microbatch_size, again)
         rank_cp[stage.rank] += m * stage_context_ms(view, stage.layers, plan.microbatch_size, stage.recompute)
         if trial.moe:
             rank_experts[stage.rank] += view_expert_bytes(view, stage.layers) / profile.dtype_bytes
@@ -569,7 +572,7 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     critical = sim.critical_rank
     trial.parts = iteration_parts(sim.compute_ms, min(rank_tp[critical], sim.compute_ms), sim.transfer_ms,
                                   sim.bubble_ms + sim.overhead_ms, rank_end, sync, step,
-                                  expert_ms=rank_moe[critical] if trial.moe or view.quantize_ms else None,
+                                  expert_ms=rank_moe[critical] if trial.moe or view.quantize_ms or view.host_wait_ms else None,
                                   context_ms=rank_cp[critical])
     trial.plan = plan
     trial.status = "planned"

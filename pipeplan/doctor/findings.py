@@ -89,6 +89,8 @@ def parts_text(plan: Plan) -> str:
             text += f" + {plan.settings.precision} casts {pr.quantize_ms:.6g}"
         if pr.context_exchange_ms is not None:
             text += f" + context-parallel exchange {pr.context_exchange_ms:.6g}"
+        if pr.host_wait_ms is not None:
+            text += f" + host launches {pr.host_wait_ms:.6g}"
         text += f" + data-parallel sync {dp:.6g} + optimizer {opt:.6g}"
     text += " ms"
     if pr.tokens_per_second_per_gpu is not None:

@@ -9,7 +9,9 @@ tensor figures are often "with sparsity", twice as high). ``peak_flops`` is keye
 hardware runs it and a source gives the figure (Hopper has neither ``mxfp8`` nor ``nvfp4``).
 ``link_bytes_per_s`` is one direction of the GPU's NVLink (or PCIe) link (NVLink's "900 GB/s"
 is both directions together: 450 GB/s each way), which is what a ring collective runs at. HBM
-capacities are binary (an "80 GB" HBM part holds 80 GiB).
+capacities are binary (an "80 GB" HBM part holds 80 GiB). ``sm_count`` is the number of
+streaming multiprocessors (AMD: compute units), from the architecture whitepaper or data sheet
+(``_SM_COUNTS``, each with its source): how many GEMM tiles run at once.
 
 ``--gpu-spec my.toml`` reads any other GPU (:func:`pipeplan.formats.gpu.load_gpu_spec`)::
 
@@ -17,6 +19,7 @@ capacities are binary (an "80 GB" HBM part holds 80 GiB).
     memory = "80GiB"
     hbm_bandwidth = "3.35TB/s"
     link_bandwidth = "450GB/s"
+    sm_count = 132                   # optional: SMs (the GEMM model's wave quantisation)
     source = "where the figures come from"
     [peak_flops]
     bf16 = 989.4e12

@@ -380,6 +380,10 @@ class Predicted(_Strict):
     context_exchange_ms: Optional[PlanMs] = Field(
         default=None, description="Context parallelism: the ring's KV sends not hidden behind the attention "
                                   "blocks they overlap (forward and backward), out of compute_ms.")
+    host_wait_ms: Optional[PlanMs] = Field(
+        default=None, description="The time the GPU waits for the host to launch its kernels (an analytic "
+                                  "profile's host_wait_*_ms: units whose kernels are shorter than their "
+                                  "launches), out of compute_ms; null: every unit GPU-bound.")
     tokens_per_second_per_gpu: Optional[NonNegativeFloat] = Field(default=None, description="Training throughput per GPU.")
     model_flops_utilization: Optional[FiniteFloat] = Field(
         default=None, ge=0, description="Model FLOPs per iteration (no recompute) over the GPUs' peak (MFU).")

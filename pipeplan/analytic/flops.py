@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pipeplan.analytic.configs import ModelConfig
 from pipeplan.analytic.shapes import Gemm, block_gemms, head_gemm, kv_heads_per_rank, mtp_projection_gemm
 
-__all__ = ["UNQUANTIZED_GEMMS", "Part", "Shape", "UnitWork", "unit_work", "mean_keys_per_query", "model_flops_per_token"]
+__all__ = ["UNQUANTIZED_GEMMS", "ROUTER_LAUNCHES", "DISPATCH_LAUNCHES", "Part", "Shape", "UnitWork", "unit_work", "mean_keys_per_query", "model_flops_per_token"]
 
 
 @dataclass(frozen=True)
@@ -232,6 +232,15 @@ def _attention_core(work: UnitWork, cfg: ModelConfig, index: int, shape: Shape) 
     work.backward_input += [Part(p.name, p.kind, p.flops * backward_factor, p.bytes * 2) for p in core]
 
 
+#: Kernels Megatron-core 0.16.1's MoE layer launches per layer besides its GEMMs, unfused (its
+#: defaults), counted with ``benchmarks/count_moe_launches.py``: the router (softmax, top-k, the
+#: aux load-balancing loss) 26 forward with its gating GEMM and 19 backward with its two; the
+#: dispatcher's permute, chunk sort and unpermute 19 forward and 12 backward. The routing and
+#: permute parts carry them (less the router's GEMMs and the unpermute's own one) as their launches.
+ROUTER_LAUNCHES = (26 - 1, 19 - 2)
+DISPATCH_LAUNCHES = (19 - 1, 12 - 1)
+
+
 def _add_routing(work: UnitWork, cfg: ModelConfig, shape: Shape) -> None:
     """The router's softmax and top-k over its logits, then the tokens' permutation.
 
@@ -240,12 +249,14 @@ def _add_routing(work: UnitWork, cfg: ModelConfig, shape: Shape) -> None:
     ``tokens x num_experts`` fp32 values forward, twice that backward (the softmax's gradient
     reads the probabilities and the incoming gradient and writes its own)."""
     logits = shape.tokens * cfg.num_experts
-    work.forward.append(Part("router_softmax_topk", "memory", 0.0, 4.0 * logits * 3))
-    work.backward_input.append(Part("router_softmax_topk", "memory", 0.0, 4.0 * logits * 6))
-    _add_token_moves(work, "token_permute", cfg, shape)
+    work.forward.append(Part("router_softmax_topk", "memory", 0.0, 4.0 * logits * 3, launches=ROUTER_LAUNCHES[0]))
+    work.backward_input.append(Part("router_softmax_topk", "memory", 0.0, 4.0 * logits * 6,
+                                    launches=ROUTER_LAUNCHES[1]))
+    _add_token_moves(work, "token_permute", cfg, shape, DISPATCH_LAUNCHES)
 
 
-def _add_token_moves(work: UnitWork, name: str, cfg: ModelConfig, shape: Shape) -> None:
+def _add_token_moves(work: UnitWork, name: str, cfg: ModelConfig, shape: Shape,
+                     launches: tuple[int, int] = (1, 1)) -> None:
     """A permutation of the routed tokens: copies, no FLOPs.
 
     The dispatcher's permute (``moe/moe_utils.py: permute``) gathers each token's hidden state
@@ -256,8 +267,8 @@ def _add_token_moves(work: UnitWork, name: str, cfg: ModelConfig, shape: Shape) 
     and is left out (its ranks' share is the same per rank at any E)."""
     replicated = shape.tokens * cfg.hidden_size / shape.sp_share
     moved = shape.dtype_bytes * replicated * (1 + cfg.experts_per_token)
-    work.forward.append(Part(name, "memory", 0.0, moved))
-    work.backward_input.append(Part(name, "memory", 0.0, moved))
+    work.forward.append(Part(name, "memory", 0.0, moved, launches=launches[0]))
+    work.backward_input.append(Part(name, "memory", 0.0, moved, launches=launches[1]))
 
 
 def _mlp(work: UnitWork, cfg: ModelConfig, index: int, gemms: dict, shape: Shape) -> None:

@@ -61,6 +61,7 @@ measured profile of the same model (:func:`fit_efficiency`).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -110,9 +111,14 @@ def gemm_shape_factor(part: Part, sm_count: Optional[int], k_overhead: float) ->
     >>> gemm_shape_factor(Part("g", "gemm", 0.0, 0.0, m=100, n=128, k=4096), None, 0.0)   # m padded to 128
     1.28
     """
-    m, n, k, groups = part.m, part.n, part.k, part.groups
-    if not (m > 0 and n > 0 and k > 0):
+    if not (part.m > 0 and part.n > 0 and part.k > 0):
         return 1.0
+    return _shape_factor(part.m, part.n, part.k, part.groups, sm_count, k_overhead)
+
+
+@functools.lru_cache(maxsize=65536)
+def _shape_factor(m: float, n: float, k: float, groups: int, sm_count: Optional[int], k_overhead: float) -> float:
+    # Cached: a profile asks for the same few shapes at every unit, size and degree.
     fill = k_overhead / k
     best = math.inf
     for tile_m, tile_n in GEMM_TILES:

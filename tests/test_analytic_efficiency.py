@@ -132,3 +132,18 @@ def test_calibrate_still_recovers_a_known_efficiency_with_the_new_terms():
     assert fitted.gemm == pytest.approx(0.6, rel=0.03) and fitted.memory == pytest.approx(0.7, rel=0.03)
     assert fitted.gemm_k_overhead == E.gemm_k_overhead and fitted.host_us_per_kernel == E.host_us_per_kernel
     assert report["rms_log_error_after"] < 0.01
+
+
+def test_a_gpu_spec_file_may_give_its_sm_count(tmp_path):
+    from pipeplan.formats.gpu import load_gpu_spec
+
+    text = ('name = "mine"\nmemory = "80GiB"\nhbm_bandwidth = "3.35TB/s"\nlink_bandwidth = "450GB/s"\n'
+            '[peak_flops]\nbf16 = 989.4e12\n')
+    without = tmp_path / "a.toml"
+    without.write_text(text)
+    with_sms = tmp_path / "b.toml"
+    with_sms.write_text(text.replace('link_bandwidth = "450GB/s"\n', 'link_bandwidth = "450GB/s"\nsm_count = 132\n'))
+    assert load_gpu_spec(without).sm_count is None and load_gpu_spec(with_sms).sm_count == 132
+    # Without an SM count only tile padding and the k fill apply (no waves).
+    part = _gemm(8192, 768, 6144)
+    assert gemm_shape_factor(part, None, E.gemm_k_overhead) == pytest.approx(1 + E.gemm_k_overhead / 6144)

@@ -34,7 +34,7 @@ def _plan(**kw):
 
 def _parts_sum(p):
     return (p.compute_ms + (p.tensor_parallel_ms or 0) + p.bubble_ms + (p.overhead_ms or 0) + p.transfer_ms
-            + (p.data_parallel_ms or 0) + (p.optimizer_ms or 0))
+            + (p.data_parallel_ms or 0) + (p.optimizer_ms or 0) + (p.host_wait_ms or 0))
 
 
 def test_cluster_plan_parts_add_up_and_layout_is_recorded():

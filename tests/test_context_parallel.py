@@ -159,7 +159,7 @@ def test_a_context_parallel_plan_by_hand(tmp_path, tiny):
     p_ = plan.predicted
     assert p_.context_exchange_ms == pytest.approx(exchange, abs=1e-5)
     parts = (p_.compute_ms + p_.tensor_parallel_ms + p_.context_exchange_ms + p_.transfer_ms + p_.bubble_ms
-             + (p_.overhead_ms or 0) + p_.data_parallel_ms + p_.optimizer_ms)
+             + (p_.overhead_ms or 0) + p_.data_parallel_ms + p_.optimizer_ms + (p_.host_wait_ms or 0))
     assert parts == pytest.approx(p_.iteration_ms, abs=1e-4)
     stage = plan.stages[0]
     # The optimizer state is sharded over d x C (the distributed optimizer's group), not d.

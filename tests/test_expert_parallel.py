@@ -258,13 +258,17 @@ def test_plan_fixed_expert_parallel_memory_and_parts(moe_profile, tmp_path):
     p = plan.predicted
     total = (p.compute_ms + p.tensor_parallel_ms + p.expert_dispatch_ms + p.expert_compute_ms + p.expert_combine_ms
              + p.shared_expert_ms + p.transfer_ms + p.bubble_ms + (p.overhead_ms or 0) + p.data_parallel_ms
-             + p.optimizer_ms)
+             + p.optimizer_ms + (p.host_wait_ms or 0))  # this small model's units wait for the host's launches
     assert total == pytest.approx(p.iteration_ms, abs=1e-4)
     assert p.expert_dispatch_ms > 0 and p.expert_compute_ms > 0 and p.shared_expert_ms == 0
     shown = CliRunner().invoke(app, ["show", str(out)])
     assert shown.exit_code == 0
     for text in ("expert dispatch", "routed experts", "expert combine", "experts E=4"):
         assert text in shown.output
+    # The host-bound units' wait is the plan's named part: the critical rank's stages' waits.
+    waits = sum(c.host_wait_forward_ms + c.host_wait_backward_ms for layer in profile.layers for c in layer.costs
+                if c.host_wait_forward_ms is not None and c.microbatch_size == plan.microbatch_size)
+    assert p.host_wait_ms > 0 and waits > 0 and "host launches (GPU waiting)" in shown.output
 
 
 def test_run_refuses_an_ep_plan_and_the_replay_holds_one_gpus_experts(moe_profile, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 from cli_checks import invoke, one_line_error
 from pipeplan.analytic.api import analytic_profile
-from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY, part_ms
+from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY, gemm_shape_factor, part_ms
 from pipeplan.analytic.families import load_model_config
 from pipeplan.analytic.flops import Shape, unit_work
 from pipeplan.analytic.memory import block_activation_terms
@@ -47,7 +47,10 @@ def test_fp8_gemm_is_its_flops_over_the_fp8_peak_times_the_gemm_efficiency():
     # Operands in fp8 (1 byte: input and weight), output in bf16 (2 bytes).
     assert o_proj.bytes == 1 * (T * H + H * H) + 2 * T * H
     e = DEFAULT_EFFICIENCY
-    by_hand = 1e3 * max(o_proj.flops / (H100.peak_flops["fp8"] * e.gemm), o_proj.bytes / (H100.hbm_bytes_per_s * e.memory))
+    # Without an SM count only the k loop's fill applies (4096 x 4096 outputs fill 128 x 128 tiles).
+    fill = 1 + e.gemm_k_overhead / H
+    by_hand = 1e3 * max(o_proj.flops * fill / (H100.peak_flops["fp8"] * e.gemm),
+                        o_proj.bytes / (H100.hbm_bytes_per_s * e.memory))
     assert part_ms(o_proj, H100.peak_flops["bf16"], H100.hbm_bytes_per_s, e, H100.peak_flops["fp8"]) == \
         pytest.approx(by_hand + e.kernel_latency_us / 1e3, rel=1e-12)
     # The attention core and the norms stay at their own peaks: not quantized.
@@ -69,6 +72,8 @@ def test_the_profile_is_the_sum_of_its_parts_at_their_peaks():
             peak = H100.peak_flops["fp8" if p.quantized else "bf16"]
             fraction = e.attention if p.kind == "attention" else e.gemm
             compute = p.flops / (peak * fraction) if p.flops else 0.0
+            if p.kind == "gemm":
+                compute *= gemm_shape_factor(p, H100.sm_count, e.gemm_k_overhead)
             total += 1e3 * max(compute, p.bytes / (H100.hbm_bytes_per_s * e.memory)) + e.kernel_latency_us / 1e3
         return total
 

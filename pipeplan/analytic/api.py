@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Union
 from pipeplan.analytic.collectives import unit_collectives
 from pipeplan.analytic.configs import ModelConfig
 from pipeplan.analytic.families import load_model_config
-from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY, EfficiencyModel, parts_ms
+from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY, EfficiencyModel, parts_ms, pass_ms
 from pipeplan.analytic.flops import Shape, model_flops_per_token, unit_work
 from pipeplan.facts.gpus import GpuSpec
 from pipeplan.facts.precision import PRECISIONS, get_precision
@@ -121,9 +121,16 @@ def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, 
     # --precision's peak for the quantized GEMMs (docs/analytic.md, "Precision").
     quantized = gpu.peak_flops[get_precision(precision).peak] if shape.quantized_bytes else None
     work = unit_work(cfg, kind, index, shape)
-    forward = parts_ms(work.forward, peak, bw, efficiency, quantized)
-    b_input = parts_ms(work.backward_input, peak, bw, efficiency, quantized)
-    b_weight = parts_ms(work.backward_weight, peak, bw, efficiency, quantized)
+    sms = gpu.sm_count
+    # Each pass is the GPU's time or the host's launches, whichever is longer (docs/analytic.md,
+    # "Host overhead"); the sub-parts below (experts, casts, recomputation) are GPU time.
+    forward, forward_wait = pass_ms(work.forward, peak, bw, efficiency, quantized, sms)
+    b_input, input_wait = pass_ms(work.backward_input, peak, bw, efficiency, quantized, sms)
+    b_weight, weight_wait = pass_ms(work.backward_weight, peak, bw, efficiency, quantized, sms)
+
+    def gpu_ms(parts, quantized_peak=None):
+        return parts_ms(parts, peak, bw, efficiency, quantized_peak, sms)
+
     t = shape.tensor_parallel
     fields = dict(
         microbatch_size=shape.microbatch_size,
@@ -134,13 +141,14 @@ def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, 
         activation_bytes=unit_activation_bytes(cfg, kind, index, shape),
         output_bytes=unit_output_bytes(cfg, kind, shape, index),
         selective_activation_bytes=unit_activation_bytes(cfg, kind, index, shape, selective=True),
-        selective_recompute_ms=_round(parts_ms(work.attention_core, peak, bw, efficiency)),
+        selective_recompute_ms=_round(gpu_ms(work.attention_core)),
     )
-    fields.update(_expert_fields(cfg, kind, index, shape, work, peak, bw, efficiency, quantized))
+    if forward_wait > 0 or input_wait + weight_wait > 0:
+        fields.update(host_wait_forward_ms=_round(forward_wait), host_wait_backward_ms=_round(input_wait + weight_wait))
+    fields.update(_expert_fields(cfg, kind, index, shape, work, gpu_ms, quantized))
     if shape.quantized_bytes is not None:
-        fields.update(_cast_fields(cfg, kind, index, work, peak, bw, efficiency))
-    modules = unit_selective_modules(cfg, kind, index, shape, work.forward,
-                                     lambda parts: parts_ms(parts, peak, bw, efficiency))
+        fields.update(_cast_fields(cfg, kind, index, work, gpu_ms))
+    modules = unit_selective_modules(cfg, kind, index, shape, work.forward, gpu_ms)
     if modules is not None:
         fields["selective_modules"] = modules
     op_sac = unit_op_sac(cfg, kind, index, shape, work.forward, lambda parts: parts_ms(parts, peak, bw, efficiency))
@@ -175,29 +183,27 @@ def _part_owner(name: str) -> str:
     return name.removesuffix("_grad_quantize").removesuffix("_quantize")
 
 
-def _cast_fields(cfg: ModelConfig, kind: str, index: int, work, peak: float, bw: float,
-                 efficiency: EfficiencyModel) -> dict:
+def _cast_fields(cfg: ModelConfig, kind: str, index: int, work, gpu_ms) -> dict:
     """A quantized precision's casts of the unit (``*_quantize`` parts), less the routed and shared
     experts' (in their own parts): the named part ``quantize_ms`` of the iteration."""
     experts = _ROUTED_PARTS | _SHARED_PARTS if kind in ("block", "mtp") and cfg.is_moe_layer(index) else frozenset()
 
     def casts(parts):
-        return parts_ms([p for p in parts if p.name.endswith("_quantize") and _part_owner(p.name) not in experts],
-                        peak, bw, efficiency)
+        return gpu_ms([p for p in parts if p.name.endswith("_quantize") and _part_owner(p.name) not in experts])
 
     return dict(quantize_forward_ms=_round(casts(work.forward)),
                 quantize_backward_ms=_round(casts(work.backward_input + work.backward_weight)))
 
 
-def _expert_fields(cfg: ModelConfig, kind: str, index: int, shape: Shape, work, peak: float, bw: float,
-                   efficiency: EfficiencyModel, quantized: Optional[float] = None) -> dict:
+def _expert_fields(cfg: ModelConfig, kind: str, index: int, shape: Shape, work, gpu_ms,
+                   quantized: Optional[float] = None) -> dict:
     """An MoE unit's routed and shared experts' share of its passes, and one dispatch's bytes per
     rank (docs/cluster-model.md, expert parallelism); empty for a dense unit."""
     if kind not in ("block", "mtp") or not cfg.is_moe_layer(index):
         return {}
 
     def part_of(parts, names):
-        return parts_ms([p for p in parts if _part_owner(p.name) in names], peak, bw, efficiency, quantized)
+        return gpu_ms([p for p in parts if _part_owner(p.name) in names], quantized)
 
     backward = work.backward_input + work.backward_weight
     fields = dict(

@@ -8,7 +8,10 @@ The fit minimises the mean squared log ratio of predicted to measured time over 
 micro-batch size and pass (forward, whole backward), by coordinate descent (golden-section search
 on each of the four parameters in turn, 30 rounds): each evaluation is a vectorised sum over the
 parts, so a fit takes milliseconds. Units are matched by name, or else by role and order
-(embedding, blocks, norm, head) when the measured model names its modules otherwise.
+(embedding, blocks, norm, head) when the measured model names its modules otherwise. The GEMMs'
+shape factors (``gemm_k_overhead``) and the host's time per kernel (``host_us_per_kernel``) are
+kept at the starting model's values (each pass is still the GPU's or the host's time, whichever
+is longer, as :func:`pipeplan.analytic.efficiency.pass_ms` times it).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, Union
 import numpy as np
 
 from pipeplan.analytic.configs import ModelConfig
-from pipeplan.analytic.efficiency import EfficiencyModel
+from pipeplan.analytic.efficiency import EfficiencyModel, gemm_shape_factor
 from pipeplan.analytic.flops import Shape, unit_work
 from pipeplan.facts.gpus import GpuSpec
 from pipeplan.facts.precision import get_precision
@@ -50,39 +53,50 @@ def _pairs(analytic_units: list[tuple[str, str, int]], measured: Profile, where:
     return list(zip(analytic_units, measured.layers))
 
 
-def _design(cfg: ModelConfig, pairs, measured: Profile, flash: bool, dtype_bytes: int, quantized_bytes=None):
+def _design(cfg: ModelConfig, pairs, measured: Profile, flash: bool, dtype_bytes: int, quantized_bytes=None,
+            sm_count=None, start: EfficiencyModel = EfficiencyModel()):
     """Parts of every (unit, size, pass) beside its measured time (``quantized_bytes``: the
-    profile's precision, pipeplan.facts.precision)."""
-    rows, flops, moved, kinds, targets, quantized = [], [], [], [], [], []
+    profile's precision, pipeplan.facts.precision). A measured backward is the sum of two passes
+    (B and W), each the GPU's or the host's time, whichever is longer (efficiency.pass_ms); each
+    GEMM's shape factor is taken at ``start``'s ``gemm_k_overhead`` (not fitted)."""
+    rows, flops, moved, kinds, targets, quantized, shapes = [], [], [], [], [], [], []
+    pass_target, pass_launches = [], []
     for b in measured.microbatch_sizes:
         shape = Shape(measured.sequence_length or 1, b, 1, False, flash, dtype_bytes, quantized_bytes)
         for (_, kind, index), layer in pairs:
             work = unit_work(cfg, kind, index, shape)
             cost = layer.cost_at(b)
-            for parts, measured_ms in ((work.forward, cost.forward_ms),
-                                       (work.backward_input + work.backward_weight, cost.backward_ms)):
-                if measured_ms <= 0 or not parts:
+            for passes, measured_ms in (([work.forward], cost.forward_ms),
+                                        ([work.backward_input, work.backward_weight], cost.backward_ms)):
+                if measured_ms <= 0 or not any(passes):
                     continue
                 entry = len(targets)
                 targets.append(measured_ms)
-                for part in parts:
-                    rows.append(entry)
-                    flops.append(part.flops)
-                    moved.append(part.bytes)
-                    kinds.append(part.kind)
-                    quantized.append(part.quantized)
+                for parts in passes:
+                    pass_target.append(entry)
+                    pass_launches.append(sum(part.launches for part in parts))
+                    for part in parts:
+                        rows.append(len(pass_target) - 1)
+                        flops.append(part.flops)
+                        moved.append(part.bytes)
+                        kinds.append(part.kind)
+                        quantized.append(part.quantized)
+                        shapes.append(gemm_shape_factor(part, sm_count, start.gemm_k_overhead)
+                                      if part.kind == "gemm" else 1.0)
     if not targets:
         raise BadInputError("--measured: no positive times to fit")
-    return (np.array(rows), np.array(flops, dtype=float), np.array(moved, dtype=float),
-            np.array([k == "attention" for k in kinds]), np.array(targets, dtype=float), np.array(quantized, dtype=bool))
+    return (np.array(rows), np.array(flops, dtype=float) * np.array(shapes), np.array(moved, dtype=float),
+            np.array([k == "attention" for k in kinds]), np.array(targets, dtype=float), np.array(quantized, dtype=bool),
+            np.array(pass_target), np.array(pass_launches, dtype=float) * start.host_us_per_kernel / 1e3)
 
 
 def _loss(params: dict[str, float], design, peak, bandwidth: float) -> float:
     # ``peak``: one peak, or per part (a quantized precision's GEMMs at theirs).
-    rows, flops, moved, attention, targets, _ = design
+    rows, flops, moved, attention, targets, _, pass_target, host = design
     efficiency = np.where(attention, params["attention"], params["gemm"])
     seconds = np.maximum(flops / (peak * efficiency), moved / (bandwidth * params["memory"]))
-    predicted = np.bincount(rows, weights=1e3 * seconds + params["kernel_latency_us"] / 1e3, minlength=len(targets))
+    gpu = np.bincount(rows, weights=1e3 * seconds + params["kernel_latency_us"] / 1e3, minlength=len(pass_target))
+    predicted = np.bincount(pass_target, weights=np.maximum(gpu, host), minlength=len(targets))
     return float(np.mean(np.log(predicted / targets) ** 2))
 
 
@@ -121,7 +135,7 @@ def fit_efficiency(cfg: ModelConfig, gpu: GpuSpec, measured: Profile, *, flash_a
         raise BadInputError(f"--precision: {gpu.name} has no peak for {recipe.peak}")
     peak, bandwidth = gpu.flops_for(measured.dtype), gpu.hbm_bytes_per_s
     design = _design(cfg, _pairs(model_units(cfg), measured, where), measured, flash_attention, DTYPE_BYTES[measured.dtype],
-                     recipe.operand_bytes)
+                     recipe.operand_bytes, gpu.sm_count, start)
     if recipe.quantized:
         peak = np.where(design[5], gpu.peak_flops[recipe.peak], peak)
     params = {k: getattr(start, k) for k in _BOUNDS}
@@ -134,11 +148,10 @@ def fit_efficiency(cfg: ModelConfig, gpu: GpuSpec, measured: Profile, *, flash_a
                 params[key] = math.exp(_golden(lambda v: _loss({**params, key: math.exp(v)}, design, peak, bandwidth),
                                                math.log(lo), math.log(hi)))
     after = _loss(params, design, peak, bandwidth)
-    fitted = EfficiencyModel(
+    fitted = start.model_copy(update=dict(
         **{k: (round(v, 4) if k != "kernel_latency_us" else round(v, 2)) for k, v in params.items()},
         source=f"fitted by pipeplan calibrate to {measured.model} measured on {measured.device.name} "
-               f"({len(design[4])} unit times)",
-    )
+               f"({len(design[4])} unit times)"))
     return fitted, {"entries": int(len(design[4])), "rms_log_error_before": math.sqrt(before),
                     "rms_log_error_after": math.sqrt(_loss({k: getattr(fitted, k) for k in _BOUNDS}, design, peak, bandwidth)),
                     "fit_rms_log_error": math.sqrt(after)}

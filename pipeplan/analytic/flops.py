@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pipeplan.analytic.configs import ModelConfig
 from pipeplan.analytic.shapes import Gemm, block_gemms, head_gemm, kv_heads_per_rank, mtp_projection_gemm
 
-__all__ = ["UNQUANTIZED_GEMMS", "Part", "Shape", "UnitWork", "unit_work", "mean_keys_per_query", "model_flops_per_token"]
+__all__ = ["UNQUANTIZED_GEMMS", "ROUTER_LAUNCHES", "DISPATCH_LAUNCHES", "Part", "Shape", "UnitWork", "unit_work", "mean_keys_per_query", "model_flops_per_token"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,17 @@ class Part:
     bytes: float
     quantized: bool = False
     """A GEMM run at ``--precision``'s peak (its operands quantized)."""
+    m: float = 0.0
+    """A GEMM's output rows per group (tokens, or for a weight gradient the input features); 0:
+    not a GEMM (the efficiency model's tile and wave terms apply only where m, n and k are given)."""
+    n: float = 0.0
+    """A GEMM's output columns (one rank's, after the tensor-parallel split)."""
+    k: float = 0.0
+    """A GEMM's reduction length (a weight gradient's: the tokens)."""
+    groups: int = 1
+    """Independent GEMMs of one shape in one grouped launch (a routed GEMM's experts)."""
+    launches: int = 1
+    """Kernels the framework launches from the host for this part (the host-overhead term)."""
 
 
 @dataclass
@@ -101,6 +112,17 @@ UNQUANTIZED_GEMMS = frozenset({"router", "lm_head", "project_in", "project_out"}
 _SHARED_INPUT_GEMMS = frozenset({"k_proj", "v_proj", "up_proj", "shared_up_proj", "kv_a_proj_with_mqa"})
 
 
+def _gemm_dims(gemm: Gemm, routed: float, inp: int, out: int) -> tuple[dict, dict, dict]:
+    """Each pass's GEMM shape (``m x k @ k x n`` per group; docs/analytic.md, "GEMM shapes"):
+    forward ``[T, i] @ [i, o]``; input gradient ``[T, o] @ [o, i]``; weight gradient
+    ``[i, T] @ [T, o]``. A routed GEMM is one grouped GEMM over its experts, each with
+    ``T = routed / experts`` tokens (evenly loaded), as Megatron-core's grouped MLP runs them."""
+    groups = gemm.copies if gemm.expert else 1
+    tokens = routed / groups
+    return (dict(m=tokens, n=out, k=inp, groups=groups), dict(m=tokens, n=inp, k=out, groups=groups),
+            dict(m=inp, n=out, k=tokens, groups=groups))
+
+
 def _quantized_gemm_parts(gemm: Gemm, shape: Shape, routed: float, inp: int, out: int, weights: int,
                           flops: float) -> tuple[list[Part], list[Part], list[Part]]:
     """A GEMM at ``--precision`` (docs/analytic.md, "Precision"): its two operands quantized
@@ -110,12 +132,13 @@ def _quantized_gemm_parts(gemm: Gemm, shape: Shape, routed: float, inp: int, out
     The weights' casts happen once per iteration (TE's ``is_first_microbatch``) and are not counted."""
     q, e = shape.quantized_bytes, shape.dtype_bytes
     moved = q * (routed * inp + weights) + e * routed * out
-    forward = [Part(gemm.name, "gemm", flops, moved, True)]
+    dims_f, dims_b, dims_w = _gemm_dims(gemm, routed, inp, out)
+    forward = [Part(gemm.name, "gemm", flops, moved, True, **dims_f)]
     if gemm.name not in _SHARED_INPUT_GEMMS:
         forward.insert(0, Part(f"{gemm.name}_quantize", "memory", 0.0, (e + 2 * q) * routed * inp))
     backward = [Part(f"{gemm.name}_grad_quantize", "memory", 0.0, (e + 2 * q) * routed * out),
-                Part(gemm.name, "gemm", flops, moved, True)]
-    return forward, backward, [Part(gemm.name, "gemm", flops, moved, True)]
+                Part(gemm.name, "gemm", flops, moved, True, **dims_b)]
+    return forward, backward, [Part(gemm.name, "gemm", flops, moved, True, **dims_w)]
 
 
 def _gemm_parts(gemm: Gemm, cfg: ModelConfig, shape: Shape) -> tuple[list[Part], list[Part], list[Part]]:
@@ -131,8 +154,9 @@ def _gemm_parts(gemm: Gemm, cfg: ModelConfig, shape: Shape) -> tuple[list[Part],
     if shape.quantized_bytes is not None and gemm.name not in UNQUANTIZED_GEMMS:
         return _quantized_gemm_parts(gemm, shape, routed, inp, out, weights, flops)
     moved = e * (routed * inp + weights + routed * out)
-    return ([Part(gemm.name, "gemm", flops, moved)], [Part(gemm.name, "gemm", flops, moved)],
-            [Part(gemm.name, "gemm", flops, moved)])
+    dims_f, dims_b, dims_w = _gemm_dims(gemm, routed, inp, out)
+    return ([Part(gemm.name, "gemm", flops, moved, **dims_f)], [Part(gemm.name, "gemm", flops, moved, **dims_b)],
+            [Part(gemm.name, "gemm", flops, moved, **dims_w)])
 
 
 def _memory(name: str, elements: float, passes: float, shape: Shape, extra_bytes: float = 0.0) -> Part:
@@ -208,6 +232,15 @@ def _attention_core(work: UnitWork, cfg: ModelConfig, index: int, shape: Shape) 
     work.backward_input += [Part(p.name, p.kind, p.flops * backward_factor, p.bytes * 2) for p in core]
 
 
+#: Kernels Megatron-core 0.16.1's MoE layer launches per layer besides its GEMMs, unfused (its
+#: defaults), counted with ``benchmarks/count_moe_launches.py``: the router (softmax, top-k, the
+#: aux load-balancing loss) 26 forward with its gating GEMM and 19 backward with its two; the
+#: dispatcher's permute, chunk sort and unpermute 19 forward and 12 backward. The routing and
+#: permute parts carry them (less the router's GEMMs and the unpermute's own one) as their launches.
+ROUTER_LAUNCHES = (26 - 1, 19 - 2)
+DISPATCH_LAUNCHES = (19 - 1, 12 - 1)
+
+
 def _add_routing(work: UnitWork, cfg: ModelConfig, shape: Shape) -> None:
     """The router's softmax and top-k over its logits, then the tokens' permutation.
 
@@ -216,12 +249,14 @@ def _add_routing(work: UnitWork, cfg: ModelConfig, shape: Shape) -> None:
     ``tokens x num_experts`` fp32 values forward, twice that backward (the softmax's gradient
     reads the probabilities and the incoming gradient and writes its own)."""
     logits = shape.tokens * cfg.num_experts
-    work.forward.append(Part("router_softmax_topk", "memory", 0.0, 4.0 * logits * 3))
-    work.backward_input.append(Part("router_softmax_topk", "memory", 0.0, 4.0 * logits * 6))
-    _add_token_moves(work, "token_permute", cfg, shape)
+    work.forward.append(Part("router_softmax_topk", "memory", 0.0, 4.0 * logits * 3, launches=ROUTER_LAUNCHES[0]))
+    work.backward_input.append(Part("router_softmax_topk", "memory", 0.0, 4.0 * logits * 6,
+                                    launches=ROUTER_LAUNCHES[1]))
+    _add_token_moves(work, "token_permute", cfg, shape, DISPATCH_LAUNCHES)
 
 
-def _add_token_moves(work: UnitWork, name: str, cfg: ModelConfig, shape: Shape) -> None:
+def _add_token_moves(work: UnitWork, name: str, cfg: ModelConfig, shape: Shape,
+                     launches: tuple[int, int] = (1, 1)) -> None:
     """A permutation of the routed tokens: copies, no FLOPs.
 
     The dispatcher's permute (``moe/moe_utils.py: permute``) gathers each token's hidden state
@@ -232,8 +267,8 @@ def _add_token_moves(work: UnitWork, name: str, cfg: ModelConfig, shape: Shape) 
     and is left out (its ranks' share is the same per rank at any E)."""
     replicated = shape.tokens * cfg.hidden_size / shape.sp_share
     moved = shape.dtype_bytes * replicated * (1 + cfg.experts_per_token)
-    work.forward.append(Part(name, "memory", 0.0, moved))
-    work.backward_input.append(Part(name, "memory", 0.0, moved))
+    work.forward.append(Part(name, "memory", 0.0, moved, launches=launches[0]))
+    work.backward_input.append(Part(name, "memory", 0.0, moved, launches=launches[1]))
 
 
 def _mlp(work: UnitWork, cfg: ModelConfig, index: int, gemms: dict, shape: Shape) -> None:

@@ -175,6 +175,8 @@ def _predicted(plan, parts, best, profile, settings, cluster):
         name: round(best.extras[name], 6) for name in ("gradient_reduce_ms", "param_gather_ms",
                                                        "data_parallel_hidden_ms", "tensor_parallel_hidden_ms")
         if best.extras.get(name) is not None})
+    if parts.host_wait_ms > 0:
+        predicted = predicted.model_copy(update={"host_wait_ms": round(parts.host_wait_ms, 6)})
     if profile.sequence_length:
         predicted = predicted.model_copy(update={"tokens_per_second_per_gpu": round(
             tokens_per_s_per_gpu(G, profile.sequence_length, iteration_ms, settings.num_gpus), 6)})

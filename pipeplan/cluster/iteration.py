@@ -55,6 +55,9 @@ class IterationParts:
     cpu_offload_ms: float = 0.0
     """CPU activation offload: the host-link copies compute does not cover (pipeplan.plan.offload),
     after the make-span's micro-batches, before the sync."""
+    host_wait_ms: float = 0.0
+    """The critical rank's time waiting for the host to launch its kernels (the analytic profile's
+    host-overhead term: units whose kernels are shorter than their launches)."""
 
     @property
     def expert_ms(self) -> float:
@@ -65,7 +68,7 @@ class IterationParts:
     def pipeline_ms(self) -> float:
         """The make-span: everything before the sync."""
         return (self.compute_ms + self.tensor_parallel_ms + self.expert_ms + self.quantize_ms
-                + self.context_exchange_ms + self.pipeline_transfer_ms + self.bubble_ms)
+                + self.host_wait_ms + self.context_exchange_ms + self.pipeline_transfer_ms + self.bubble_ms)
 
     @property
     def iteration_ms(self) -> float:
@@ -92,7 +95,7 @@ def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: floa
         The critical rank's mixture-of-experts parts of its busy time (``dispatch``, ``experts``,
         ``combine``, ``shared_expert``: :data:`pipeplan.cluster.profile_view.EXPERT_PARTS`); they
         come out of ``compute_ms``, in that order, never below zero; then ``quantize`` (a quantized
-        precision's casts), likewise.
+        precision's casts) and ``host_wait`` (the GPU waiting for the host's launches), likewise.
     context_ms : float
         The critical rank's exposed context-parallel KV exchange (:mod:`pipeplan.cluster.context`),
         out of ``compute_ms`` too, never below zero.
@@ -132,7 +135,7 @@ def iteration_parts(busy_ms: float, tensor_parallel_ms: float, transfer_ms: floa
     moe = {}
     for part, name in (("dispatch", "expert_dispatch_ms"), ("combine", "expert_combine_ms"),
                        ("experts", "expert_compute_ms"), ("shared_expert", "shared_expert_ms"),
-                       ("quantize", "quantize_ms")):
+                       ("quantize", "quantize_ms"), ("host_wait", "host_wait_ms")):
         value = min(max(0.0, (expert_ms or {}).get(part, 0.0)), left)
         moe[name] = value
         left -= value

@@ -180,9 +180,11 @@ class DegreeView:
     """``{(unit name, micro-batch size): (forward ms, backward ms)}`` of a quantized precision's
     casts (the profile's ``quantize_*_ms``; empty without one)."""
 
-    def stage_quantize_ms(self, layer_names, microbatch_size: int, recompute) -> float:
-        """A quantized precision's casts in a stage per micro-batch (:func:`stage_pass_ms`)."""
-        return stage_pass_ms(self.quantize_ms, layer_names, microbatch_size, recompute)
+
+    host_wait_ms: dict = field(default_factory=dict)
+    """``{(unit name, micro-batch size): (forward ms, backward ms)}`` the GPU waits for the host's
+    launches (the profile's ``host_wait_*_ms``; empty where every unit is GPU-bound)."""
+
 
     def stage_tensor_parallel_ms(self, layer_names, microbatch_size: int, recompute) -> float:
         """The collectives' time of a stage per micro-batch (:func:`stage_pass_ms`)."""
@@ -207,7 +209,7 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
     """
     t = tensor_parallel
     link = cluster.intra_node
-    layers, tp_ms, ep_ms, cast_ms, tp_hidden = [], {}, {}, {}, {}
+    layers, tp_ms, ep_ms, cast_ms, tp_hidden, host_ms = [], {}, {}, {}, {}, {}
     moe = getattr(profile, "experts", None) is not None
     for layer in profile.layers:
         entries = [c for c in layer.costs if _degree(c) == t]
@@ -258,6 +260,8 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
             tp_ms[(layer.name, c.microbatch_size)] = (forward_tp, backward_tp)
             if getattr(c, "quantize_forward_ms", None) is not None:
                 cast_ms[(layer.name, c.microbatch_size)] = (c.quantize_forward_ms, c.quantize_backward_ms or 0.0)
+            if getattr(c, "host_wait_forward_ms", None) is not None:
+                host_ms[(layer.name, c.microbatch_size)] = (c.host_wait_forward_ms, c.host_wait_backward_ms or 0.0)
         param_bytes = layer.param_bytes if t == 1 else layer.param_bytes_at(t)
         expert_bytes = None
         if moe and layer.expert_param_bytes:
@@ -278,6 +282,7 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
     view = profile.model_copy(update=update)
     return DegreeView(profile=view, tensor_parallel=t, selective=selective, tensor_parallel_ms=tp_ms,
                       expert_ms=ep_ms, experts=experts, quantize_ms=cast_ms, tensor_parallel_hidden_ms=tp_hidden,
+                      host_wait_ms=host_ms,
                       expert_bytes={layer.name: layer.expert_param_bytes for layer in layers
                                     if layer.expert_param_bytes})
 

@@ -36,7 +36,7 @@ from pipeplan.cluster.experts import (check_expert_request, expert_choices, expe
 from pipeplan.cluster.iteration import iteration_parts, pipeline_lower_bound_ms
 from pipeplan.cluster.memory import plannable_for, trial_layout, zero3_gathered_bytes
 from pipeplan.cluster.placement import cluster_layout
-from pipeplan.cluster.profile_view import DegreeView, head_counts, tensor_degrees
+from pipeplan.cluster.profile_view import DegreeView, head_counts, stage_pass_ms, tensor_degrees
 from pipeplan.cluster.runners import compare_search, informative_layouts, kind_label
 from pipeplan.cluster.space import batch_divisor_note, candidates, parallel_degrees, recompute_families, zero_stages
 from pipeplan.errors import BadInputError, InfeasibleError
@@ -563,9 +563,10 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
         again = recomputed_layers(stage, plan.settings, view.profile)  # the layers whose forward runs twice
         rank_tp[stage.rank] += m * view.stage_tensor_parallel_ms(stage.layers, plan.microbatch_size, again)
         rank_tp_hidden[stage.rank] += m * view.stage_tensor_parallel_hidden_ms(stage.layers, plan.microbatch_size, again)
-        if view.quantize_ms:
-            rank_moe[stage.rank]["quantize"] = rank_moe[stage.rank].get("quantize", 0.0) + m * view.stage_quantize_ms(
-                stage.layers, plan.microbatch_size, again)
+        for part, per_unit in (("quantize", view.quantize_ms), ("host_wait", view.host_wait_ms)):
+            if per_unit:  # the precision's casts, the GPU's wait for the host: per unit, out of compute
+                ms = stage_pass_ms(per_unit, stage.layers, plan.microbatch_size, again)
+                rank_moe[stage.rank][part] = rank_moe[stage.rank].get(part, 0.0) + m * ms
         rank_cp[stage.rank] += m * stage_context_ms(view, stage.layers, plan.microbatch_size, stage.recompute)
         if trial.moe:
             rank_experts[stage.rank] += view_expert_bytes(view, stage.layers) / profile.dtype_bytes
@@ -584,7 +585,7 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     critical = sim.critical_rank
     trial.parts = iteration_parts(sim.compute_ms, min(rank_tp[critical], sim.compute_ms), sim.transfer_ms,
                                   sim.bubble_ms + sim.overhead_ms, rank_end, sync, step,
-                                  expert_ms=rank_moe[critical] if trial.moe or view.quantize_ms else None,
+                                  expert_ms=rank_moe[critical] if trial.moe or view.quantize_ms or view.host_wait_ms else None,
                                   context_ms=rank_cp[critical],
                                   offload_ms=m * view.offload_ms.get(plan.microbatch_size, 0.0))
     trial.plan = plan

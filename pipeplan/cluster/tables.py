@@ -81,6 +81,7 @@ def cluster_plan_tables(plan):
           if p.quantize_ms is not None else []),
         *([("  context-parallel exchange", share(p.context_exchange_ms))] if p.context_exchange_ms is not None
           else []),
+        *([("  host launches (GPU waiting)", share(p.host_wait_ms))] if p.host_wait_ms is not None else []),
         ("  pipeline bubble", share(p.bubble_ms + (p.overhead_ms or 0.0))),
         ("  pipeline transfers", share(p.transfer_ms)),
         *([(f"  CPU offload copies not covered ({plan.settings.cpu_offload_layers} layers)", share(p.cpu_offload_ms))]

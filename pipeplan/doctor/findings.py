@@ -89,6 +89,8 @@ def parts_text(plan: Plan) -> str:
             text += f" + {plan.settings.precision} casts {pr.quantize_ms:.6g}"
         if pr.context_exchange_ms is not None:
             text += f" + context-parallel exchange {pr.context_exchange_ms:.6g}"
+        if pr.host_wait_ms is not None:
+            text += f" + host launches {pr.host_wait_ms:.6g}"
         text += f" + data-parallel sync {dp:.6g}"
         if pr.gradient_reduce_ms is not None:  # an overlap of the sync: its exposed parts and what hid
             text += (f" (exposed: gradient reduce {pr.gradient_reduce_ms:.6g} + all-gather {pr.param_gather_ms or 0:.6g};"

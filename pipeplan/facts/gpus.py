@@ -9,7 +9,9 @@ tensor figures are often "with sparsity", twice as high). ``peak_flops`` is keye
 hardware runs it and a source gives the figure (Hopper has neither ``mxfp8`` nor ``nvfp4``).
 ``link_bytes_per_s`` is one direction of the GPU's NVLink (or PCIe) link (NVLink's "900 GB/s"
 is both directions together: 450 GB/s each way), which is what a ring collective runs at. HBM
-capacities are binary (an "80 GB" HBM part holds 80 GiB).
+capacities are binary (an "80 GB" HBM part holds 80 GiB). ``sm_count`` is the number of
+streaming multiprocessors (AMD: compute units), from the architecture whitepaper or data sheet
+(``_SM_COUNTS``, each with its source): how many GEMM tiles run at once.
 
 ``--gpu-spec my.toml`` reads any other GPU (:func:`pipeplan.formats.gpu.load_gpu_spec`)::
 
@@ -17,6 +19,7 @@ capacities are binary (an "80 GB" HBM part holds 80 GiB).
     memory = "80GiB"
     hbm_bandwidth = "3.35TB/s"
     link_bandwidth = "450GB/s"
+    sm_count = 132                   # optional: SMs (the GEMM model's wave quantisation)
     source = "where the figures come from"
     [peak_flops]
     bf16 = 989.4e12
@@ -28,7 +31,7 @@ capacities are binary (an "80 GB" HBM part holds 80 GiB).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -55,6 +58,10 @@ class GpuSpec(BaseModel):
     peak_flops: dict[str, float] = Field(
         description="Dense peak FLOP/s per precision: fp64, fp32, tf32, bf16, fp16, fp8, mxfp8, nvfp4 (module "
                     "docstring); a precision the GPU does not run is absent.")
+    sm_count: Optional[int] = Field(
+        default=None, gt=0, le=10000,
+        description="Streaming multiprocessors (AMD: compute units): how many GEMM tiles run at once (the "
+                    "efficiency model's wave quantisation; absent: not modelled).")
     source: str = Field(default="", description="Where the figures come from.")
     sources: dict[str, str] = Field(
         default_factory=dict, exclude=True,
@@ -91,9 +98,28 @@ class GpuSpec(BaseModel):
 
 
 def _spec(name, description, memory_gib, hbm, link, flops, source, sources=None) -> GpuSpec:
+    sm_count, sm_source = _SM_COUNTS[name]
     return GpuSpec(name=name, description=description, memory_bytes=int(memory_gib * _GIB),
                    hbm_bytes_per_s=hbm, link_bytes_per_s=link, peak_flops=flops, source=source,
-                   sources=sources or {})
+                   sm_count=sm_count, sources={**(sources or {}), "sm_count": sm_source})
+
+
+_HOPPER_PAPER = "NVIDIA H100 Tensor Core GPU Architecture whitepaper, table 1: H100 SXM5, 132 SMs"
+#: SMs per shipped GPU, with the source of each (the efficiency model's wave quantisation).
+_SM_COUNTS = {
+    "h100-sxm": (132, _HOPPER_PAPER),
+    "h200": (132, f"{_HOPPER_PAPER} (the H200 is the same GH100 configuration with HBM3e)"),
+    "gh200": (132, f"{_HOPPER_PAPER} (NVIDIA Grace Hopper Superchip Architecture whitepaper: the H100 GPU of GH200)"),
+    "b200": (148, "CUDA's multiProcessorCount on a B200: 148 (the full GB100 pair has 160; NVIDIA Blackwell "
+                  "architecture technical brief)"),
+    "gb200": (148, "the B200's 148 SMs (GB200's GPUs are the same Blackwell configuration at a higher clock)"),
+    "b300": (160, "NVIDIA technical blog, 'Inside NVIDIA Blackwell Ultra' (2025): 160 SMs"),
+    "gb300": (160, "NVIDIA technical blog, 'Inside NVIDIA Blackwell Ultra' (2025): 160 SMs"),
+    "a100-40gb": (108, "NVIDIA A100 Tensor Core GPU Architecture whitepaper: A100 has 108 SMs"),
+    "a100-80gb": (108, "NVIDIA A100 Tensor Core GPU Architecture whitepaper: A100 has 108 SMs"),
+    "l4": (58, "NVIDIA Ada GPU Architecture whitepaper, appendix: L4 (AD104), 58 SMs"),
+    "mi300x": (304, "AMD Instinct MI300X data sheet: 304 GPU compute units"),
+}
 
 
 # Hopper's dense peaks (H100 SXM data sheet; the H200 and GH200 data sheets give the same).

@@ -420,6 +420,10 @@ class Predicted(_Strict):
     cpu_offload_ms: Optional[PlanMs] = Field(
         default=None, description="CPU activation offload (settings.cpu_offload_layers): the host-link copies "
                                   "(D2H in the forward, H2D in the backward) that compute does not cover; null: none.")
+    host_wait_ms: Optional[PlanMs] = Field(
+        default=None, description="The time the GPU waits for the host to launch its kernels (an analytic "
+                                  "profile's host_wait_*_ms: units whose kernels are shorter than their "
+                                  "launches), out of compute_ms; null: every unit GPU-bound.")
     tokens_per_second_per_gpu: Optional[NonNegativeFloat] = Field(default=None, description="Training throughput per GPU.")
     model_flops_utilization: Optional[FiniteFloat] = Field(
         default=None, ge=0, description="Model FLOPs per iteration (no recompute) over the GPUs' peak (MFU).")

@@ -176,6 +176,13 @@ class LayerCost(_Strict):
         "the routed and shared experts' parts. Absent: no quantized GEMMs (the profile's precision).")
     quantize_backward_ms: Optional[NonNegativeMs] = Field(
         default=None, description="Of backward_ms, the casts of the output gradients (as quantize_forward_ms).")
+    host_wait_forward_ms: Optional[NonNegativeMs] = Field(
+        default=None,
+        description="Of forward_ms, the time the GPU waits for the host to launch the unit's kernels (the "
+        "analytic model's host-overhead term: launches x host time per kernel beyond the GPU's own time). "
+        "Absent: the unit is GPU-bound.")
+    host_wait_backward_ms: Optional[NonNegativeMs] = Field(
+        default=None, description="Of backward_ms, the time the GPU waits for the host (as host_wait_forward_ms).")
     expert_dispatch_bytes: Optional[NonNegativeBytes] = Field(
         default=None,
         description="Bytes one rank sends to the experts per micro-batch and pass in one dispatch "

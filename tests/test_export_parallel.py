@@ -289,7 +289,7 @@ def test_deepspeed_batch_checks_and_topology_are_deepspeeds(monkeypatch, case, d
 
 @pytest.mark.parametrize("zero", [2, 3])
 def test_deepspeed_refuses_what_its_pipeline_engine_asserts(zero):
-    from pipeplan.export.deepspeed import DEEPSPEED_PIPELINE_ZERO_RULE
+    from pipeplan.launchers.deepspeed.writer import DEEPSPEED_PIPELINE_ZERO_RULE
 
     _, plan = degree_plan(2, 1, 2, 1, "1f1b", 1, 4, zero=zero)
     with pytest.raises(BadInputError, match="PipelineEngine asserts zero_optimization.stage < 2"):

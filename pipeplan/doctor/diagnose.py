@@ -9,11 +9,11 @@ wastes a rank or leaves a large gap to the best plan), ``info`` (numbers worth k
 
 from __future__ import annotations
 
-from pipeplan.doctor.config import LAUNCHERS, LauncherConfig, Layout
+from pipeplan.launchers.config import LAUNCHERS, LauncherConfig, Layout
 from pipeplan.doctor.diagnose_cluster import diagnose_on_cluster
 from pipeplan.doctor.findings import Diagnosis, Finding, gap_findings, split_setting, time_findings
 from pipeplan.doctor.evaluate import best_plan, cost_split
-from pipeplan.export.megatron import interleaved_refusal
+from pipeplan.launchers.megatron.writer import interleaved_refusal
 from pipeplan.doctor.units import stage_positions, unit_positions
 from pipeplan.errors import BadInputError
 from pipeplan.plan.recompute import with_selective_modules

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeplan.doctor.config import LauncherConfig, Layout
+from pipeplan.launchers.config import LauncherConfig, Layout
 from pipeplan.formats.plan import Plan
 
 __all__ = ["GAP_WARNING", "Finding", "Diagnosis", "zero_setting", "parts_text", "time_findings", "split_setting",

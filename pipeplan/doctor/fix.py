@@ -15,14 +15,14 @@ import re
 import shlex
 from pathlib import Path
 
-from pipeplan.doctor.config import LauncherConfig
+from pipeplan.launchers.config import LauncherConfig
 from pipeplan.errors import BadInputError
-from pipeplan.export.common import compact_json
+from pipeplan.launchers.common import compact_json
 from pipeplan.formats.plan import Plan
-from pipeplan.export.megatron import megatron_layout
-from pipeplan.export.common import TORCH_SCHEDULE_NAME
-from pipeplan.export.torchtitan import torchtitan_module_names
-from pipeplan.export.deepspeed import export_deepspeed
+from pipeplan.launchers.megatron.writer import megatron_layout
+from pipeplan.launchers.common import TORCH_SCHEDULE_NAME
+from pipeplan.launchers.torchtitan.writer import torchtitan_module_names
+from pipeplan.launchers.deepspeed.writer import export_deepspeed
 
 __all__ = ["fix_config", "edit_flag", "edit_toml_key"]
 

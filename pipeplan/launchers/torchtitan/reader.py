@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import re
 
-from pipeplan.doctor.config import LauncherConfig, Layout, LayoutStage, Problem
-from pipeplan.doctor.torchtitan_inputs import apply_overrides
+from pipeplan.launchers.config import LauncherConfig, Layout, LayoutStage, Problem
+from pipeplan.launchers.torchtitan.inputs import apply_overrides
 from pipeplan.errors import BadInputError
 from pipeplan.formats.reading import load_toml as load_limited_toml
 
@@ -176,7 +176,7 @@ def parse_torchtitan(path: str, text: str | None, *, num_layers: int | None = No
         GPUs in the job (torchrun's ``NGPU``): fills in ``data_parallel_shard_degree = -1``
         ("the rest"), as torchtitan's ``ParallelDims`` does.
     data : dict, optional
-        The job config already read (a Python registry's, :mod:`pipeplan.doctor.torchtitan_inputs`)
+        The job config already read (a Python registry's, :mod:`pipeplan.launchers.torchtitan.inputs`)
         instead of ``text``.
     overrides : sequence of str
         Command-line overrides ``section.key=value``, applied after the job config.
@@ -266,7 +266,7 @@ def parse_torchtitan(path: str, text: str | None, *, num_layers: int | None = No
 
 
 def _zero_stage(path: str, data: dict, shard: int, p: int) -> int:
-    """The ZeRO stage whose memory torchtitan's FSDP keeps (pipeplan.facts.launchers): "always"
+    """The ZeRO stage whose memory torchtitan's FSDP keeps (pipeplan.launchers.registry): "always"
     reshards the weights after forward (ZeRO 3); "never" keeps them whole, and the gradients whole
     until the step under a pipeline (ZeRO 1) or reduce-scattered per micro-batch (ZeRO 2);
     "default" is "always" without a pipeline and "never" with one (parallelize.py)."""

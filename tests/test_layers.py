@@ -28,7 +28,7 @@ LAYERS = {
     "": 0, "errors": 0, "quantities": 0, "progress": 0,   # ground
     "facts": 1,                                    # schedules, GPUs, training state per parameter
     "launchers": 1, "launchers.*": 1,              # the homes' faces: docstrings, no imports
-    "launchers.registry": 1,                       # what each launcher runs
+    "launchers.record": 1, "launchers.*.record": 1, "launchers.registry": 1,  # what each launcher runs
     "formats": 2,                                  # file models
     "requests": 3,                                 # what a caller asks for
     "profile": 4, "analytic": 4, "importers": 4,   # profiles in

@@ -13,30 +13,14 @@ from pipeplan.launchers.config import LAUNCHERS, LauncherConfig, Layout
 from pipeplan.doctor.diagnose_cluster import diagnose_on_cluster
 from pipeplan.doctor.findings import Diagnosis, Finding, gap_findings, split_setting, time_findings
 from pipeplan.doctor.evaluate import best_plan, cost_split
-from pipeplan.launchers.megatron.writer import interleaved_refusal
 from pipeplan.doctor.units import stage_positions, unit_positions
 from pipeplan.errors import BadInputError
 from pipeplan.plan.recompute import with_selective_modules
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.quantities import format_bytes
-from pipeplan.facts.schedules import check_schedule
+from pipeplan.launchers.registry import LAUNCHERS as RECORDS, launcher_refusal
 
 __all__ = ["diagnose", "launcher_refusal"]
-
-def launcher_refusal(launcher: str, schedule: str, p: int, m: int, v: int, group_size: int | None = None) -> str | None:
-    """Why ``launcher`` refuses ``schedule`` with ``m`` micro-batches on ``p`` ranks x ``v``, or None."""
-    if launcher == "megatron":
-        if schedule == "interleaved":
-            return interleaved_refusal(p, m, group_size)
-        return None  # Megatron's own 1F1B warms up min(p - rank - 1, m): any m runs
-    if launcher == "deepspeed":
-        return None
-    try:
-        check_schedule(schedule, p, m, v)
-    except BadInputError as exc:
-        return str(exc)
-    return None
-
 
 def _layout_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:
     out = [Finding(pr.code, pr.severity, pr.setting, pr.message, pr.fix) for pr in layout.problems]
@@ -46,9 +30,7 @@ def _layout_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:
     counts: dict[str, int] = {}
     for unit in built:
         counts[unit] = counts.get(unit, 0) + 1
-    split_setting = {"megatron": "--num-layers / --pipeline-model-parallel-size / virtual stages",
-                     "torchtitan": "parallelism.module_fqns_per_model_part",
-                     "deepspeed": "PipelineModule partition (parts / partition_method)"}[config.launcher]
+    split_setting = RECORDS[config.launcher].settings.layout
     lost = [u for u in layout.all_units if u not in counts]
     if lost:
         # Count transformer layers where the launcher has them apart from embedding and loss.
@@ -56,7 +38,7 @@ def _layout_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:
         layers = [u for u in layout.all_units if u not in special] if config.launcher != "deepspeed" \
             else list(layout.all_units)
         lost_layers = [u for u in lost if u in layers]
-        what = "transformer layers" if config.launcher != "deepspeed" else "PipelineModule layers"
+        what = RECORDS[config.launcher].settings.units
         out.append(Finding(
             "layers-lost", "error", split_setting,
             f"{len(lost_layers)} of {len(layers)} {what} are on no stage ({_ranges(lost)}): only "
@@ -133,9 +115,7 @@ def _schedule_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:
     why = launcher_refusal(config.launcher, config.schedule, p, m, v, int(group) if group else None)
     if why is None:
         return []
-    setting = {"megatron": "--global-batch-size / --micro-batch-size",
-               "torchtitan": "training.local_batch_size / parallelism.pipeline_parallel_microbatch_size"}.get(
-        config.launcher, "gradient_accumulation_steps")
+    setting = RECORDS[config.launcher].settings.batch
     good = next((k for k in range(m, 4 * m + 4 * p) if launcher_refusal(config.launcher, config.schedule, p, k, v,
                                                                         int(group) if group else None) is None), None)
     return [Finding("schedule-refuses", "error", setting,

@@ -11,13 +11,18 @@ from dataclasses import dataclass, field
 
 from pipeplan.launchers.config import LauncherConfig, Layout
 from pipeplan.formats.plan import Plan
+from pipeplan.launchers.registry import LAUNCHERS
 
-__all__ = ["GAP_WARNING", "Finding", "Diagnosis", "zero_setting", "parts_text", "time_findings", "split_setting",
+__all__ = ["SAME_SPEED", "GAP_WARNING", "Finding", "Diagnosis", "zero_setting", "parts_text", "time_findings", "split_setting",
            "gap_findings"]
 
 
 #: The best plan must be predicted at least this much faster for the gap to be a warning.
 GAP_WARNING = 1.10
+
+#: Within this ratio the config is "as fast as" the best plan: no change is stated, so ``--fix``
+#: changes nothing (the model's own rounding is far finer; the predictions' errors far coarser).
+SAME_SPEED = 1 + 1e-3
 
 
 @dataclass(frozen=True)
@@ -64,13 +69,8 @@ class Diagnosis:
 
 
 def zero_setting(launcher: str, zero_stage: int) -> str:
-    """The launcher setting that gives ``zero_stage``, as a user writes it."""
-    if launcher == "megatron":
-        return "--use-distributed-optimizer" if zero_stage else "--use-distributed-optimizer (not set)"
-    if launcher == "deepspeed":
-        return f"zero_optimization.stage = {zero_stage}"
-    return ("parallelism.data_parallel_shard_degree (FSDP)" if zero_stage == 3
-            else "parallelism.data_parallel_replicate_degree (DDP)")
+    """The launcher setting that gives ``zero_stage``, as a user writes it (its record's words)."""
+    return LAUNCHERS[launcher].settings.zero(zero_stage)
 
 
 def parts_text(plan: Plan) -> str:
@@ -120,9 +120,8 @@ def time_findings(config: LauncherConfig, plan: Plan) -> list[Finding]:
 
 
 def split_setting(config: LauncherConfig) -> str:
-    return {"megatron": "--pipeline-model-parallel-layout (or the even split)",
-            "torchtitan": "parallelism.module_fqns_per_model_part",
-            "deepspeed": "PipelineModule parts / partition_method"}[config.launcher]
+    """Where the launcher says the layers per stage (its record's words)."""
+    return LAUNCHERS[config.launcher].settings.split
 
 
 def _recipe(result: Diagnosis) -> str:
@@ -169,7 +168,7 @@ def gap_findings(result: Diagnosis) -> list[Finding]:
                         f"predicted "
                         f"{best.predicted.iteration_ms:.6g} ms per iteration", "--fix writes it")]
     speedup = result.speedup
-    if speedup <= 1 + 1e-3:
+    if speedup <= SAME_SPEED:
         return [Finding("gap-to-best", "info", "",
                         f"the config is as fast as pipeplan's best plan for these ranks "
                         f"({result.plan.predicted.iteration_ms:.6g} ms per iteration)")]

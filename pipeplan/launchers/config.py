@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 __all__ = ["LauncherConfig", "LayoutStage", "Layout", "Problem", "LAUNCHERS"]
 
 from pipeplan.errors import BadInputError
-from pipeplan.facts.schedules import LAUNCHER_SCHEDULES
 from pipeplan.formats.limits import MAX_MICROBATCHES, MAX_PARALLEL_DEGREE
+from pipeplan.launchers.registry import LAUNCHER_SCHEDULES
 
 #: Launchers doctor reads, and the pipeplan schedules each can run.
 LAUNCHERS = LAUNCHER_SCHEDULES

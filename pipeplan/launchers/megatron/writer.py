@@ -29,7 +29,7 @@ from pipeplan.launchers.common import check_profile_matches, header_lines, pipel
 from pipeplan.launchers.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
 from pipeplan.facts.precision import get_precision
 from pipeplan.formats.plan import Plan
-from pipeplan.facts.schedules import megatron_interleaved_refusal as interleaved_refusal
+from pipeplan.launchers.megatron.record import interleaved_refusal
 
 __all__ = ["export_megatron", "precision_flags", "megatron_layout", "expand_layout", "interleaved_refusal"]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipeplan.launchers.config import LAUNCHERS, LauncherConfig, Layout
 from pipeplan.doctor.diagnose import diagnose
-from pipeplan.doctor.findings import Diagnosis, Finding
+from pipeplan.doctor.findings import SAME_SPEED, Diagnosis, Finding
 from pydantic import ValidationError
 
 from pipeplan.launchers.torchtitan.inputs import apply_overrides, is_registry_spec, registry_job
@@ -193,8 +193,12 @@ def doctor_file(launcher: str, path: str | Path, profile_path: str | Path, setti
     if fix_output is not None:
         if result.best is None:
             raise BadInputError("--fix: no plan fits, so there is nothing to write (see the findings)")
-        outputs.update(fix_config(config, Path(path).read_text(encoding="utf-8"), result.best, profile,
-                                  str(fix_output)))
+        original = Path(path).read_text(encoding="utf-8")
+        if result.speedup is not None and result.speedup <= SAME_SPEED:
+            # The config is as fast as the best plan and its findings state no change: --fix makes none.
+            outputs[fix_output] = original
+        else:
+            outputs.update(fix_config(config, original, result.best, profile, str(fix_output)))
     text = render(result, output_format)
     if junit_path is not None:
         outputs[junit_path] = junit_text(result)

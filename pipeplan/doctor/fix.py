@@ -235,11 +235,14 @@ def _recompute_mode(plan: Plan) -> str:
 
 
 def _megatron(config: LauncherConfig, text: str, plan: Plan, profile) -> str:
-    layout, _, _ = megatron_layout(plan, profile)
     anchors = ("--pipeline-model-parallel-size", "--tensor-model-parallel-size", "--num-layers")
-    for flag in _MEGATRON_REMOVED:
-        text = edit_flag(text, flag, None, switch=flag in _SWITCHES)
-    text = edit_flag(text, "--pipeline-model-parallel-layout", layout, after=anchors)
+    if len(plan.stages) > 1 or config.pipeline_degree > 1:
+        # Without a pipeline there is no split to write (a one-stage layout would be a change no
+        # finding states: megatron-core's TransformerConfig then holds a layout it did not).
+        layout, _, _ = megatron_layout(plan, profile)
+        for flag in _MEGATRON_REMOVED:
+            text = edit_flag(text, flag, None, switch=flag in _SWITCHES)
+        text = edit_flag(text, "--pipeline-model-parallel-layout", layout, after=anchors)
     text = edit_flag(text, "--micro-batch-size", str(plan.microbatch_size), after=anchors)
     zero = plan.parallelism.zero_stage if plan.parallelism is not None else config.zero_stage
     if zero != config.zero_stage:  # the distributed optimizer is ZeRO 1 (doctor --cluster)

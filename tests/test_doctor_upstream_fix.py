@@ -232,6 +232,13 @@ def test_fix_is_accepted_and_changes_exactly_what_its_finding_states(profiles, t
     for key, value in stated.items():
         if key != "pipeline_model_parallel_layout":
             assert changed[key] == value, (key, changed[key])
+    if stated:  # the finding names the launcher settings that change
+        lines = result.output.splitlines()
+        setting = lines[next(i for i, w in enumerate(lines) if "[gap-to-best]" in w) + 1]
+        named = {"activation_checkpoint.mode": "activation_checkpoint.mode",
+                 "virtual_pipeline_model_parallel_size": "--pipeline-model-parallel-layout"}
+        for key in set(stated) & set(named):
+            assert named[key] in setting, setting
 
 
 def test_the_corpus_findings_are_the_ones_a_careful_engineer_draws(profiles, tmp_path):

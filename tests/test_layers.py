@@ -38,7 +38,7 @@ LAYERS = {
     "run": 8, "export": 8,                         # consumers of a plan
     "launchers.common": 8, "launchers.degrees": 8, "launchers.*.writer": 8,  # a plan in a launcher's words
     "check": 9, "doctor": 9,                       # consumers that re-plan and export
-    "launchers.config": 9, "launchers.*.reader": 9,  # a launcher's file in pipeplan's words
+    "launchers.config": 9, "launchers.*.reader": 9, "launchers.*.checks": 9,  # its file in pipeplan's words
     "launchers.megatron.shell": 9, "launchers.megatron.shell_arith": 9, "launchers.megatron.shell_lex": 9,
     "launchers.torchtitan.inputs": 9,
     "show": 10, "cli_common": 10, "cli_run": 10, "cli": 10, "__main__": 10,

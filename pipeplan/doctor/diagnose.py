@@ -18,7 +18,10 @@ from pipeplan.errors import BadInputError
 from pipeplan.plan.recompute import with_selective_modules
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.quantities import format_bytes
+from pipeplan.launchers.deepspeed.checks import startup_problems as deepspeed_startup
+from pipeplan.launchers.megatron.checks import startup_problems as megatron_startup
 from pipeplan.launchers.registry import LAUNCHERS as RECORDS, launcher_refusal
+from pipeplan.launchers.torchtitan.checks import startup_problems as torchtitan_startup
 
 __all__ = ["diagnose", "launcher_refusal"]
 
@@ -65,46 +68,13 @@ def _ranges(units: list[str]) -> str:
     return text + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
 
 
+#: What each launcher refuses at start-up (its home's checks).
+_STARTUP_CHECKS = {"megatron": megatron_startup, "torchtitan": torchtitan_startup, "deepspeed": deepspeed_startup}
+
+
 def _batch_findings(config: LauncherConfig) -> list[Finding]:
-    s, out = config.settings, []
-    d = config.data_degree
-    if config.launcher == "megatron":
-        world = int(s["world size"]) if "world size" in s else None
-        model = config.tensor_degree * config.pipeline_degree * config.context_degree
-        if world and world % model:
-            # Megatron refuses this at start-up (parallel_state.initialize_model_parallel raises
-            # "world_size (W) is not divisible by t x p x cp"): an error, not a note.
-            out.append(Finding("world-size", "error", f"world size {world}",
-                               f"the script starts {world} processes, not a multiple of t x p x cp = {model}: "
-                               f"Megatron refuses it at start-up ('world_size ({world}) is not divisible by "
-                               f"{model}'); the data-parallel size is taken as 1 below",
-                               f"start a multiple of {model} processes (e.g. NUM_NODES = {-(-model // 8)} at 8 GPUs "
-                               f"per node), or give --world-size for the real job"))
-        gbs = s.get("--global-batch-size")
-        if gbs is not None and config.num_microbatches is None:
-            out.append(Finding("refused", "error", f"--global-batch-size {gbs}",
-                               f"{gbs} is not divisible by --micro-batch-size {config.microbatch_size} x data-parallel "
-                               f"size {d or 1}; Megatron-LM refuses it",
-                               f"use a multiple of {config.microbatch_size * (d or 1)}"))
-    if config.launcher == "deepspeed":
-        if config.zero_stage >= 2 and config.pipeline_degree > 1:
-            out.append(Finding("refused", "error", f"zero_optimization.stage {config.zero_stage}",
-                               "DeepSpeed's PipelineEngine asserts the ZeRO stage is below 2 (\"ZeRO-2 and ZeRO-3 are "
-                               "incompatible with pipeline parallelism\")", "use zero_optimization.stage 1"))
-        total = s.get("train_batch_size")
-        if total is not None and d is not None:
-            expected = config.microbatch_size * config.num_microbatches * d
-            if int(total) != expected:
-                out.append(Finding(
-                    "refused", "error", f"train_batch_size {total}",
-                    f"DeepSpeed asserts train_batch_size == micro-batch {config.microbatch_size} x gradient "
-                    f"accumulation {config.num_microbatches} x data-parallel {d} = {expected}",
-                    f"set train_batch_size to {expected}"))
-    if config.launcher == "torchtitan" and config.num_microbatches is None:
-        out.append(Finding("refused", "error", "training.local_batch_size",
-                           f"not divisible by parallelism.pipeline_parallel_microbatch_size {config.microbatch_size}; "
-                           f"torchtitan refuses it", "use a multiple of the micro-batch size"))
-    return out
+    return [Finding(pr.code, pr.severity, pr.setting, pr.message, pr.fix)
+            for pr in _STARTUP_CHECKS[config.launcher](config)]
 
 
 def _schedule_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:

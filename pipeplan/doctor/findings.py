@@ -124,9 +124,11 @@ def split_setting(config: LauncherConfig) -> str:
     return LAUNCHERS[config.launcher].settings.split
 
 
-def _recipe(result: Diagnosis) -> str:
+def _recipe(result: Diagnosis) -> tuple[str, str]:
+    """The steps from the config to the best plan, and the launcher settings they change."""
     best, plan, config = result.best, result.plan, result.config
-    steps = []
+    words = LAUNCHERS[config.launcher].settings
+    steps, settings = [], []
     if plan is not None:
         mine = {}
         for stage in plan.stages:
@@ -140,20 +142,27 @@ def _recipe(result: Diagnosis) -> str:
         for r, delta in moves:
             if delta > 0:
                 steps.append(f"move {delta} layer{'s' * (delta > 1)} off rank {r}")
+                settings.append(words.split)
     if best.schedule != config.schedule or best.virtual_stages != config.virtual_stages:
         steps.append(f"use {best.schedule}" + (f" with v = {best.virtual_stages}" if best.virtual_stages > 1 else ""))
+        settings.append(words.schedule)
     zero = best.parallelism.zero_stage if best.parallelism is not None else config.zero_stage
     if zero != config.zero_stage:
         steps.append(f"use {zero_setting(config.launcher, zero)} (ZeRO {zero})")
+        settings.append(words.zero(zero))
     if best.microbatch_size != config.microbatch_size:
         steps.append(f"micro-batch size {best.microbatch_size} ({best.num_microbatches} micro-batches)")
+        settings.append(words.microbatch)
     modes = {("selective" if s.recompute_granularity == "selective" else "full") if s.recompute else "none"
              for s in best.stages}
     best_mode = modes.pop() if len(modes) == 1 else "mixed"
     if best_mode != config.recompute:
         steps.append({"none": "drop recomputation", "full": "recompute every stage in full",
                       "selective": "selective recomputation on every stage"}.get(best_mode, "recompute per stage"))
-    return ", ".join(steps) or "same schedule, different split"
+        settings.append(words.recompute)
+    if not steps:
+        return "same schedule, different split", words.split
+    return ", ".join(steps), "; ".join(dict.fromkeys(settings))
 
 
 def gap_findings(result: Diagnosis) -> list[Finding]:
@@ -174,7 +183,8 @@ def gap_findings(result: Diagnosis) -> list[Finding]:
                         f"({result.plan.predicted.iteration_ms:.6g} ms per iteration)")]
     # A gap found without checking memory may not fit: report it, do not flag it.
     severity = "warning" if speedup >= GAP_WARNING and result.memory_checked else "info"
-    return [Finding("gap-to-best", severity, split_setting(config),
+    recipe, settings = _recipe(result)  # the finding names the settings its steps change
+    return [Finding("gap-to-best", severity, settings,
                     f"pipeplan's plan is predicted {speedup:.2f}x faster "
                     f"({best.predicted.iteration_ms:.6g} vs {result.plan.predicted.iteration_ms:.6g} ms): "
-                    f"{_recipe(result)}", "--fix writes it" if speedup > 1 + 1e-9 else "")]
+                    f"{recipe}", "--fix writes it" if speedup > 1 + 1e-9 else "")]

@@ -29,6 +29,8 @@ class LauncherSettings:
     """The model's layer count."""
     units: str
     """What the launcher splits into stages."""
+    schedule: str
+    """The pipeline schedule (and its virtual stages)."""
     batch: str
     """The settings that give the micro-batch count."""
     microbatch: str

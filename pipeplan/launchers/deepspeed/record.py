@@ -37,6 +37,7 @@ DEEPSPEED = LauncherFacts(
         split="PipelineModule parts / partition_method",
         layout="PipelineModule partition (parts / partition_method)",
         layers="PipelineModule layers", units="PipelineModule layers",
+        schedule="its TrainSchedule (the only one)",
         batch="gradient_accumulation_steps", microbatch="train_micro_batch_size_per_gpu",
         recompute="PipelineModule activation_checkpoint_interval", tensor="the tensor-parallel size",
         expert="MoE(ep_size=...) =", zero=_zero_setting),

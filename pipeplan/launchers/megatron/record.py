@@ -75,6 +75,8 @@ MEGATRON = LauncherFacts(
         split="--pipeline-model-parallel-layout (or the even split)",
         layout="--num-layers / --pipeline-model-parallel-size / virtual stages",
         layers="--num-layers", units="transformer layers",
+        # Megatron interleaves where the layout has more stages than ranks.
+        schedule="--pipeline-model-parallel-layout (or the even split)",
         batch="--global-batch-size / --micro-batch-size", microbatch="--micro-batch-size",
         recompute="--recompute-granularity / --recompute-method", tensor="--tensor-model-parallel-size",
         expert="--expert-model-parallel-size", zero=_zero_setting),

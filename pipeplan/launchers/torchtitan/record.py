@@ -50,6 +50,7 @@ TORCHTITAN = LauncherFacts(
     settings=LauncherSettings(
         split="parallelism.module_fqns_per_model_part", layout="parallelism.module_fqns_per_model_part",
         layers="model (its n_layers)", units="transformer layers",
+        schedule="parallelism.pipeline_parallel_schedule",
         batch="training.local_batch_size / parallelism.pipeline_parallel_microbatch_size",
         microbatch="parallelism.pipeline_parallel_microbatch_size (training.local_batch_size without a pipeline)",
         recompute="activation_checkpoint.mode", tensor="parallelism.tensor_parallel_degree",

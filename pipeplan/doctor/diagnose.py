@@ -57,7 +57,7 @@ def _layout_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:
     if empty:
         where = ", ".join(f"rank {s.rank}" + (f" virtual stage {s.vstage}" if config.virtual_stages > 1 else "")
                           for s in empty)
-        out.append(Finding("empty-stage", "error" if config.launcher == "deepspeed" else "warning", split_setting,
+        out.append(Finding("empty-stage", RECORDS[config.launcher].empty_stage_severity, split_setting,
                            f"{len(empty)} stage(s) hold no layers ({where}): the GPU only forwards activations",
                            "give every stage layers (--fix writes a split that does)"))
     return out

@@ -106,11 +106,12 @@ def _sequence_findings(config, profile, notes: list[str]) -> list:
         return []
     sp = profile_sequence_parallel(profile)
     out = []
-    if not config.sequence_parallel and config.launcher == "megatron":
+    flag = LAUNCHERS[config.launcher].sequence_parallel_flag
+    if not config.sequence_parallel and flag is not None:
         out.append(_finding(
-            "sequence-parallel", "info", "--sequence-parallel",
-            f"tensor-parallel {config.tensor_degree} without --sequence-parallel: every GPU of a tensor group keeps "
-            f"the norms' and dropouts' activations whole", "add --sequence-parallel (same collectives' bytes, "
+            "sequence-parallel", "info", flag,
+            f"tensor-parallel {config.tensor_degree} without {flag}: every GPU of a tensor group keeps "
+            f"the norms' and dropouts' activations whole", f"add {flag} (same collectives' bytes, "
             "activations of those layers divided by t)"))
     if sp is None or sp == config.sequence_parallel:
         return out
@@ -173,7 +174,7 @@ def diagnose_on_cluster(result, profile, settings: PlanSettings, positions, *, m
         # At the config's degrees: its own ZeRO stage, and (Megatron, DeepSpeed) the higher one the
         # launcher has, a switch --fix can write; torchtitan's is tied to its data-parallel degrees.
         zeros = (config.zero_stage,)
-        if d > 1 and config.launcher != "torchtitan":
+        if d > 1 and LAUNCHERS[config.launcher].zero_is_a_switch:
             zeros += tuple(z for z in LAUNCHER_ZERO_STAGES[config.launcher] if z > config.zero_stage)
         result.best, skipped = best_on_cluster(
             profile, settings, launcher=config.launcher, cluster=cluster, num_gpus=num_gpus, global_batch=G,

@@ -64,6 +64,14 @@ class LauncherFacts:
     """The optimizer state it keeps by default (a :mod:`pipeplan.facts.training_state` name)."""
     uniform_recompute: bool
     """Whether it applies one recomputation to every pipeline stage (the planner may not mix)."""
+    zero_is_a_switch: bool
+    """Whether a config's ZeRO stage is a switch of its own (``--fix`` may raise it at the same
+    degrees), not tied to how the data-parallel ranks are laid out."""
+    sequence_parallel_flag: Optional[str]
+    """The flag that turns sequence parallelism on where it is optional (None: always on with
+    tensor parallelism, or not run)."""
+    empty_stage_severity: str
+    """``error`` where a stage without layers fails the run, ``warning`` where it only idles."""
     refusal: Callable[[str, int, int, int, Optional[int]], Optional[str]]
     """Why it refuses ``(schedule, p, m, v, group size)`` at run time, or None where it runs."""
     settings: LauncherSettings

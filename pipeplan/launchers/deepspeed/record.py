@@ -32,6 +32,10 @@ DEEPSPEED = LauncherFacts(
     config_zero_stages=(0, 1), search_zero_stages=(1,),
     optimizer=DEFAULT_OPTIMIZER,
     uniform_recompute=False,  # activation_checkpoint_interval is per PipelineModule layer
+    zero_is_a_switch=True,  # zero_optimization.stage
+    sequence_parallel_flag=None,  # its PipelineModule has none
+    # A rank without layers is an error, as DeepSpeed issue 5078 reported it (docs/doctor-deepspeed.md).
+    empty_stage_severity="error",
     refusal=_refusal,
     settings=LauncherSettings(
         split="PipelineModule parts / partition_method",

@@ -70,6 +70,9 @@ MEGATRON = LauncherFacts(
     optimizer="adam-fp32-grads",
     # One --recompute-granularity for the whole model (TransformerConfig), on every rank.
     uniform_recompute=True,
+    zero_is_a_switch=True,  # --use-distributed-optimizer
+    sequence_parallel_flag="--sequence-parallel",  # off unless given (training/arguments.py)
+    empty_stage_severity="warning",  # an empty virtual stage only forwards activations
     refusal=_refusal,
     settings=LauncherSettings(
         split="--pipeline-model-parallel-layout (or the even split)",

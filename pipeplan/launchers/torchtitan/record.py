@@ -46,6 +46,11 @@ TORCHTITAN = LauncherFacts(
     config_zero_stages=(0, 3), search_zero_stages=(0, 3),
     optimizer=DEFAULT_OPTIMIZER,
     uniform_recompute=False,  # activation_checkpoint applies per block; a plan may recompute a prefix
+    zero_is_a_switch=False,  # FSDP or DDP is how the data-parallel degrees are laid out
+    # Tensor parallelism shards the norms' activations over the sequence (parallelize.py's
+    # SequenceParallel plans): no switch.
+    sequence_parallel_flag=None,
+    empty_stage_severity="warning",
     refusal=_refusal,
     settings=LauncherSettings(
         split="parallelism.module_fqns_per_model_part", layout="parallelism.module_fqns_per_model_part",

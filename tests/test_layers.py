@@ -40,7 +40,7 @@ LAYERS = {
     "check": 9, "doctor": 9,                       # consumers that re-plan and export
     "launchers.config": 9, "launchers.*.reader": 9, "launchers.*.checks": 9,  # its file in pipeplan's words
     "launchers.megatron.shell": 9, "launchers.megatron.shell_arith": 9, "launchers.megatron.shell_lex": 9,
-    "launchers.torchtitan.inputs": 9,
+    "launchers.torchtitan.inputs": 9, "launchers.editing": 9, "launchers.*.fix": 9,  # --fix, per launcher
     "show": 10, "cli_common": 10, "cli_run": 10, "cli": 10, "__main__": 10,
 }
 

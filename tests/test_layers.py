@@ -151,6 +151,17 @@ def test_no_import_cycle():
     assert [sorted(c) for c in nx.strongly_connected_components(parts) if len(c) > 1] == []
 
 
+def test_an_import_runs_the_faces_above_its_target():
+    """Importing ``pipeplan.export.common`` from outside ``export/`` runs ``export/__init__`` first
+    (so a face importing back is a cycle); from inside, the face is already running."""
+    assert _faces_run("pipeplan.launchers.megatron.writer", "pipeplan.export.common") == ["pipeplan.export"]
+    assert _faces_run("pipeplan.export.torch_pipelining", "pipeplan.export.common") == []
+    assert _faces_run("pipeplan.doctor", "pipeplan.launchers.megatron.reader") == ["pipeplan.launchers",
+                                                                                   "pipeplan.launchers.megatron"]
+    assert _part("pipeplan.launchers.megatron.record") == "launchers.*.record"
+    assert _part("pipeplan.launchers.registry") == "launchers.registry" and _part("pipeplan.cli") == "cli"
+
+
 def test_imports_between_modules_sit_at_the_top():
     inside = [f"{a} -> {b} (line {line})" for a, b, line, nested in IMPORTS
               if nested and _part(a) not in LAZY_FOR_TORCH]

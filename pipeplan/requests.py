@@ -31,7 +31,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeplan.errors import BadInputError, format_validation_error
-from pipeplan.facts.launchers import DEFAULT_OPTIMIZER, launcher_optimizer
+from pipeplan.launchers.registry import DEFAULT_OPTIMIZER, launcher_optimizer
 from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.formats.limits import PositiveCount
 from pipeplan.formats.plan import PlanSettings, effective_cap_bytes

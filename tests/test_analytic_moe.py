@@ -23,7 +23,7 @@ from pipeplan.analytic.families import load_model_config
 from pipeplan.analytic.flops import Shape, unit_work
 from cli_checks import invoke
 from pipeplan.errors import BadInputError
-from pipeplan.export.common import tied_weight_notes
+from pipeplan.launchers.common import tied_weight_notes
 from pipeplan.formats.io import load_profile
 
 from conftest import REPO, make_profile_dict

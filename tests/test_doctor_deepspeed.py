@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pipeplan.doctor import DoctorOptions, doctor_file, read_config
-from pipeplan.doctor.deepspeed import partition_balanced, partition_uniform
+from pipeplan.launchers.deepspeed.reader import partition_balanced, partition_uniform
 from pipeplan.errors import BadInputError
 from pipeplan.export import export_plan
 from pipeplan.formats.plan import PlanSettings

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pipeplan.doctor import DoctorOptions, doctor_file, read_config
-from pipeplan.doctor.megatron import megatron_layout_of, parse_megatron
-from pipeplan.doctor.shell import read_script
+from pipeplan.launchers.megatron.reader import megatron_layout_of, parse_megatron
+from pipeplan.launchers.megatron.shell import read_script
 from pipeplan.errors import BadInputError
-from pipeplan.export.megatron import interleaved_refusal
+from pipeplan.launchers.megatron.writer import interleaved_refusal
 from pipeplan.formats.plan import PlanSettings
 
 from doctor_profiles import decoder_profile, gpt3_175b, llama3_8b, llama3_70b, write_profile

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeplan.doctor import doctor_file, read_config
-from pipeplan.doctor.torchtitan import llm_fqns_per_stage
+from pipeplan.launchers.torchtitan.reader import llm_fqns_per_stage
 from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import PlanSettings
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from conftest import REPO
 from pipeplan.analytic.api import analytic_profile
 from pipeplan.cli import app
-from pipeplan.doctor.torchtitan import parse_torchtitan
+from pipeplan.launchers.torchtitan.reader import parse_torchtitan
 from pipeplan.facts.gpus import get_gpu
 from pipeplan.formats.io import dump_model, load_plan
 
@@ -117,7 +117,7 @@ def test_doctor_reads_pipeplans_own_megatron_export_and_a_script_that_sources_it
     """README's way to launch a plan: `source plan.sh && torchrun ... "${PIPEPLAN_MEGATRON_ARGS[@]}"`.
     doctor reads the export alone (its flags array) and a script sourcing it (read beside the
     script, never run), and the export says the profile's precision (--bf16)."""
-    from pipeplan.doctor.megatron import parse_megatron
+    from pipeplan.launchers.megatron.reader import parse_megatron
 
     runner = CliRunner()
     plan, export = tmp_path / "plan.json", tmp_path / "plan.sh"
@@ -150,7 +150,7 @@ def test_doctor_reads_pipeplans_own_megatron_export_and_a_script_that_sources_it
 
 @pytest.mark.parametrize("launcher, suffix", [("megatron", ".sh"), ("torchtitan", ".toml"), ("deepspeed", ".json")])
 def test_plan_for_a_launcher_then_export_then_doctor_finds_no_error_and_no_gap(profiles, tmp_path, launcher, suffix):
-    """A plan for a launcher is a plan the launcher runs (pipeplan.facts.launchers: its ZeRO stages,
+    """A plan for a launcher is a plan the launcher runs (pipeplan.launchers.registry: its ZeRO stages,
     optimizer state and schedules), so doctor on its export costs it the same and finds no gap."""
     runner = CliRunner()
     plan, export = tmp_path / "plan.json", tmp_path / f"export{suffix}"

@@ -501,8 +501,8 @@ def test_deepspeed_export_of_an_ep_plan_builds_deepspeeds_moe_layer(moe_profile,
 def test_doctor_reads_the_expert_degree_of_torchtitan_and_deepspeed(moe_profile, tmp_path):
     """torchtitan's parallelism.expert_parallel_degree and DeepSpeed-MoE's ep_size (--ep-size) are
     read, and doctor's cluster costing says how many experts each GPU holds."""
-    from pipeplan.doctor.deepspeed import parse_deepspeed
-    from pipeplan.doctor.torchtitan import parse_torchtitan
+    from pipeplan.launchers.deepspeed.reader import parse_deepspeed
+    from pipeplan.launchers.torchtitan.reader import parse_torchtitan
     from pipeplan.export import export_plan
 
     profile, path = moe_profile

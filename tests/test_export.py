@@ -11,9 +11,9 @@ import pytest
 
 from pipeplan.errors import BadInputError
 from pipeplan.export import export_plan, run_export
-from pipeplan.export.common import TORCH_SCHEDULE_NAME
-from pipeplan.export.megatron import expand_layout, megatron_layout
-from pipeplan.export.torchtitan import TORCHTITAN_NAME, schedule_csv
+from pipeplan.launchers.common import TORCH_SCHEDULE_NAME
+from pipeplan.launchers.megatron.writer import expand_layout, megatron_layout
+from pipeplan.launchers.torchtitan.writer import TORCHTITAN_NAME, schedule_csv
 from pipeplan.formats.io import dump_model, write_text_atomic
 
 from test_export_fixtures import (
@@ -317,7 +317,7 @@ def test_shipped_baselines_export_to_every_launcher(baseline, tmp_path):
     profile_path = find_profile(baseline, plan, REPO / "profiles")
     profile = load_profile(profile_path)
     sha = file_sha256(profile_path)
-    from pipeplan.export.torchtitan import torchtitan_module_names
+    from pipeplan.launchers.torchtitan.writer import torchtitan_module_names
 
     try:
         names = torchtitan_module_names(profile)

@@ -289,7 +289,7 @@ def test_deepspeed_batch_checks_and_topology_are_deepspeeds(monkeypatch, case, d
 
 @pytest.mark.parametrize("zero", [2, 3])
 def test_deepspeed_refuses_what_its_pipeline_engine_asserts(zero):
-    from pipeplan.export.deepspeed import DEEPSPEED_PIPELINE_ZERO_RULE
+    from pipeplan.launchers.deepspeed.writer import DEEPSPEED_PIPELINE_ZERO_RULE
 
     _, plan = degree_plan(2, 1, 2, 1, "1f1b", 1, 4, zero=zero)
     with pytest.raises(BadInputError, match="PipelineEngine asserts zero_optimization.stage < 2"):
@@ -449,7 +449,7 @@ def _overlap_plan(d, t, p, zero, overlap, launcher=None, sp=False, bucket=None):
 
 @pytest.mark.parametrize("overlap", [["grad-reduce", "param-gather", "tp-comm"], ["grad-reduce"], []], ids=str)
 def test_megatron_overlap_flags_round_trip_and_megatron_core_takes_them(overlap):
-    from pipeplan.doctor.megatron import parse_megatron
+    from pipeplan.launchers.megatron.reader import parse_megatron
 
     profile, plan = _overlap_plan(4, 2, 2, 1, overlap, launcher="megatron", sp=True, bucket=134217728)
     text = export_plan(plan, profile, "megatron")[".sh"]
@@ -484,7 +484,7 @@ def test_megatron_overlap_without_its_prerequisites_is_left_out_with_a_note():
 
 def test_torchtitan_async_tp_round_trips_through_its_config_manager(tmp_path):
     pytest.importorskip("torch")
-    from pipeplan.doctor.torchtitan import parse_torchtitan
+    from pipeplan.launchers.torchtitan.reader import parse_torchtitan
 
     _, plan = _overlap_plan(2, 2, 2, 1, ["grad-reduce", "param-gather", "tp-comm"], launcher="torchtitan", sp=True)
     text = export_plan(plan, None, "torchtitan")[".toml"]
@@ -506,7 +506,7 @@ def test_torchtitan_async_tp_round_trips_through_its_config_manager(tmp_path):
     (3, [], {"overlap_comm": False, "stage3_prefetch_bucket_size": 0}, ()),
 ], ids=str)
 def test_deepspeed_overlap_keys_round_trip_through_deepspeed_config(monkeypatch, zero, overlap, keys, read):
-    from pipeplan.doctor.deepspeed import parse_deepspeed
+    from pipeplan.launchers.deepspeed.reader import parse_deepspeed
 
     _, plan = _overlap_plan(4, 1, 1, zero, overlap, launcher="deepspeed")
     exported = json.loads(export_plan(plan, None, "deepspeed")[".json"])

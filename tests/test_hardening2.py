@@ -261,7 +261,7 @@ def test_a_null_batch_key_is_read_as_unset(tmp_path, llama):
 
 # ---------------------------------------------------------------- shell reading: valid bash, read as bash reads it
 def _read(text):
-    from pipeplan.doctor.shell import read_script
+    from pipeplan.launchers.megatron.shell import read_script
 
     return read_script("t.sh", text)
 

@@ -19,11 +19,16 @@ from pipeplan.requests import ClusterRequest, PipelineRequest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pipeplan"
 
-#: Each top-level part of pipeplan and its layer: a module may import its own layer (without a
-#: cycle) and the layers below it, never one above.
+#: Each part of pipeplan and its layer, keyed by dotted module prefix under ``pipeplan`` ("*" stands
+#: for one name): a module takes the layer of its longest matching key, and may import its own
+#: layer (without a cycle) and the layers below it, never one above. A launcher's home
+#: (``launchers.<name>``) is split across layers: its record at facts' level, its writer at
+#: export's, its reader at doctor's; each of its modules needs a key of its own.
 LAYERS = {
     "": 0, "errors": 0, "quantities": 0, "progress": 0,   # ground
     "facts": 1,                                    # schedules, GPUs, training state per parameter
+    "launchers": 1, "launchers.*": 1,              # the homes' faces: docstrings, no imports
+    "launchers.record": 1, "launchers.*.record": 1, "launchers.registry": 1,  # what each launcher runs
     "formats": 2,                                  # file models
     "requests": 3,                                 # what a caller asks for
     "profile": 4, "analytic": 4, "importers": 4,   # profiles in
@@ -31,9 +36,17 @@ LAYERS = {
     "cluster": 6,                                  # layouts around the pipeline search
     "api": 7,                                      # every planning entry point, the dispatch
     "run": 8, "export": 8,                         # consumers of a plan
+    "launchers.common": 8, "launchers.degrees": 8, "launchers.*.writer": 8,  # a plan in a launcher's words
     "check": 9, "doctor": 9,                       # consumers that re-plan and export
+    "launchers.config": 9, "launchers.*.reader": 9, "launchers.*.checks": 9,  # its file in pipeplan's words
+    "launchers.megatron.shell": 9, "launchers.megatron.shell_arith": 9, "launchers.megatron.shell_lex": 9,
+    "launchers.torchtitan.inputs": 9, "launchers.editing": 9, "launchers.*.fix": 9,  # --fix, per launcher
     "show": 10, "cli_common": 10, "cli_run": 10, "cli": 10, "__main__": 10,
 }
+
+#: Parts whose every module must match a key of its own full length (no fallback to the part's
+#: key), so that a new module there is placed on purpose.
+STRICT_PARTS = ("launchers",)
 
 #: Packages whose functions may import other pipeplan modules: they reach torch, which stays
 #: lazy so that planning needs no torch (docs/architecture.md).
@@ -70,12 +83,32 @@ def _imports():
                     while target not in modules and "." in target:
                         target = target.rpartition(".")[0]
                     out.append((name, target, node.lineno, id(node) in inner))
+                    out += [(name, face, node.lineno, id(node) in inner) for face in _faces_run(name, target)]
     return modules, out
 
 
+def _faces_run(importer: str, target: str) -> list[str]:
+    """The package faces (``__init__``) that importing ``target`` from ``importer`` runs first: every
+    package above ``target`` that is not also above (or) ``importer``, whose face is already running.
+    A face that imports back what imports into its package is a cycle that Python meets at run time
+    (a partially initialised module), though no explicit import closes it."""
+    parts = target.split(".")
+    faces = [".".join(parts[:i]) for i in range(2, len(parts))]
+    return [f for f in faces if importer != f and not importer.startswith(f + ".")]
+
+
+def _matches(key: str, names: list[str]) -> bool:
+    keys = key.split(".") if key else []
+    return len(keys) <= len(names) and all(k in ("*", n) for k, n in zip(keys, names))
+
+
 def _part(module: str) -> str:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else ""
+    """The ``LAYERS`` key of a module: its longest matching dotted prefix under ``pipeplan``."""
+    names = module.split(".")[1:]
+    matching = [key for key in LAYERS if _matches(key, names)]
+    # Longest first; at one length a name beats "*".
+    return max(matching, key=lambda key: (len(key.split(".")), -key.count("*")) if key else (0, 0)) \
+        if matching else "?"
 
 
 MODULES, IMPORTS = _imports()
@@ -83,6 +116,26 @@ MODULES, IMPORTS = _imports()
 
 def test_every_part_has_a_layer():
     assert {_part(m) for m in MODULES} <= set(LAYERS)
+    strict = [m for m in MODULES if m.split(".")[1:2] and m.split(".")[1] in STRICT_PARTS
+              and len(_part(m).split(".")) != len(m.split(".")) - 1]
+    assert strict == []
+
+
+def test_layer_keys_are_used():
+    """A key no module matches is a stale layer (a moved module's old place)."""
+    assert {key for key in LAYERS if key} - {_part(m) for m in MODULES} == set()
+
+
+def test_a_launchers_record_loads_no_reader_or_writer():
+    """Importing what a launcher runs (as the planner's search does) stays at facts' level."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pipeplan.launchers.registry; "
+            "print(sorted(m for m in sys.modules if m.startswith(('pipeplan.doctor', 'pipeplan.export')) "
+            "or m.endswith(('.reader', '.writer'))))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"
 
 
 def test_no_import_runs_up_the_layers():
@@ -96,6 +149,17 @@ def test_no_import_cycle():
     assert cycles == []
     parts = nx.DiGraph((_part(a), _part(b)) for a, b, _, _ in IMPORTS if _part(a) != _part(b))
     assert [sorted(c) for c in nx.strongly_connected_components(parts) if len(c) > 1] == []
+
+
+def test_an_import_runs_the_faces_above_its_target():
+    """Importing ``pipeplan.export.common`` from outside ``export/`` runs ``export/__init__`` first
+    (so a face importing back is a cycle); from inside, the face is already running."""
+    assert _faces_run("pipeplan.launchers.megatron.writer", "pipeplan.export.common") == ["pipeplan.export"]
+    assert _faces_run("pipeplan.export.torch_pipelining", "pipeplan.export.common") == []
+    assert _faces_run("pipeplan.doctor", "pipeplan.launchers.megatron.reader") == ["pipeplan.launchers",
+                                                                                   "pipeplan.launchers.megatron"]
+    assert _part("pipeplan.launchers.megatron.record") == "launchers.*.record"
+    assert _part("pipeplan.launchers.registry") == "launchers.registry" and _part("pipeplan.cli") == "cli"
 
 
 def test_imports_between_modules_sit_at_the_top():

@@ -21,7 +21,7 @@ from pipeplan.api import ClusterRequest, PipelineRequest, plan_any, plan_profile
 from pipeplan.cluster.presets import PRESETS
 from pipeplan.errors import BadInputError
 from pipeplan.export import export_plan
-from pipeplan.export.degrees import recompute_of
+from pipeplan.launchers.degrees import recompute_of
 from pipeplan.formats.io import load_profile
 from pipeplan.formats.plan import PlanSettings
 from pipeplan.plan import plan_simulation

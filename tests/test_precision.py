@@ -285,7 +285,7 @@ def test_doctor_refuses_a_recipe_megatron_refuses(tmp_path, profiles):
 
 
 def test_doctor_reads_torchtitans_float8_converter(tmp_path):
-    from pipeplan.doctor.torchtitan import torchtitan_precision
+    from pipeplan.launchers.torchtitan.reader import torchtitan_precision
 
     assert torchtitan_precision({"model": {"converters": ["quantize.linear.float8"]},
                                  "quantize": {"linear": {"float8": {"enable_fsdp_float8_all_gather": True}}}}) \
@@ -309,7 +309,7 @@ def test_pipeline_plans_count_the_copies_and_show_names_every_part(tmp_path, pro
 
 
 def test_doctor_torchtitan_reads_the_exported_float8_settings(tmp_path, profiles):
-    from pipeplan.doctor.torchtitan import parse_torchtitan
+    from pipeplan.launchers.torchtitan.reader import parse_torchtitan
 
     plan, _ = _cluster_plan(tmp_path, profiles["fp8"], zero_stage=3, fp8_param_gather=True)
     text = export_plan(plan, None, "torchtitan")[".toml"]

@@ -15,7 +15,7 @@ from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY as EFF
 from pipeplan.analytic.families import load_model_config
 from pipeplan.api import plan_any
 from pipeplan.doctor import doctor_file
-from pipeplan.doctor.megatron import parse_megatron
+from pipeplan.launchers.megatron.reader import parse_megatron
 from pipeplan.errors import BadInputError
 from pipeplan.export import export_plan
 from pipeplan.formats.gpu import resolve_gpu

@@ -1,7 +1,7 @@
 """Communication overlapped with compute, as each launcher runs it: how much of each collective is exposed.
 
 Three overlaps, each named as the plan's ``settings.overlap`` names it (null: the launcher's
-defaults, :func:`pipeplan.facts.launchers.launcher_overlaps`):
+defaults, :func:`pipeplan.launchers.registry.launcher_overlaps`):
 
 ``grad-reduce``
     The data-parallel gradient reduce (all-reduce, or the distributed optimizer's reduce-scatter)

@@ -9,7 +9,7 @@ from pipeplan.cluster.dataparallel import data_parallel_sync, moe_data_parallel_
 from pipeplan.cluster.overlap import StageUnits, exposed_sync_ms
 from pipeplan.cluster.placement import cluster_layout
 from pipeplan.cluster.profile_view import DegreeView
-from pipeplan.facts.launchers import gradient_bucket_params, launcher_overlaps, plan_overlaps
+from pipeplan.launchers.registry import gradient_bucket_params, launcher_overlaps, plan_overlaps
 from pipeplan.formats.plan import PlanSettings
 
 __all__ = ["SYNC_OVERLAPS", "trial_overlaps", "tp_comm_launcher", "bound_overlap", "rank_syncs", "rank_stage_units",

@@ -20,7 +20,7 @@ from pipeplan.cluster.experts import expert_choices
 from pipeplan.cluster.profile_view import head_counts, tensor_degrees
 from pipeplan.cluster.space import candidates, parallel_degrees
 from pipeplan.errors import BadInputError
-from pipeplan.facts.launchers import launcher_zero_stages
+from pipeplan.launchers.registry import launcher_zero_stages
 from pipeplan.requests import parse_compare
 
 __all__ = ["informative_layouts", "kind_label", "Compare", "compare_search"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from pipeplan.errors import BadInputError
-from pipeplan.facts.launchers import launcher_zero_stages
+from pipeplan.launchers.registry import launcher_zero_stages
 from pipeplan.formats.limits import MAX_MICROBATCHES
 
 __all__ = ["Degrees", "Candidate", "parallel_degrees", "candidates", "divisors", "zero_stages", "recompute_families"]
@@ -247,14 +247,14 @@ def batch_divisor_note(degrees: Iterable[Degrees], global_batch: int, microbatch
 
 def zero_stages(settings, d: int, p: int) -> list[int]:
     """The ZeRO stages to try at ``d`` replicas of ``p`` ranks: the fixed one, else what the
-    launcher runs as planned (:mod:`pipeplan.facts.launchers`)."""
+    launcher runs as planned (:mod:`pipeplan.launchers.registry`)."""
     if settings.zero_stage is not None:
         return [settings.zero_stage]
     # At d = 1 nothing is sharded. ZeRO 1 moves no more bytes than ZeRO 0 (a ring all-reduce is a
     # reduce-scatter plus an all-gather) and holds less; it pays one more call's fixed latency per
     # iteration (8.4 us on the presets), which the search gives up for a third fewer candidates:
-    # --zero 0 plans ZeRO 0 (pipeplan.facts.launchers.launcher_zero_stages).
-    # A plan for a launcher holds only what that launcher shards (pipeplan.facts.launchers):
+    # --zero 0 plans ZeRO 0 (pipeplan.launchers.registry.launcher_zero_stages).
+    # A plan for a launcher holds only what that launcher shards (pipeplan.launchers.registry):
     # Megatron-LM's distributed optimizer keeps the whole gradient buffer (ZeRO 1 memory) and has no
     # ZeRO 3; DeepSpeed's PipelineEngine asserts ZeRO < 2 under pipeline parallelism; torchtitan's
     # FSDP has no optimizer-only sharding (the exports refuse or re-express the rest).

@@ -17,25 +17,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeplan.doctor.config import LAUNCHERS, LauncherConfig, Layout
+from pipeplan.launchers.config import LAUNCHERS, LauncherConfig, Layout
 from pipeplan.doctor.diagnose import diagnose
-from pipeplan.doctor.findings import Diagnosis, Finding
+from pipeplan.doctor.findings import SAME_SPEED, Diagnosis, Finding
 from pydantic import ValidationError
 
-from pipeplan.doctor.torchtitan_inputs import apply_overrides, is_registry_spec, registry_job
+from pipeplan.launchers.torchtitan.inputs import apply_overrides, is_registry_spec, registry_job
 from pipeplan.errors import BadInputError
-from pipeplan.doctor.deepspeed import deepspeed_layout_of, parse_deepspeed
+from pipeplan.launchers.deepspeed.reader import deepspeed_layout_of, parse_deepspeed
 from pipeplan.doctor.report import junit_text, render
 from pipeplan.formats.io import (check_output_target, file_sha256, load_profile, refuse_overwriting_input,
                                  write_files_atomic)
 from pipeplan.formats.plan import PlanSettings
 from pipeplan.quantities import parse_bandwidth, parse_bytes
-from pipeplan.facts.launchers import DEFAULT_OPTIMIZER, launcher_optimizer
+from pipeplan.launchers.registry import DEFAULT_OPTIMIZER, launcher_optimizer
 from pipeplan.facts.training_state import OPTIMIZERS
 from pipeplan.cluster.presets import resolve_cluster
 from pipeplan.doctor.fix import fix_config
-from pipeplan.doctor.megatron import megatron_layout_of, parse_megatron
-from pipeplan.doctor.torchtitan import load_toml, parse_torchtitan, torchtitan_layout_of
+from pipeplan.launchers.megatron.reader import megatron_layout_of, parse_megatron
+from pipeplan.launchers.torchtitan.reader import load_toml, parse_torchtitan, torchtitan_layout_of
 from pipeplan.doctor.units import unit_positions
 from pipeplan.formats.reading import read_input_text
 
@@ -206,8 +206,12 @@ def doctor_file(launcher: str, path: str | Path, profile_path: str | Path, setti
     if fix_output is not None:
         if result.best is None:
             raise BadInputError("--fix: no plan fits, so there is nothing to write (see the findings)")
-        outputs.update(fix_config(config, Path(path).read_text(encoding="utf-8"), result.best, profile,
-                                  str(fix_output)))
+        original = Path(path).read_text(encoding="utf-8")
+        if result.speedup is not None and result.speedup <= SAME_SPEED:
+            # The config is as fast as the best plan and its findings state no change: --fix makes none.
+            outputs[fix_output] = original
+        else:
+            outputs.update(fix_config(config, original, result.best, profile, str(fix_output)))
     text = render(result, output_format)
     if junit_path is not None:
         outputs[junit_path] = junit_text(result)

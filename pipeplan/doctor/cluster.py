@@ -29,14 +29,15 @@ from pipeplan.cluster.memory import job_memory
 from pipeplan.plan.assemble import stage_state_memory
 from pipeplan.plan.offload import check_cpu_offload, with_offload_note
 from pipeplan.cluster.search import plan_cluster
+from pipeplan.launchers.registry import LAUNCHERS
 
 __all__ = ["RankMemory", "ClusterCost", "LAUNCHER_ZERO_STAGES", "cost_on_cluster", "best_on_cluster",
            "rank_memory"]
 
-#: The ZeRO stages each launcher runs with pipeline parallelism: Megatron-LM's distributed
-#: optimizer (1) or none; DeepSpeed's PipelineEngine asserts stage < 2; torchtitan replicates
-#: (DDP, 0) or shards fully (FSDP, 3).
-LAUNCHER_ZERO_STAGES = {"megatron": (0, 1), "deepspeed": (0, 1), "torchtitan": (0, 3)}
+#: The ZeRO stages a config of each launcher can be at (each record's ``config_zero_stages``, with
+#: its source: Megatron-LM's distributed optimizer (1) or none; DeepSpeed's PipelineEngine asserts
+#: stage < 2; torchtitan replicates (DDP, 0) or shards fully (FSDP, 3)).
+LAUNCHER_ZERO_STAGES = {name: record.config_zero_stages for name, record in LAUNCHERS.items()}
 
 
 @dataclass(frozen=True)

@@ -9,36 +9,23 @@ wastes a rank or leaves a large gap to the best plan), ``info`` (numbers worth k
 
 from __future__ import annotations
 
-from pipeplan.doctor.config import LAUNCHERS, LauncherConfig, Layout
+from pipeplan.launchers.config import LAUNCHERS, LauncherConfig, Layout
 from pipeplan.doctor.diagnose_cluster import diagnose_on_cluster
 from pipeplan.doctor.findings import Diagnosis, Finding, gap_findings, split_setting, time_findings
 from pipeplan.doctor.evaluate import best_plan, cost_split
-from pipeplan.export.megatron import interleaved_refusal
 from pipeplan.doctor.units import stage_positions, unit_positions
 from pipeplan.errors import BadInputError
-from pipeplan.doctor.megatron import megatron_cpu_offload_layers
+from pipeplan.launchers.megatron.reader import megatron_cpu_offload_layers
 from pipeplan.plan.recompute import with_selective_modules
 from pipeplan.plan.torchtitan_ac import with_torchtitan_selective
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.quantities import format_bytes
-from pipeplan.facts.schedules import check_schedule
+from pipeplan.launchers.deepspeed.checks import startup_problems as deepspeed_startup
+from pipeplan.launchers.megatron.checks import startup_problems as megatron_startup
+from pipeplan.launchers.registry import LAUNCHERS as RECORDS, launcher_refusal
+from pipeplan.launchers.torchtitan.checks import startup_problems as torchtitan_startup
 
 __all__ = ["diagnose", "launcher_refusal"]
-
-def launcher_refusal(launcher: str, schedule: str, p: int, m: int, v: int, group_size: int | None = None) -> str | None:
-    """Why ``launcher`` refuses ``schedule`` with ``m`` micro-batches on ``p`` ranks x ``v``, or None."""
-    if launcher == "megatron":
-        if schedule == "interleaved":
-            return interleaved_refusal(p, m, group_size)
-        return None  # Megatron's own 1F1B warms up min(p - rank - 1, m): any m runs
-    if launcher == "deepspeed":
-        return None
-    try:
-        check_schedule(schedule, p, m, v)
-    except BadInputError as exc:
-        return str(exc)
-    return None
-
 
 def _layout_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:
     out = [Finding(pr.code, pr.severity, pr.setting, pr.message, pr.fix) for pr in layout.problems]
@@ -48,9 +35,7 @@ def _layout_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:
     counts: dict[str, int] = {}
     for unit in built:
         counts[unit] = counts.get(unit, 0) + 1
-    split_setting = {"megatron": "--num-layers / --pipeline-model-parallel-size / virtual stages",
-                     "torchtitan": "parallelism.module_fqns_per_model_part",
-                     "deepspeed": "PipelineModule partition (parts / partition_method)"}[config.launcher]
+    split_setting = RECORDS[config.launcher].settings.layout
     lost = [u for u in layout.all_units if u not in counts]
     if lost:
         # Count transformer layers where the launcher has them apart from embedding and loss.
@@ -58,7 +43,7 @@ def _layout_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:
         layers = [u for u in layout.all_units if u not in special] if config.launcher != "deepspeed" \
             else list(layout.all_units)
         lost_layers = [u for u in lost if u in layers]
-        what = "transformer layers" if config.launcher != "deepspeed" else "PipelineModule layers"
+        what = RECORDS[config.launcher].settings.units
         out.append(Finding(
             "layers-lost", "error", split_setting,
             f"{len(lost_layers)} of {len(layers)} {what} are on no stage ({_ranges(lost)}): only "
@@ -74,7 +59,7 @@ def _layout_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:
     if empty:
         where = ", ".join(f"rank {s.rank}" + (f" virtual stage {s.vstage}" if config.virtual_stages > 1 else "")
                           for s in empty)
-        out.append(Finding("empty-stage", "error" if config.launcher == "deepspeed" else "warning", split_setting,
+        out.append(Finding("empty-stage", RECORDS[config.launcher].empty_stage_severity, split_setting,
                            f"{len(empty)} stage(s) hold no layers ({where}): the GPU only forwards activations",
                            "give every stage layers (--fix writes a split that does)"))
     return out
@@ -85,46 +70,13 @@ def _ranges(units: list[str]) -> str:
     return text + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
 
 
+#: What each launcher refuses at start-up (its home's checks).
+_STARTUP_CHECKS = {"megatron": megatron_startup, "torchtitan": torchtitan_startup, "deepspeed": deepspeed_startup}
+
+
 def _batch_findings(config: LauncherConfig) -> list[Finding]:
-    s, out = config.settings, []
-    d = config.data_degree
-    if config.launcher == "megatron":
-        world = int(s["world size"]) if "world size" in s else None
-        model = config.tensor_degree * config.pipeline_degree * config.context_degree
-        if world and world % model:
-            # Megatron refuses this at start-up (parallel_state.initialize_model_parallel raises
-            # "world_size (W) is not divisible by t x p x cp"): an error, not a note.
-            out.append(Finding("world-size", "error", f"world size {world}",
-                               f"the script starts {world} processes, not a multiple of t x p x cp = {model}: "
-                               f"Megatron refuses it at start-up ('world_size ({world}) is not divisible by "
-                               f"{model}'); the data-parallel size is taken as 1 below",
-                               f"start a multiple of {model} processes (e.g. NUM_NODES = {-(-model // 8)} at 8 GPUs "
-                               f"per node), or give --world-size for the real job"))
-        gbs = s.get("--global-batch-size")
-        if gbs is not None and config.num_microbatches is None:
-            out.append(Finding("refused", "error", f"--global-batch-size {gbs}",
-                               f"{gbs} is not divisible by --micro-batch-size {config.microbatch_size} x data-parallel "
-                               f"size {d or 1}; Megatron-LM refuses it",
-                               f"use a multiple of {config.microbatch_size * (d or 1)}"))
-    if config.launcher == "deepspeed":
-        if config.zero_stage >= 2 and config.pipeline_degree > 1:
-            out.append(Finding("refused", "error", f"zero_optimization.stage {config.zero_stage}",
-                               "DeepSpeed's PipelineEngine asserts the ZeRO stage is below 2 (\"ZeRO-2 and ZeRO-3 are "
-                               "incompatible with pipeline parallelism\")", "use zero_optimization.stage 1"))
-        total = s.get("train_batch_size")
-        if total is not None and d is not None:
-            expected = config.microbatch_size * config.num_microbatches * d
-            if int(total) != expected:
-                out.append(Finding(
-                    "refused", "error", f"train_batch_size {total}",
-                    f"DeepSpeed asserts train_batch_size == micro-batch {config.microbatch_size} x gradient "
-                    f"accumulation {config.num_microbatches} x data-parallel {d} = {expected}",
-                    f"set train_batch_size to {expected}"))
-    if config.launcher == "torchtitan" and config.num_microbatches is None:
-        out.append(Finding("refused", "error", "training.local_batch_size",
-                           f"not divisible by parallelism.pipeline_parallel_microbatch_size {config.microbatch_size}; "
-                           f"torchtitan refuses it", "use a multiple of the micro-batch size"))
-    return out
+    return [Finding(pr.code, pr.severity, pr.setting, pr.message, pr.fix)
+            for pr in _STARTUP_CHECKS[config.launcher](config)]
 
 
 def _schedule_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:
@@ -135,9 +87,7 @@ def _schedule_findings(config: LauncherConfig, layout: Layout) -> list[Finding]:
     why = launcher_refusal(config.launcher, config.schedule, p, m, v, int(group) if group else None)
     if why is None:
         return []
-    setting = {"megatron": "--global-batch-size / --micro-batch-size",
-               "torchtitan": "training.local_batch_size / parallelism.pipeline_parallel_microbatch_size"}.get(
-        config.launcher, "gradient_accumulation_steps")
+    setting = RECORDS[config.launcher].settings.batch
     good = next((k for k in range(m, 4 * m + 4 * p) if launcher_refusal(config.launcher, config.schedule, p, k, v,
                                                                         int(group) if group else None) is None), None)
     return [Finding("schedule-refuses", "error", setting,

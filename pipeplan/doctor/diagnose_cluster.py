@@ -18,13 +18,13 @@ from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import PlanSettings
 from pipeplan.quantities import format_bytes
 from pipeplan.cluster import PRESETS
+from pipeplan.launchers.registry import LAUNCHERS
 
 __all__ = ["diagnose_on_cluster", "profile_sequence_parallel", "SEARCH_ZERO_STAGES"]
 
-#: The ZeRO stages the search over every layout tries, per launcher. Megatron-LM and DeepSpeed:
-#: ZeRO 1 only (the distributed optimizer / ZeRO-1 moves the same bytes as plain data parallelism,
-#: a reduce-scatter and an all-gather for the all-reduce, and holds less); torchtitan: DDP or FSDP.
-SEARCH_ZERO_STAGES = {"megatron": (1,), "deepspeed": (1,), "torchtitan": (0, 3)}
+#: The ZeRO stages the search over every layout tries, per launcher (each record's
+#: ``search_zero_stages``, with its source).
+SEARCH_ZERO_STAGES = {name: record.search_zero_stages for name, record in LAUNCHERS.items()}
 
 
 def profile_sequence_parallel(profile) -> bool | None:
@@ -93,8 +93,7 @@ def _expert_notes(config, profile, cost: ClusterCost) -> list[str]:
     if experts is None:
         return []
     worst = max(cost.memory, key=lambda m: m.expert_bytes)
-    setting = {"megatron": "--expert-model-parallel-size", "torchtitan": "parallelism.expert_parallel_degree =",
-               "deepspeed": "MoE(ep_size=...) ="}[config.launcher]
+    setting = LAUNCHERS[config.launcher].settings.expert
     return [f"experts: {setting} {config.expert_degree}: each GPU holds {experts.num_experts // config.expert_degree} "
             f"of the {experts.num_experts} experts of each MoE layer; their weights, gradients and optimizer state "
             f"take up to {format_bytes(worst.expert_bytes)} per GPU (rank {worst.rank}), "
@@ -107,11 +106,12 @@ def _sequence_findings(config, profile, notes: list[str]) -> list:
         return []
     sp = profile_sequence_parallel(profile)
     out = []
-    if not config.sequence_parallel and config.launcher == "megatron":
+    flag = LAUNCHERS[config.launcher].sequence_parallel_flag
+    if not config.sequence_parallel and flag is not None:
         out.append(_finding(
-            "sequence-parallel", "info", "--sequence-parallel",
-            f"tensor-parallel {config.tensor_degree} without --sequence-parallel: every GPU of a tensor group keeps "
-            f"the norms' and dropouts' activations whole", "add --sequence-parallel (same collectives' bytes, "
+            "sequence-parallel", "info", flag,
+            f"tensor-parallel {config.tensor_degree} without {flag}: every GPU of a tensor group keeps "
+            f"the norms' and dropouts' activations whole", f"add {flag} (same collectives' bytes, "
             "activations of those layers divided by t)"))
     if sp is None or sp == config.sequence_parallel:
         return out
@@ -149,8 +149,7 @@ def diagnose_on_cluster(result, profile, settings: PlanSettings, positions, *, m
     t, p = config.tensor_degree, config.pipeline_degree
     degrees = tensor_degrees(profile)
     if t not in degrees:
-        setting = {"megatron": "--tensor-model-parallel-size", "torchtitan": "parallelism.tensor_parallel_degree",
-                   "deepspeed": "the tensor-parallel size"}[config.launcher]
+        setting = LAUNCHERS[config.launcher].settings.tensor
         raise BadInputError(f"--profile: {profile.model!r} has costs at tensor_parallel {', '.join(map(str, degrees))}, "
                             f"not at {t} ({config.path}: {setting} {t}); build it with pipeplan profile --analytic "
                             f"--tensor-parallel {t}")
@@ -175,7 +174,7 @@ def diagnose_on_cluster(result, profile, settings: PlanSettings, positions, *, m
         # At the config's degrees: its own ZeRO stage, and (Megatron, DeepSpeed) the higher one the
         # launcher has, a switch --fix can write; torchtitan's is tied to its data-parallel degrees.
         zeros = (config.zero_stage,)
-        if d > 1 and config.launcher != "torchtitan":
+        if d > 1 and LAUNCHERS[config.launcher].zero_is_a_switch:
             zeros += tuple(z for z in LAUNCHER_ZERO_STAGES[config.launcher] if z > config.zero_stage)
         result.best, skipped = best_on_cluster(
             profile, settings, launcher=config.launcher, cluster=cluster, num_gpus=num_gpus, global_batch=G,

@@ -9,15 +9,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeplan.doctor.config import LauncherConfig, Layout
+from pipeplan.launchers.config import LauncherConfig, Layout
 from pipeplan.formats.plan import Plan
+from pipeplan.launchers.registry import LAUNCHERS
 
-__all__ = ["GAP_WARNING", "Finding", "Diagnosis", "zero_setting", "parts_text", "time_findings", "split_setting",
+__all__ = ["SAME_SPEED", "GAP_WARNING", "Finding", "Diagnosis", "zero_setting", "parts_text", "time_findings", "split_setting",
            "gap_findings"]
 
 
 #: The best plan must be predicted at least this much faster for the gap to be a warning.
 GAP_WARNING = 1.10
+
+#: Within this ratio the config is "as fast as" the best plan: no change is stated, so ``--fix``
+#: changes nothing (the model's own rounding is far finer; the predictions' errors far coarser).
+SAME_SPEED = 1 + 1e-3
 
 
 @dataclass(frozen=True)
@@ -64,13 +69,8 @@ class Diagnosis:
 
 
 def zero_setting(launcher: str, zero_stage: int) -> str:
-    """The launcher setting that gives ``zero_stage``, as a user writes it."""
-    if launcher == "megatron":
-        return "--use-distributed-optimizer" if zero_stage else "--use-distributed-optimizer (not set)"
-    if launcher == "deepspeed":
-        return f"zero_optimization.stage = {zero_stage}"
-    return ("parallelism.data_parallel_shard_degree (FSDP)" if zero_stage == 3
-            else "parallelism.data_parallel_replicate_degree (DDP)")
+    """The launcher setting that gives ``zero_stage``, as a user writes it (its record's words)."""
+    return LAUNCHERS[launcher].settings.zero(zero_stage)
 
 
 def parts_text(plan: Plan) -> str:
@@ -128,14 +128,15 @@ def time_findings(config: LauncherConfig, plan: Plan) -> list[Finding]:
 
 
 def split_setting(config: LauncherConfig) -> str:
-    return {"megatron": "--pipeline-model-parallel-layout (or the even split)",
-            "torchtitan": "parallelism.module_fqns_per_model_part",
-            "deepspeed": "PipelineModule parts / partition_method"}[config.launcher]
+    """Where the launcher says the layers per stage (its record's words)."""
+    return LAUNCHERS[config.launcher].settings.split
 
 
-def _recipe(result: Diagnosis) -> str:
+def _recipe(result: Diagnosis) -> tuple[str, str]:
+    """The steps from the config to the best plan, and the launcher settings they change."""
     best, plan, config = result.best, result.plan, result.config
-    steps = []
+    words = LAUNCHERS[config.launcher].settings
+    steps, settings = [], []
     if plan is not None:
         mine = {}
         for stage in plan.stages:
@@ -149,20 +150,27 @@ def _recipe(result: Diagnosis) -> str:
         for r, delta in moves:
             if delta > 0:
                 steps.append(f"move {delta} layer{'s' * (delta > 1)} off rank {r}")
+                settings.append(words.split)
     if best.schedule != config.schedule or best.virtual_stages != config.virtual_stages:
         steps.append(f"use {best.schedule}" + (f" with v = {best.virtual_stages}" if best.virtual_stages > 1 else ""))
+        settings.append(words.schedule)
     zero = best.parallelism.zero_stage if best.parallelism is not None else config.zero_stage
     if zero != config.zero_stage:
         steps.append(f"use {zero_setting(config.launcher, zero)} (ZeRO {zero})")
+        settings.append(words.zero(zero))
     if best.microbatch_size != config.microbatch_size:
         steps.append(f"micro-batch size {best.microbatch_size} ({best.num_microbatches} micro-batches)")
+        settings.append(words.microbatch)
     modes = {("selective" if s.recompute_granularity == "selective" else "full") if s.recompute else "none"
              for s in best.stages}
     best_mode = modes.pop() if len(modes) == 1 else "mixed"
     if best_mode != config.recompute:
         steps.append({"none": "drop recomputation", "full": "recompute every stage in full",
                       "selective": "selective recomputation on every stage"}.get(best_mode, "recompute per stage"))
-    return ", ".join(steps) or "same schedule, different split"
+        settings.append(words.recompute)
+    if not steps:
+        return "same schedule, different split", words.split
+    return ", ".join(steps), "; ".join(dict.fromkeys(settings))
 
 
 def gap_findings(result: Diagnosis) -> list[Finding]:
@@ -177,13 +185,14 @@ def gap_findings(result: Diagnosis) -> list[Finding]:
                         f"predicted "
                         f"{best.predicted.iteration_ms:.6g} ms per iteration", "--fix writes it")]
     speedup = result.speedup
-    if speedup <= 1 + 1e-3:
+    if speedup <= SAME_SPEED:
         return [Finding("gap-to-best", "info", "",
                         f"the config is as fast as pipeplan's best plan for these ranks "
                         f"({result.plan.predicted.iteration_ms:.6g} ms per iteration)")]
     # A gap found without checking memory may not fit: report it, do not flag it.
     severity = "warning" if speedup >= GAP_WARNING and result.memory_checked else "info"
-    return [Finding("gap-to-best", severity, split_setting(config),
+    recipe, settings = _recipe(result)  # the finding names the settings its steps change
+    return [Finding("gap-to-best", severity, settings,
                     f"pipeplan's plan is predicted {speedup:.2f}x faster "
                     f"({best.predicted.iteration_ms:.6g} vs {result.plan.predicted.iteration_ms:.6g} ms): "
-                    f"{_recipe(result)}", "--fix writes it" if speedup > 1 + 1e-9 else "")]
+                    f"{recipe}", "--fix writes it" if speedup > 1 + 1e-9 else "")]

@@ -11,6 +11,7 @@ before them.
 from __future__ import annotations
 
 from pipeplan.errors import BadInputError
+from pipeplan.launchers.registry import LAUNCHERS
 
 __all__ = ["unit_positions", "stage_positions", "TORCHTITAN_ROLE_NAMES"]
 
@@ -47,7 +48,7 @@ def unit_positions(launcher: str, profile, num_layers: int | None) -> tuple[list
     roles = _roles(profile, launcher)
     blocks = roles.get("block", [])
     if num_layers is not None and len(blocks) != num_layers:
-        setting = "--num-layers" if launcher == "megatron" else "model (its n_layers)"
+        setting = LAUNCHERS[launcher].settings.layers
         raise BadInputError(
             f"--profile: {profile.model!r} has {len(blocks)} blocks but the config's {setting} is {num_layers}; "
             f"give the profile of the model the config trains"

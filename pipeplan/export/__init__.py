@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeplan.errors import BadInputError
-from pipeplan.export.common import TORCH_SCHEDULE_NAME, check_profile_matches
-from pipeplan.export.deepspeed import export_deepspeed
-from pipeplan.export.megatron import export_megatron
+from pipeplan.launchers.common import TORCH_SCHEDULE_NAME, check_profile_matches
+from pipeplan.launchers.deepspeed.writer import export_deepspeed
+from pipeplan.launchers.megatron.writer import export_megatron
 from pipeplan.export.torch_pipelining import export_torch
-from pipeplan.export.torchtitan import export_torchtitan, schedule_csv
+from pipeplan.launchers.torchtitan.writer import export_torchtitan, schedule_csv
 from pipeplan.formats.plan import Plan
 from pipeplan.formats.io import (check_output_target, file_sha256, load_plan, load_profile, refuse_overwriting_input,
                                  write_files_atomic)

@@ -8,9 +8,9 @@ See docs/launchers.md.
 
 from __future__ import annotations
 
-from pipeplan.export.common import (compact_json, TORCH_SCHEDULE_NAME, header_lines, pipeline_shape, precision_notes,
+from pipeplan.launchers.common import (compact_json, TORCH_SCHEDULE_NAME, header_lines, pipeline_shape, precision_notes,
                                     tied_weight_notes)
-from pipeplan.export.degrees import degree_line, degrees_of
+from pipeplan.launchers.degrees import degree_line, degrees_of
 from pipeplan.formats.plan import Plan
 from pipeplan.facts.schedules import TORCH_SCHEDULE_CLASS
 

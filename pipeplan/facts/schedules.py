@@ -38,9 +38,6 @@ __all__ = [
     "SEARCHED_VIRTUAL_STAGES_MAX",
     "stage_ranks",
     "num_rounds",
-    "LAUNCHER_SCHEDULES",
-    "megatron_interleaved_refusal",
-    "check_launcher",
 ]
 
 
@@ -309,65 +306,3 @@ def stage_ranks(schedule: str, num_ranks: int, virtual_stages: int) -> list[int]
             )
         return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
     return [s % p for s in range(p * v)]
-
-
-#: The schedules each launcher runs (Megatron-LM: 1F1B, interleaved when the layout has virtual
-#: stages; DeepSpeed: its 1F1B-like TrainSchedule, one stage per rank; torchtitan: torch's classes).
-LAUNCHER_SCHEDULES = {
-    "megatron": ("1f1b", "interleaved"),
-    "torchtitan": ("1f1b", "gpipe", "interleaved", "zb", "zbv", "dualpipev"),
-    "deepspeed": ("1f1b",),
-}
-
-
-def megatron_interleaved_refusal(num_ranks: int, num_microbatches: int, group_size: int | None = None) -> str | None:
-    """Why Megatron's interleaved schedule refuses ``num_microbatches``, or None if it runs.
-
-    megatron-core's ``forward_backward_pipelining_with_interleaving`` raises unless the group of
-    contiguous micro-batches per virtual stage ``N`` (``--microbatch-group-size-per-virtual-
-    pipeline-stage``, default ``p``) lies in ``[p, M]`` and ``M % N`` is 0 or at least ``p``.
-
-    Examples
-    --------
-    >>> megatron_interleaved_refusal(4, 8) is None
-    True
-    >>> megatron_interleaved_refusal(4, 6)[:30]
-    'The remainder of M (the total '
-    """
-    p, m = num_ranks, num_microbatches
-    n = p if group_size is None else group_size
-    if n > m or n < p:
-        return (f"The number of contiguous micro-batches in a virtual pipeline stage should range in "
-                f"[PP={p}, M={m}] (N = {n})")
-    remainder = m % n
-    if 0 < remainder < p:
-        return (f"The remainder of M (the total micro-batches, {m}) divided by N (contiguous micro-batches "
-                f"in a virtual pipeline stage, {n}) should be 0, or larger than or equal to the "
-                f"pipeline-parallel size ({p}), but it is {remainder}")
-    return None
-
-
-def check_launcher(launcher: str | None, schedule: str, num_ranks: int, num_microbatches: int,
-                   virtual_stages: int) -> None:
-    """Raise if ``launcher`` cannot run these numbers (beyond what torch's classes refuse).
-
-    Raises
-    ------
-    BadInputError
-        A schedule the launcher does not run, or Megatron's interleaved micro-batch rule.
-
-    Examples
-    --------
-    >>> check_launcher("megatron", "interleaved", 4, 8, 2)
-    >>> check_launcher(None, "interleaved", 4, 6, 2)
-    """
-    if launcher is None:
-        return
-    allowed = LAUNCHER_SCHEDULES[launcher]
-    if schedule not in allowed:
-        raise BadInputError(f"launcher {launcher}: runs {', '.join(allowed)}, not {schedule}")
-    if launcher == "megatron" and schedule == "interleaved":
-        why = megatron_interleaved_refusal(num_ranks, num_microbatches)
-        if why is not None:
-            raise BadInputError(f"launcher megatron: its interleaved schedule refuses {num_microbatches} "
-                                f"micro-batches on {num_ranks} ranks: {why}")

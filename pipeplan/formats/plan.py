@@ -205,7 +205,7 @@ class PlanSettings(_Strict):
                     "gradient reduce behind the backward, bucketed; param-gather: the updated weights' "
                     "all-gather behind the next forward, or ZeRO 3's prefetch; tp-comm: tensor-parallel "
                     "collectives chunked behind their GEMMs); [] none; null: the launcher's defaults "
-                    "(pipeplan.facts.launchers.launcher_overlaps).")
+                    "(pipeplan.launchers.registry.launcher_overlaps).")
     ddp_bucket_size: Optional[PositiveCount] = Field(
         default=None,
         description="--ddp-bucket-size: parameters per gradient bucket with grad-reduce (Megatron's "

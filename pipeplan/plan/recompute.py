@@ -25,6 +25,7 @@ from __future__ import annotations
 from pipeplan.errors import BadInputError
 from pipeplan.formats.plan import RecomputePart
 from pipeplan.formats.profile import RECOMPUTE_MODULES
+from pipeplan.launchers.registry import LAUNCHERS
 
 __all__ = ["full_mode", "block_layers", "check_full_method", "parse_recompute_modules", "check_recompute_modules", "with_selective_modules",
            "megatron_runs", "recomputed_layers", "recompute_order", "recompute_prefix", "uniform_recompute", "uniform_recompute_sets", "selective_module_parts", "with_module_parts"]
@@ -166,7 +167,7 @@ def uniform_recompute(launcher) -> bool:
     """Whether the launcher applies one recomputation to every pipeline stage (Megatron-LM: one
     ``recompute_granularity`` for the model; torchtitan: one ``[activation_checkpoint]`` for every
     block of every model part), so the planner may not mix them per stage."""
-    return launcher in ("megatron", "torchtitan")
+    return launcher is not None and LAUNCHERS[launcher].uniform_recompute
 
 
 def uniform_recompute_sets(num_stages: int, selective_known: bool, full: str = "full") -> list[tuple[str, ...]]:

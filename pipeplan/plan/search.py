@@ -58,9 +58,9 @@ from pipeplan.plan.memory import stage_in_flight
 from pipeplan.plan.problem import CAP_TOLERANCE, Partition, build_problem, stage_costs
 from pipeplan.plan.recompute import (block_layers, full_mode, megatron_runs, recompute_order, recompute_prefix,
                                      uniform_recompute, uniform_recompute_sets)
-from pipeplan.facts.schedules import (LAUNCHER_SCHEDULES, PLANNER_SCHEDULES, allows_virtual_stages, check_launcher,
-                                     check_schedule, schedule_info, searched_virtual_stages, stage_ranks,
-                                     virtual_stages_rule)
+from pipeplan.facts.schedules import (PLANNER_SCHEDULES, allows_virtual_stages, check_schedule, schedule_info,
+                                     searched_virtual_stages, stage_ranks, virtual_stages_rule)
+from pipeplan.launchers.registry import LAUNCHER_SCHEDULES, check_launcher
 from pipeplan.plan.simulate import simulate
 from pipeplan.plan.solve import search_partition, solve_partition
 from pipeplan.quantities import format_bytes

@@ -1,4 +1,4 @@
-"""Bash's arithmetic and ``$'...'`` text for the launch-script reader (:mod:`pipeplan.doctor.shell`).
+"""Bash's arithmetic and ``$'...'`` text for the launch-script reader (:mod:`pipeplan.launchers.megatron.shell`).
 
 Bash computes in 64-bit signed integers that wrap around, truncates division toward zero (C's
 rule, not Python's floor), gives a remainder the dividend's sign, and reads ``010`` as octal

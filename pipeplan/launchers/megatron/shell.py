@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 from pathlib import Path
 
-from pipeplan.doctor.shell_arith import ansi_c, ansi_c_end, based, eval_int, literal
+from pipeplan.launchers.megatron.shell_arith import ansi_c, ansi_c_end, based, eval_int, literal
 from pipeplan.errors import BadInputError
 from pipeplan.formats.reading import read_input_text
-from pipeplan.doctor.shell_lex import array_closed, closing_brace, outside_quotes, statements
+from pipeplan.launchers.megatron.shell_lex import array_closed, closing_brace, outside_quotes, statements
 
 __all__ = ["ShellScript", "read_script", "split_words"]
 

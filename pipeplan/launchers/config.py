@@ -1,10 +1,10 @@
 """What doctor reads from a launcher config, and the layout the launcher would build from it.
 
-Each launcher parser (``megatron.py``, ``torchtitan.py``, ``deepspeed.py``) turns the user's file
+Each launcher's reader (``pipeplan.launchers.<name>.reader``) turns the user's file
 into a :class:`LauncherConfig` (the settings, in pipeplan's words, each tied to the launcher
 setting it came from) and a :class:`Layout` (which of the launcher's units sit on which rank and
-virtual stage, after the launcher's own rounding). ``evaluate.py`` costs the layout with the
-planner's model; ``findings.py`` says what is wrong.
+virtual stage, after the launcher's own rounding). ``pipeplan.doctor.evaluate`` costs the layout
+with the planner's model; ``pipeplan.doctor.findings`` says what is wrong.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 __all__ = ["LauncherConfig", "LayoutStage", "Layout", "Problem", "LAUNCHERS"]
 
 from pipeplan.errors import BadInputError
-from pipeplan.facts.schedules import LAUNCHER_SCHEDULES
 from pipeplan.formats.limits import MAX_MICROBATCHES, MAX_PARALLEL_DEGREE
+from pipeplan.launchers.registry import LAUNCHER_SCHEDULES
 
 #: Launchers doctor reads, and the pipeplan schedules each can run.
 LAUNCHERS = LAUNCHER_SCHEDULES

@@ -21,9 +21,11 @@ import json
 import re
 
 from pipeplan.errors import BadInputError
-from pipeplan.export.common import TORCH_SCHEDULE_NAME, header_lines, pipeline_shape, tied_weight_notes
-from pipeplan.export.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
-from pipeplan.facts.launchers import launcher_overlaps, plan_overlaps
+from pipeplan.launchers.common import TORCH_SCHEDULE_NAME, header_lines, pipeline_shape, tied_weight_notes
+from pipeplan.launchers.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
+from pipeplan.launchers.registry import launcher_overlaps, plan_overlaps
+from pipeplan.launchers.common import TORCH_SCHEDULE_NAME, header_lines, pipeline_shape, tied_weight_notes
+from pipeplan.launchers.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
 from pipeplan.formats.plan import Plan
 from pipeplan.plan.actions import rank_actions
 from pipeplan.facts.schedules import SCHEDULES

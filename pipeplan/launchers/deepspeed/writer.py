@@ -18,9 +18,12 @@ split a layer over ``t`` GPUs itself (the layers must be tensor-parallel, e.g. M
 from __future__ import annotations
 
 from pipeplan.errors import BadInputError
-from pipeplan.export.common import compact_json, header_lines, pipeline_shape, precision_notes, tied_weight_notes
-from pipeplan.facts.launchers import LAUNCHERS, plan_overlaps
-from pipeplan.export.degrees import degree_line, degrees_of, recompute_of
+from pipeplan.launchers.common import compact_json, header_lines, pipeline_shape, precision_notes, tied_weight_notes
+from pipeplan.launchers.registry import LAUNCHERS, plan_overlaps
+from pipeplan.launchers.degrees import degree_line, degrees_of, recompute_of
+from pipeplan.launchers.common import compact_json, header_lines, pipeline_shape, precision_notes, tied_weight_notes
+from pipeplan.launchers.registry import LAUNCHERS
+from pipeplan.launchers.degrees import degree_line, degrees_of, recompute_of
 from pipeplan.formats.plan import Plan
 
 __all__ = ["export_deepspeed", "DEEPSPEED_PIPELINE_ZERO_RULE"]

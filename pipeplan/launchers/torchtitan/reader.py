@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 import re
 
-from pipeplan.doctor.config import LauncherConfig, Layout, LayoutStage, Problem
-from pipeplan.doctor.torchtitan_inputs import apply_overrides
+from pipeplan.launchers.config import LauncherConfig, Layout, LayoutStage, Problem
+from pipeplan.launchers.torchtitan.inputs import apply_overrides
 from pipeplan.errors import BadInputError
-from pipeplan.facts.launchers import launcher_overlaps
+from pipeplan.launchers.registry import launcher_overlaps
 from pipeplan.formats.reading import load_toml as load_limited_toml
 
 __all__ = ["torchtitan_precision",
@@ -179,7 +179,7 @@ def parse_torchtitan(path: str, text: str | None, *, num_layers: int | None = No
         GPUs in the job (torchrun's ``NGPU``): fills in ``data_parallel_shard_degree = -1``
         ("the rest"), as torchtitan's ``ParallelDims`` does.
     data : dict, optional
-        The job config already read (a Python registry's, :mod:`pipeplan.doctor.torchtitan_inputs`)
+        The job config already read (a Python registry's, :mod:`pipeplan.launchers.torchtitan.inputs`)
         instead of ``text``.
     overrides : sequence of str
         Command-line overrides ``section.key=value``, applied after the job config.
@@ -285,7 +285,7 @@ def _selective_ac_option(path: str, data: dict) -> str:
 
 def _overlap(path: str, data: dict, zero_stage: int):
     """What the job overlaps: torchtitan's own (FSDP2's reduce-scatter stream and prefetch, DDP's
-    buckets: :func:`pipeplan.facts.launchers.launcher_overlaps`) and, with
+    buckets: :func:`pipeplan.launchers.registry.launcher_overlaps`) and, with
     ``parallelism.enable_async_tensor_parallel``, the tensor-parallel collectives; None: the defaults."""
     if not _get(path, data, "parallelism", "enable_async_tensor_parallel", False):
         return None
@@ -293,7 +293,7 @@ def _overlap(path: str, data: dict, zero_stage: int):
 
 
 def _zero_stage(path: str, data: dict, shard: int, p: int) -> int:
-    """The ZeRO stage whose memory torchtitan's FSDP keeps (pipeplan.facts.launchers): "always"
+    """The ZeRO stage whose memory torchtitan's FSDP keeps (pipeplan.launchers.registry): "always"
     reshards the weights after forward (ZeRO 3); "never" keeps them whole, and the gradients whole
     until the step under a pipeline (ZeRO 1) or reduce-scattered per micro-batch (ZeRO 2);
     "default" is "always" without a pipeline and "never" with one (parallelize.py)."""

@@ -1,6 +1,6 @@
 """Where bash's words and statements end, in one logical line of a launch script: quotes,
 brackets, ``${...}`` nesting, comments, the ``; && || |`` separators. Read only, never run
-(:mod:`pipeplan.doctor.shell` reads the script with these)."""
+(:mod:`pipeplan.launchers.megatron.shell` reads the script with these)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,15 @@
-"""What each launcher runs: one record per launcher, which the planner's search, the exports and
-doctor all read, so that a plan for a launcher is a plan that launcher runs.
+"""What each launcher runs: one record per launcher (in its home, ``pipeplan.launchers.<name>.record``),
+which the planner's search, the exports and doctor all read, so that a plan for a launcher is a
+plan that launcher runs.
 
-Each :class:`LauncherFacts` says, with its source:
+Each :class:`~pipeplan.launchers.record.LauncherFacts` says, with its source:
 
-- the pipeline schedules it runs (``schedules``; torch's classes for torchtitan);
+- the pipeline schedules it runs (``schedules``; torch's classes for torchtitan) and what it
+  refuses at run time (``refusal``: Megatron's interleaved micro-batch rule, torch's classes');
 - the ZeRO stages it runs as planned, by pipeline depth (:meth:`LauncherFacts.zero_stages`);
 - the optimizer state it keeps by default (``optimizer``: the bytes per parameter of
-  :mod:`pipeplan.facts.training_state`);
-- what its batch settings mean (``batch``).
+  :mod:`pipeplan.facts.training_state`) and whether one recomputation covers every stage;
+- what its batch settings mean (``batch``), and its own names for the settings doctor names.
 
 Examples
 --------
@@ -17,80 +19,26 @@ Examples
 ((0, 2, 3), (0, 1, 3))
 >>> launcher_optimizer("megatron"), launcher_optimizer(None)
 ('adam-fp32-grads', 'adam')
+>>> check_launcher("megatron", "interleaved", 4, 8, 2)
+>>> check_launcher(None, "interleaved", 4, 6, 2)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
-from pipeplan.facts.schedules import LAUNCHER_SCHEDULES
+from pipeplan.errors import BadInputError
+from pipeplan.launchers.deepspeed.record import DEEPSPEED
+from pipeplan.launchers.megatron.record import MEGATRON
+from pipeplan.launchers.record import DEFAULT_OPTIMIZER, LauncherFacts
+from pipeplan.launchers.torchtitan.record import TORCHTITAN
 
-__all__ = ["LauncherFacts", "LAUNCHERS", "launcher_zero_stages", "launcher_optimizer", "DEFAULT_OPTIMIZER",
-           "launcher_overlaps", "plan_overlaps", "gradient_bucket_params", "MEGATRON_MIN_BUCKET_PARAMS"]
+__all__ = ["LauncherFacts", "LAUNCHERS", "LAUNCHER_SCHEDULES", "launcher_zero_stages", "launcher_optimizer", "check_launcher", "launcher_refusal", "DEFAULT_OPTIMIZER", "launcher_overlaps", "plan_overlaps", "gradient_bucket_params", "MEGATRON_MIN_BUCKET_PARAMS"]
 
-#: The optimizer state a plan keeps without a launcher (16-bit weights and gradients, fp32 Adam).
-DEFAULT_OPTIMIZER = "adam"
+LAUNCHERS = {record.name: record for record in (MEGATRON, TORCHTITAN, DEEPSPEED)}
 
-
-@dataclass(frozen=True)
-class LauncherFacts:
-    """One launcher's rules, each from its own code."""
-
-    name: str
-    schedules: tuple[str, ...]
-    """pipeplan's names of the schedules it runs."""
-    zero_with_pipeline: tuple[int, ...]
-    """ZeRO stages it runs as planned with more than one pipeline rank (and d > 1)."""
-    zero_without_pipeline: tuple[int, ...]
-    """ZeRO stages it runs as planned with one pipeline rank (and d > 1)."""
-    optimizer: str
-    """The optimizer state it keeps by default (a :mod:`pipeplan.facts.training_state` name)."""
-    batch: str
-    """What its batch settings mean, as its docs and code say."""
-    source: str
-
-    def zero_stages(self, data: int, pipeline: int) -> tuple[int, ...]:
-        """The ZeRO stages to plan at ``d = data`` replicas of ``pipeline`` ranks (0 only at d = 1)."""
-        if data == 1:
-            return (0,)
-        return self.zero_with_pipeline if pipeline > 1 else self.zero_without_pipeline
-
-
-LAUNCHERS = {
-    "megatron": LauncherFacts(
-        name="megatron", schedules=LAUNCHER_SCHEDULES["megatron"],
-        # The distributed optimizer shards the optimizer state and reduce-scatters the gradients
-        # but keeps the whole gradient buffer (ZeRO 1 memory); no ZeRO 3 outside Megatron FSDP.
-        zero_with_pipeline=(1,), zero_without_pipeline=(1,),
-        # 16-bit training keeps fp32 main gradients (--accumulate-allreduce-grads-in-fp32 is set
-        # for bf16: megatron/training/arguments.py).
-        optimizer="adam-fp32-grads",
-        batch="--global-batch-size = --micro-batch-size x micro-batches x d; no pipeline at "
-              "--pipeline-model-parallel-size 1 (the micro-batches are gradient accumulation)",
-        source="megatron-core 0.16 (distributed optimizer docs; parallel_state; training/arguments.py)"),
-    "torchtitan": LauncherFacts(
-        name="torchtitan", schedules=LAUNCHER_SCHEDULES["torchtitan"],
-        # FSDP2 (data_parallel_shard_degree) with fsdp_reshard_after_forward: "always" keeps ZeRO 3's
-        # memory; "never" keeps the weights whole, and the gradients whole until the step under a
-        # pipeline (torch's stage defers FSDP's reduce-scatter: ZeRO 1's memory) or reduce-scattered
-        # per micro-batch without one (ZeRO 2's); ZeRO 0 is DDP or FSDP "never" (pipeplan.export.
-        # torchtitan). No optimizer-only sharding without a pipeline, no ZeRO 2 memory with one.
-        zero_with_pipeline=(0, 1, 3), zero_without_pipeline=(0, 2, 3),
-        optimizer=DEFAULT_OPTIMIZER,
-        batch="training.local_batch_size per data-parallel rank and step; with a pipeline, "
-              "split into local_batch_size / pipeline_parallel_microbatch_size micro-batches; "
-              "training.global_batch_size / (local_batch_size x dp) gradient-accumulation steps",
-        source="torchtitan 0.2.2 (config/job_config.py, train.py, distributed/pipeline_parallel.py)"),
-    "deepspeed": LauncherFacts(
-        name="deepspeed", schedules=LAUNCHER_SCHEDULES["deepspeed"],
-        # PipelineEngine asserts zero_optimization.stage < 2 under pipeline parallelism.
-        zero_with_pipeline=(1,), zero_without_pipeline=(1, 2, 3),
-        optimizer=DEFAULT_OPTIMIZER,
-        batch="train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp; "
-              "the pipeline runs gradient_accumulation_steps micro-batches per step",
-        source="DeepSpeed 0.19 (runtime/pipe/engine.py, runtime/config.py)"),
-}
+#: The schedules each launcher runs (its record's ``schedules``).
+LAUNCHER_SCHEDULES = {name: record.schedules for name, record in LAUNCHERS.items()}
 
 
 def launcher_zero_stages(launcher: Optional[str], data: int, pipeline: int) -> tuple[int, ...]:
@@ -103,6 +51,33 @@ def launcher_zero_stages(launcher: Optional[str], data: int, pipeline: int) -> t
 def launcher_optimizer(launcher: Optional[str]) -> str:
     """The optimizer state a plan keeps by default for ``launcher`` (``--optimizer auto``)."""
     return DEFAULT_OPTIMIZER if launcher is None else LAUNCHERS[launcher].optimizer
+
+
+def launcher_refusal(launcher: str, schedule: str, p: int, m: int, v: int,
+                     group_size: int | None = None) -> str | None:
+    """Why ``launcher`` refuses ``schedule`` with ``m`` micro-batches on ``p`` ranks x ``v``, or None."""
+    return LAUNCHERS[launcher].refusal(schedule, p, m, v, group_size)
+
+
+def check_launcher(launcher: str | None, schedule: str, num_ranks: int, num_microbatches: int,
+                   virtual_stages: int) -> None:
+    """Raise if ``launcher`` cannot run these numbers (beyond what torch's classes refuse).
+
+    Raises
+    ------
+    BadInputError
+        A schedule the launcher does not run, or one it refuses at these numbers (Megatron's
+        interleaved micro-batch rule).
+    """
+    if launcher is None:
+        return
+    allowed = LAUNCHERS[launcher].schedules
+    if schedule not in allowed:
+        raise BadInputError(f"launcher {launcher}: runs {', '.join(allowed)}, not {schedule}")
+    why = launcher_refusal(launcher, schedule, num_ranks, num_microbatches, virtual_stages)
+    if why is not None:
+        raise BadInputError(f"launcher {launcher}: its {schedule} schedule refuses {num_microbatches} "
+                            f"micro-batches on {num_ranks} ranks: {why}")
 
 
 #: Megatron-core's default gradient bucket, ``max(40000000, 1000000 x dp_size)`` parameters

@@ -4,7 +4,7 @@ torchtitan's main branch defines jobs as Python functions that return a job conf
 ``module:function`` entries) instead of TOML files, and every torchtitan job takes command-line
 overrides of single settings (``--parallelism.tensor_parallel_degree=8``, after
 ``--job.config_file``). doctor reads both into the same nested ``{section: {key: value}}`` that a
-TOML job config gives, so :func:`pipeplan.doctor.torchtitan.parse_torchtitan` reads them all alike.
+TOML job config gives, so :func:`pipeplan.launchers.torchtitan.reader.parse_torchtitan` reads them all alike.
 
 The registry function is imported and called as torchtitan itself does: it is the user's own code,
 run in this process, from the current directory.

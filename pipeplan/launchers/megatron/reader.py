@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import re
 
-from pipeplan.doctor.config import LauncherConfig, Layout, LayoutStage, Problem
-from pipeplan.doctor.shell import read_script
+from pipeplan.launchers.config import LauncherConfig, Layout, LayoutStage, Problem
+from pipeplan.launchers.megatron.shell import read_script
 from pipeplan.errors import BadInputError
 from pipeplan.plan.recompute import check_recompute_modules
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from pipeplan.doctor.config import LauncherConfig, Layout, LayoutStage, Problem
+from pipeplan.launchers.config import LauncherConfig, Layout, LayoutStage, Problem
 from pipeplan.errors import BadInputError
 from pipeplan.formats.reading import check_integer_digits, parse_json_text
 

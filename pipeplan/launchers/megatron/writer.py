@@ -25,12 +25,14 @@ import re
 import shlex
 
 from pipeplan.errors import BadInputError
-from pipeplan.export.common import check_profile_matches, header_lines, pipeline_shape, tied_weight_notes
-from pipeplan.export.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
-from pipeplan.facts.launchers import plan_overlaps
+from pipeplan.launchers.common import check_profile_matches, header_lines, pipeline_shape, tied_weight_notes
+from pipeplan.launchers.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
+from pipeplan.launchers.registry import plan_overlaps
+from pipeplan.launchers.common import check_profile_matches, header_lines, pipeline_shape, tied_weight_notes
+from pipeplan.launchers.degrees import check_fits, degree_line, degrees_of, recompute_of, unsharded_extra_bytes
 from pipeplan.facts.precision import get_precision
 from pipeplan.formats.plan import Plan
-from pipeplan.facts.schedules import megatron_interleaved_refusal as interleaved_refusal
+from pipeplan.launchers.megatron.record import interleaved_refusal
 
 __all__ = ["export_megatron", "precision_flags", "megatron_layout", "expand_layout", "interleaved_refusal"]
 

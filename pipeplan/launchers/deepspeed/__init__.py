@@ -1,0 +1,1 @@
+"""deepspeed's home: its record, reader and writer (see :mod:`pipeplan.launchers`); imports nothing."""

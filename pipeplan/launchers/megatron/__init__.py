@@ -1,0 +1,1 @@
+"""megatron's home: its record, reader and writer (see :mod:`pipeplan.launchers`); imports nothing."""

@@ -1,0 +1,1 @@
+"""torchtitan's home: its record, reader and writer (see :mod:`pipeplan.launchers`); imports nothing."""

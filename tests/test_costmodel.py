@@ -273,7 +273,7 @@ def test_every_path_costs_every_stage_alike(case, data):
     solvers = {"ideals": partition_ideals, "ilp": partition_ilp}
     if problem.graph.chain:
         solvers["chain-direct"] = lambda p: partition_chain(p, method="direct")
-        if not capped.any_recompute:
+        if not capped.any_recompute and not capped.tied_copies_bind:
             solvers["chain-bisect"] = lambda p: partition_chain(p, method="bisect")
         assert close(chain_bottleneck_ms(capped), optimum)
         assert fits_along_order(capped)

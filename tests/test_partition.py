@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import networkx as nx
@@ -290,6 +291,27 @@ def test_baselines_are_valid_and_never_beat_the_optimum(name):
     split = baseline_partition(problem, name)
     assert_valid_split(problem, split)
     assert split.bottleneck_ms >= optimum.bottleneck_ms - 1e-9
+
+
+def test_a_tied_copy_under_a_cap_is_costed_not_windowed_away():
+    # Found by hypothesis (test_costmodel's every-path test): a weight tied between l0, l1 and l2,
+    # under a cap that only a stage without a copy of it meets. A stage starting after l0 but
+    # holding l1 or l2 keeps a copy, so memory is not a difference of prefix sums and the
+    # bisection's window test took the split after l1 (2.25 ms, over the cap) as feasible.
+    graph = make_graph([0.75, 1.5, 0.75, 0.75, 0.75], [(i, i + 1) for i in range(4)],
+                       params=[0] * 5, acts=[0] * 5, out=[0] * 5)
+    graph = dataclasses.replace(graph, tied_weights=((0, (1, 2), 1.0),))
+    free = PartitionProblem(graph=graph, num_stages=2, in_flight=(1, 1), cost=CostModel(static_bytes_per_param_byte=4.0))
+    assert stage_memory_bytes(free, 1, [2, 3, 4], 0.0) == 4.0 and stage_memory_bytes(free, 0, [0, 1, 2], 0.0) == 0.0
+    capped = free.replace(memory_cap_bytes=0.0)
+    assert capped.tied_copies_bind and not free.tied_copies_bind
+    with pytest.raises(ValueError, match="tied weights' copies"):
+        partition_chain(capped, method="bisect")
+    found = partition_chain(capped)
+    assert found.stages == ((0, 1, 2), (3, 4)) and found.bottleneck_ms == pytest.approx(3.0)
+    assert found.bottleneck_ms == pytest.approx(partition_brute_force(capped).bottleneck_ms)
+    assert_valid_split(capped, found)
+    assert partition_chain(free, method="bisect").bottleneck_ms == pytest.approx(2.25)  # no cap: the copy is free
 
 
 def test_direct_and_bisection_agree_on_a_long_chain():

@@ -294,13 +294,20 @@ def _feasibility(problem: PartitionProblem, chain: _Chain):
     the time is ``load[r] + cut[r] x ms_per_byte + (cut[l] x ms_per_byte - load[l])``); a
     recomputing stage keeps its input, which breaks the window, so it is refused.
 
+    A tied weight's copy breaks it too: a stage holding a later user of a tied weight but not its
+    first keeps a copy, so its memory jumps up as the start passes the first user; under a finite
+    cap such a problem is refused (the direct DP costs the copies exactly).
+
     Raises
     ------
     ValueError
-        If a stage recomputes.
+        If a stage recomputes, or a tied weight's copy may count against a finite cap.
     """
     if problem.any_recompute:
         raise ValueError("the bisection solver does not model recomputation; use the direct DP")
+    if problem.tied_copies_bind:
+        raise ValueError("the bisection solver does not model tied weights' copies under a memory cap; "
+                         "use the direct DP")
     n, k = problem.graph.num_layers, problem.num_stages
     cost = problem.cost
     spb = cost.ms_per_byte
@@ -377,7 +384,7 @@ def fits_along_order(problem: PartitionProblem) -> bool:
     For a chain this is exact; for a DAG, True proves a split exists. Without recomputation
     it runs the O(k n log n) feasibility test, with it the bottleneck-only DP.
     """
-    if problem.any_recompute:
+    if problem.any_recompute or problem.tied_copies_bind:
         return math.isfinite(chain_bottleneck_ms(problem))
     return _feasibility(problem, _chain_of(problem))(math.inf) is not None
 
@@ -393,8 +400,8 @@ def partition_chain(problem: PartitionProblem, method: str = "auto") -> Partitio
     method : {"auto", "direct", "bisect"}
         ``direct``: min-max DP with tie-break toward balance, O(k n^2).
         ``bisect``: bisection with a greedy-window feasibility test, O(k n log n log(1/eps)); no
-        recompute, no tie-break. ``auto`` picks direct when ``k n^2`` is small or a stage
-        recomputes.
+        recompute, no tied weights' copies under a cap, no tie-break. ``auto`` picks direct
+        when ``k n^2`` is small, a stage recomputes or a tied copy may count against the cap.
 
     Returns
     -------
@@ -406,7 +413,7 @@ def partition_chain(problem: PartitionProblem, method: str = "auto") -> Partitio
     InfeasibleError
         If no split fits the memory cap.
     ValueError
-        ``bisect`` with a recomputing stage, or an unknown method.
+        ``bisect`` with a recomputing stage or tied copies under a cap, or an unknown method.
 
     Examples
     --------
@@ -430,7 +437,8 @@ def partition_chain(problem: PartitionProblem, method: str = "auto") -> Partitio
     n, k = problem.graph.num_layers, problem.num_stages
     chain = _chain_of(problem)
     if method == "auto":
-        method = "direct" if (n * n * k <= DIRECT_DP_MAX_WORK or problem.any_recompute) else "bisect"
+        exact_window = not (problem.any_recompute or problem.tied_copies_bind)
+        method = "direct" if (n * n * k <= DIRECT_DP_MAX_WORK or not exact_window) else "bisect"
     if method == "direct":
         split = _direct(problem, chain)
     elif method == "bisect":

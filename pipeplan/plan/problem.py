@@ -78,6 +78,13 @@ class PartitionProblem:
         return any(mode != "none" for mode in self.recompute)
 
     @property
+    def tied_copies_bind(self) -> bool:
+        """Whether a stage's memory may hold a tied weight's copy under a finite cap: a stage with
+        a later user of a tied weight but not its first keeps one, so its memory is not a
+        difference of prefix sums (what the bisection's window test needs)."""
+        return math.isfinite(self.memory_cap_bytes) and any(others for _, others, _ in self.graph.tied_weights)
+
+    @property
     def cap_with_tolerance(self) -> float:
         """The cap the solvers test against."""
         return self.memory_cap_bytes * (1 + CAP_TOLERANCE)

@@ -45,7 +45,7 @@ from pipeplan.facts.training_state import optimizer_step_ms, precision_of, state
 from pipeplan.formats.plan import Plan, PlanSettings
 from pipeplan.plan import make_plan, plan_simulation, with_profile_defaults
 from pipeplan.plan.bound import Incumbent, PrunedError
-from pipeplan.plan.given import plan_split
+from pipeplan.plan.given import fixed_split_stages, plan_split
 from pipeplan.plan.memo import planning_cache
 from pipeplan.plan.offload import offload_view
 from pipeplan.plan.recompute import recomputed_layers
@@ -215,7 +215,7 @@ def _start(profile, settings: PlanSettings, profile_sha256: str, record_time: bo
     if cluster is None:
         raise BadInputError("--gpus: give the cluster (--cluster NAME or FILE; pipeplan cluster lists them)")
     if settings.layers_per_stage is not None:
-        settings = _fixed_split_stages(settings)
+        settings = fixed_split_stages(settings)
     units = len(profile.layers)
     check_expert_request(profile, settings)
     # With --virtual-stages v a pipeline rank needs v units: at most units // v ranks.
@@ -372,6 +372,11 @@ def _branch_and_bound(search: _Search):
     return best, unbounded
 
 
+def _better(trial, best) -> bool:
+    """Faster to the plan file's 1e-6 ms, or as fast and earlier (a bound equal to a time may differ in its last bit)."""
+    return best is None or (round(trial.parts.iteration_ms, 6), trial.order) < (round(best.parts.iteration_ms, 6), best.order)
+
+
 def _search_heap(search: _Search, best, unbounded: dict, done, trials: Optional[list] = None):
     """Branch and bound over the trials left (of ``trials``, else all), in the order of their lower bounds."""
     profile, settings, cluster, views = search.profile, search.settings, search.cluster, search.views
@@ -382,7 +387,7 @@ def _search_heap(search: _Search, best, unbounded: dict, done, trials: Optional[
     while heap:
         bound, _, refined, trial = heapq.heappop(heap)
         best_ms = None if best is None else best.parts.iteration_ms
-        if best is not None and bound > best_ms:
+        if best is not None and round(bound, 6) > round(best_ms, 6):  # a tie to the plan's 1e-6 ms is kept
             _prune(trial, bound, best_ms)
             done(best)
             continue
@@ -396,8 +401,7 @@ def _search_heap(search: _Search, best, unbounded: dict, done, trials: Optional[
             heapq.heappush(heap, (trial.lower_bound_ms, trial.order, True, trial))
             continue
         search.run(trial, best_ms)
-        if trial.status == "planned" and (best is None or (trial.parts.iteration_ms, trial.order)
-                                          < (best.parts.iteration_ms, best.order)):
+        if trial.status == "planned" and _better(trial, best):
             best = trial
         done(best)
     return best
@@ -412,25 +416,9 @@ def _exact_best(search: _Search, trials: list, unbounded: dict):
     for trial in trials:
         if trial.status == "pruned":
             trial.status = "new"  # its bound (lower_bound_ms) stays: it is still one
-        elif trial.status == "planned" and (best is None or (trial.parts.iteration_ms, trial.order)
-                                            < (best.parts.iteration_ms, best.order)):
+        elif trial.status == "planned" and _better(trial, best):
             best = trial
     return _search_heap(search, best, unbounded, lambda best: None, trials)
-
-
-def _fixed_split_stages(settings: PlanSettings) -> PlanSettings:
-    """With ``--layers-per-stage`` the pipeline degree is the split's: counts / stages per rank."""
-    if settings.schedule == "auto":
-        raise BadInputError("--layers-per-stage: a given split needs a named --schedule, not auto")
-    v = settings.virtual_stages or valid_virtual_stages(settings.schedule)[0]
-    counts = len(settings.layers_per_stage)
-    if counts % v:
-        raise BadInputError(f"--layers-per-stage: {counts} counts are not a whole number of pipeline ranks "
-                            f"at {v} stages per rank")
-    if settings.stages is not None and settings.stages * v != counts:
-        raise BadInputError(f"--layers-per-stage: {counts} counts for --stages {settings.stages} x {v} stages "
-                            f"per rank; give {settings.stages * v}")
-    return settings.model_copy(update={"stages": counts // v, "virtual_stages": v})
 
 
 def _pipeline_plan(view: DegreeView, sub: PlanSettings, settings: PlanSettings, profile_sha256: str,

@@ -16,7 +16,7 @@ from pipeplan.plan.graph import build_layer_graph
 from pipeplan.plan.recompute import block_layers
 from pipeplan.plan.search import with_profile_defaults
 
-__all__ = ["plan_split", "megatron_layers_per_stage"]
+__all__ = ["plan_split", "megatron_layers_per_stage", "fixed_split_stages"]
 
 
 def plan_split(profile, settings: PlanSettings, layers_per_stage: list[int], *,
@@ -147,3 +147,18 @@ def megatron_layers_per_stage(profile, stages: int) -> list[int]:
     counts[0] += first_block
     counts[-1] += len(kinds) - first_block - blocks
     return counts
+
+
+def fixed_split_stages(settings: PlanSettings) -> PlanSettings:
+    """With ``--layers-per-stage`` the pipeline degree is the split's: counts / stages per rank."""
+    if settings.schedule == "auto":
+        raise BadInputError("--layers-per-stage: a given split needs a named --schedule, not auto")
+    v = settings.virtual_stages or valid_virtual_stages(settings.schedule)[0]
+    counts = len(settings.layers_per_stage)
+    if counts % v:
+        raise BadInputError(f"--layers-per-stage: {counts} counts are not a whole number of pipeline ranks "
+                            f"at {v} stages per rank")
+    if settings.stages is not None and settings.stages * v != counts:
+        raise BadInputError(f"--layers-per-stage: {counts} counts for --stages {settings.stages} x {v} stages "
+                            f"per rank; give {settings.stages * v}")
+    return settings.model_copy(update={"stages": counts // v, "virtual_stages": v})

@@ -3,7 +3,9 @@
 Each document's commands run in order, in its own scratch copy of the repository's ``profiles/``,
 ``docs/`` and ``benchmarks/`` (so a command may use what an earlier one of the same document
 wrote, never what another document wrote), with ``pipeplan`` on PATH as this checkout; two
-documents run at a time. Nothing lies beside that copy (no ``../shared``), so every
+documents run at a time. Each ``pipeplan`` command is a process of its own, forked from one
+that imported the CLI once (tests/fork_cli.py: the import is about 1.1 s of CPU, most of a
+planning command's); the ``..._subprocess`` tests start ``python -m pipeplan`` itself. Nothing lies beside that copy (no ``../shared``), so every
 command runs as it would from a fresh clone; the data the docs use ship in ``profiles/``
 (PipeDream's graphs in ``profiles/pipedream/``). Which commands count:
 
@@ -18,17 +20,20 @@ command fails the test, so the list cannot outlive the docs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+import fork_cli
 from conftest import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -189,8 +194,13 @@ def _prepare_script(body: str) -> str | None:
     return "\n".join(kept) + "\n"
 
 
-def _make_workspace(root: Path) -> tuple[Path, dict]:
-    """A scratch copy of the repository's data under ``root``, and the environment to run in it."""
+def _make_workspace(root: Path, cli_socket: str | None = None) -> tuple[Path, dict]:
+    """A scratch copy of the repository's data under ``root``, and the environment to run in it.
+
+    With ``cli_socket``, ``pipeplan`` asks the server there (tests/fork_cli.py) to fork the
+    command from its imported CLI; without, or when no server answers, it is ``python -m
+    pipeplan.cli``.
+    """
     work = root / "repo"
     work.mkdir()
     for name in ("profiles", "docs", "benchmarks"):
@@ -200,7 +210,10 @@ def _make_workspace(root: Path) -> tuple[Path, dict]:
     bin_dir.mkdir()
     python_path = f"{REPO}"
     wrapper = f'#!/bin/sh\nPYTHONPATH="{python_path}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" '
-    (bin_dir / "pipeplan").write_text(wrapper + '-m pipeplan.cli "$@"\n')
+    if cli_socket:
+        (bin_dir / "pipeplan").write_text(fork_cli.client_script(sys.executable, cli_socket, python_path))
+    else:
+        (bin_dir / "pipeplan").write_text(wrapper + '-m pipeplan.cli "$@"\n')
     (bin_dir / "python").write_text(wrapper + '"$@"\n')
     for tool in ("pipeplan", "python"):
         (bin_dir / tool).chmod(0o755)
@@ -236,7 +249,7 @@ SETUP = {
 }
 
 
-def _run_doc(doc: Path, root: Path) -> tuple[str, str]:
+def _run_doc(doc: Path, root: Path, cli_socket: str | None = None) -> tuple[str, str]:
     """Run every command of ``doc`` in order in a fresh workspace under ``root``.
 
     Returns ("ok", ""), ("skip", why) or ("fail", what failed); the document's seconds go into
@@ -244,7 +257,7 @@ def _run_doc(doc: Path, root: Path) -> tuple[str, str]:
     """
     start = time.perf_counter()
     try:
-        return _run_doc_commands(doc, root)
+        return _run_doc_commands(doc, root, cli_socket)
     finally:
         DOC_SECONDS[doc.name] = time.perf_counter() - start
 
@@ -253,8 +266,8 @@ def _run_doc(doc: Path, root: Path) -> tuple[str, str]:
 DOC_SECONDS: dict[str, float] = {}
 
 
-def _run_doc_commands(doc: Path, root: Path) -> tuple[str, str]:
-    work, env = _make_workspace(root)
+def _run_doc_commands(doc: Path, root: Path, cli_socket: str | None) -> tuple[str, str]:
+    work, env = _make_workspace(root, cli_socket)
     commands = doc_commands(doc)
     if not commands:
         return "skip", f"{doc.name} has no shell commands"
@@ -306,9 +319,30 @@ def doc_results(request, tmp_path_factory):
     roots = {doc: root / doc.stem for doc in order}
     for path in roots.values():
         path.mkdir()
-    with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
-        futures = {doc: pool.submit(_run_doc, doc, roots[doc]) for doc in order}
+    with _cli_server() as cli_socket, ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
+        futures = {doc: pool.submit(_run_doc, doc, roots[doc], cli_socket) for doc in order}
         return {doc.name: future.result() for doc, future in futures.items()}
+
+
+@contextlib.contextmanager
+def _cli_server():
+    """The socket of a server that forks each ``pipeplan`` command from one import of the CLI
+    (tests/fork_cli.py: about 1.1 s of CPU saved per command, some 80 commands)."""
+    folder = tempfile.mkdtemp(prefix="pipeplan-cli-")  # short: a Unix socket's path has 107 bytes
+    path = os.path.join(folder, "cli.sock")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    server = subprocess.Popen([sys.executable, fork_cli.__file__, path], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready", "the CLI server did not start"
+        yield path
+    finally:
+        server.terminate()  # it waits for its children (their CPU time counts in this process's)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.slow

@@ -131,14 +131,52 @@ def test_view_divides_the_experts_and_adds_the_all_to_alls(moe_profile):
         assert cost.expert_dispatch_bytes == 1024 * 2 * 512 * 2
         a2a = (DGX.intra_node.call_latency_us + DGX.intra_node.latency_us) / 1e3 \
             + 3 / 4 * cost.expert_dispatch_bytes / DGX.intra_node.achieved_bytes_per_s * 1e3
-        assert got.forward_ms == pytest.approx(cost.forward_ms + 2 * a2a)
-        assert got.backward_ms == pytest.approx(cost.backward_ms + 2 * a2a)
-        assert got.backward_input_ms == pytest.approx(cost.backward_input_ms + 2 * a2a)
+        # And the host's launches of the second local expert's routed GEMMs (8 experts / E = 4).
+        more_f, more_b = (_host_wait_by_hand(cost, 2)[i] - (w or 0.0)
+                          for i, w in enumerate((cost.host_wait_forward_ms, cost.host_wait_backward_ms)))
+        assert got.forward_ms == pytest.approx(cost.forward_ms + 2 * a2a + more_f)
+        assert got.backward_ms == pytest.approx(cost.backward_ms + 2 * a2a + more_b)
+        share = cost.backward_input_ms / cost.backward_ms
+        assert got.backward_input_ms == pytest.approx(cost.backward_input_ms + 2 * a2a + share * more_b)
         parts = view.expert_ms[(layer.name, 1)]
         assert parts["dispatch"] == parts["combine"] == pytest.approx((a2a, a2a))
         assert parts["experts"] == (cost.expert_forward_ms, cost.expert_backward_ms)
-        # E = 1 leaves the unit as the plain view has it.
-        assert was.forward_ms == cost.forward_ms
+        # E = 1: no all-to-all, but all 8 experts' GEMMs are this rank's launches.
+        assert was.forward_ms == pytest.approx(cost.forward_ms + _host_wait_by_hand(cost, 8)[0]
+                                               - (cost.host_wait_forward_ms or 0.0))
+
+
+def _host_wait_by_hand(cost, local_experts):
+    """docs/analytic.md, "Host overhead": each local expert beyond the first launches the unit's
+    routed GEMMs again from C++ (4.9 us each); the GPU's time is the pass less the profile's wait."""
+    waits = []
+    for pass_ms, wait, host, per in ((cost.forward_ms, cost.host_wait_forward_ms, cost.host_forward_ms,
+                                      cost.expert_host_forward_ms),
+                                     (cost.backward_ms, cost.host_wait_backward_ms, cost.host_backward_ms,
+                                      cost.expert_host_backward_ms)):
+        wait = wait or 0.0
+        waits.append(max(wait, host + (local_experts - 1) * per - (pass_ms - wait)))
+    return waits
+
+
+def test_routed_gemm_launches_per_local_expert_by_hand(moe_profile):
+    """A Mixtral block's routed GEMMs (gate, up, down: 3 forward, 6 backward) cost the host 4.9 us
+    per launch and local expert beyond the first; the view's wait is the plan's named host part."""
+    profile, _ = moe_profile
+    layer = next(layer for layer in profile.layers if layer.expert_param_bytes)
+    cost = layer.cost_at(1)
+    assert (cost.expert_host_forward_ms, cost.expert_host_backward_ms) == (pytest.approx(3 * 4.9e-3),
+                                                                          pytest.approx(6 * 4.9e-3))
+    # The profile's own pass is max(gpu, host): the host's time is at most the pass.
+    assert cost.host_forward_ms <= cost.forward_ms + 1e-6
+    for e, local in ((1, 8), (2, 4), (8, 1)):
+        view = degree_view(profile, 1, DGX, experts=ExpertGroup(expert=e, ranks_per_node=e))
+        waits = view.host_wait_ms.get((layer.name, 1), (cost.host_wait_forward_ms or 0.0,
+                                                        cost.host_wait_backward_ms or 0.0))
+        assert waits == pytest.approx(tuple(_host_wait_by_hand(cost, local)))
+    # One local expert (E = 8 of 8 experts) adds nothing to the profile's wait.
+    assert _host_wait_by_hand(cost, 1) == pytest.approx([cost.host_wait_forward_ms or 0.0,
+                                                         cost.host_wait_backward_ms or 0.0])
 
 
 def test_view_imbalance_scales_the_busiest_ranks_experts(moe_profile):
@@ -443,7 +481,8 @@ def test_doctor_reads_the_expert_parallel_size_of_nvidias_mixtral_script(mixtral
 @given(e=st.sampled_from([1, 2, 4, 8]), f=st.floats(1.0, 3.0), size=st.sampled_from([1, 2]))
 def test_view_property_experts_add_up_and_time_only_grows(moe_profile, e, f, size):
     """At any E and imbalance: the GPUs of a group hold every expert once (up to rounding), the
-    dense bytes are untouched, and no unit gets faster than the plain view."""
+    dense bytes are untouched, and no unit gets faster than the plain view but by the host's
+    launches of the experts it no longer holds."""
     profile, _ = moe_profile
     plain = degree_view(profile, 1, DGX)
     view = degree_view(profile, 1, DGX, experts=ExpertGroup(expert=e, imbalance=f, ranks_per_node=e))
@@ -453,9 +492,14 @@ def test_view_property_experts_add_up_and_time_only_grows(moe_profile, e, f, siz
         assert seen.param_bytes - (seen.expert_param_bytes or 0) == layer.param_bytes - (layer.expert_param_bytes or 0)
         got = next(c for c in seen.costs if c.microbatch_size == size)
         was = next(c for c in base.costs if c.microbatch_size == size)
-        assert got.forward_ms >= was.forward_ms and got.backward_ms >= was.backward_ms
+        # Less the GPU's wait for the host (fewer local experts launch fewer GEMMs: that may shrink).
+        got_wait = view.host_wait_ms.get((layer.name, size), (0.0, 0.0))
+        was_wait = plain.host_wait_ms.get((layer.name, size), (0.0, 0.0))
+        assert got.forward_ms - got_wait[0] >= was.forward_ms - was_wait[0] - 1e-9
+        assert got.backward_ms - got_wait[1] >= was.backward_ms - was_wait[1] - 1e-9
+        assert got_wait[0] <= was_wait[0] + 1e-9 and got_wait[1] <= was_wait[1] + 1e-9
         if layer.expert_param_bytes and (e > 1 or f > 1):
-            assert got.forward_ms > was.forward_ms
+            assert got.forward_ms - got_wait[0] > was.forward_ms - was_wait[0]
 
 
 def test_torchtitan_export_of_an_ep_plan_is_torchtitans(moe_profile, tmp_path):

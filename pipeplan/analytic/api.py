@@ -9,7 +9,8 @@ from typing import Optional, Sequence, Union
 from pipeplan.analytic.collectives import unit_collectives
 from pipeplan.analytic.configs import ModelConfig
 from pipeplan.analytic.families import load_model_config
-from pipeplan.analytic.efficiency import DEFAULT_EFFICIENCY, EfficiencyModel, parts_ms, pass_ms
+from pipeplan.analytic.efficiency import (DEFAULT_EFFICIENCY, EfficiencyModel, grouped_launch_host_ms, host_ms,
+                                         parts_ms, pass_ms)
 from pipeplan.analytic.flops import Shape, model_flops_per_token, unit_work
 from pipeplan.facts.gpus import GpuSpec
 from pipeplan.facts.precision import PRECISIONS, get_precision
@@ -145,7 +146,16 @@ def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, 
     )
     if forward_wait > 0 or input_wait + weight_wait > 0:
         fields.update(host_wait_forward_ms=_round(forward_wait), host_wait_backward_ms=_round(input_wait + weight_wait))
-    fields.update(_expert_fields(cfg, kind, index, shape, work, gpu_ms, quantized))
+    expert_fields = _expert_fields(cfg, kind, index, shape, work, gpu_ms, quantized)
+    if expert_fields:
+        # The host's side of each pass and what each local expert beyond the first adds to it (TE's
+        # grouped GEMM launches one GEMM per local expert; the cluster view knows E: docs/analytic.md).
+        backward = work.backward_input + work.backward_weight
+        expert_fields.update(host_forward_ms=_round(host_ms(work.forward, efficiency)),
+                             host_backward_ms=_round(host_ms(backward, efficiency)),
+                             expert_host_forward_ms=_round(grouped_launch_host_ms(work.forward)),
+                             expert_host_backward_ms=_round(grouped_launch_host_ms(backward)))
+    fields.update(expert_fields)
     if shape.quantized_bytes is not None:
         fields.update(_cast_fields(cfg, kind, index, work, gpu_ms))
     modules = unit_selective_modules(cfg, kind, index, shape, work.forward, gpu_ms)

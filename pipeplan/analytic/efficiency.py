@@ -70,7 +70,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeplan.analytic.flops import Part
 
 __all__ = ["EfficiencyModel", "DEFAULT_EFFICIENCY", "GEMM_TILES", "gemm_shape_factor", "part_ms",
-           "parts_ms", "pass_ms", "host_ms"]
+           "parts_ms", "pass_ms", "host_ms", "CUDA_LAUNCH_HOST_US", "grouped_launch_host_ms"]
 
 #: Output tiles (rows, columns) of one thread block that cuBLAS and CUTLASS pick among for 16-bit
 #: and 8-bit GEMMs on Ampere, Hopper and Blackwell (CUTLASS's default tile shapes; the brief's
@@ -158,6 +158,22 @@ def parts_ms(parts: list[Part], peak_flops: float, hbm_bytes_per_s: float, model
 def host_ms(parts: list[Part], model: EfficiencyModel) -> float:
     """The host's time to launch ``parts``: ``launches x host_us_per_kernel``."""
     return sum(p.launches for p in parts) * model.host_us_per_kernel / 1e3
+
+
+#: The host's time for one CUDA launch from compiled code, no Python dispatch: the CUDA driver's
+#: 4.9 us of ``host_us_per_kernel`` (the same source, JuliaGPU/CUDAdrv.jl pull request 15). What
+#: Transformer Engine's grouped GEMM pays per local expert beyond the first: ``GroupedLinear``
+#: makes one Python call, and ``multi_stream_cublas_gemm`` (transformer_engine/common/gemm/
+#: cublaslt_gemm.cu) launches one cuBLAS GEMM per expert from C++, round-robin on its 4 streams.
+CUDA_LAUNCH_HOST_US = 4.9
+
+
+def grouped_launch_host_ms(parts: list[Part]) -> float:
+    """The host's time one more group of ``parts``' grouped GEMMs costs (those with ``groups > 1``):
+    ``grouped GEMMs x CUDA_LAUNCH_HOST_US``. A routed GEMM's host launch in :func:`host_ms` is one
+    Python call; TE launches one GEMM per local expert, so an expert-parallel rank holding ``n``
+    experts pays ``(n - 1)`` times this on top (docs/analytic.md, "Host overhead")."""
+    return sum(1 for p in parts if p.groups > 1) * CUDA_LAUNCH_HOST_US / 1e3
 
 
 def pass_ms(parts: list[Part], peak_flops: float, hbm_bytes_per_s: float, model: EfficiencyModel,

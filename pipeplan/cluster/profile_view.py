@@ -249,6 +249,16 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
                 extra_forward += more_forward
                 extra_backward += more_backward
                 extra_input += more_input
+                waits = _local_expert_host_waits(c, profile.experts.num_experts // experts.expert)
+                if waits is not None:
+                    # The GPU's added wait for the host's per-expert GEMM launches, named as the
+                    # profile's own host wait (the input-gradient pass takes its share of it).
+                    extra_forward += waits[0] - (c.host_wait_forward_ms or 0.0)
+                    added_backward = waits[1] - (c.host_wait_backward_ms or 0.0)
+                    extra_backward += added_backward
+                    extra_input += _input_share(c) * added_backward
+                    if waits[0] > 0 or waits[1] > 0:
+                        host_ms[(layer.name, c.microbatch_size)] = waits
                 # The busiest rank also keeps f times the balanced share of the routed tensors.
                 values["activation_bytes"] += int(math.ceil((experts.imbalance - 1.0)
                                                             * (getattr(c, "expert_activation_bytes", None) or 0)))
@@ -260,7 +270,7 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
             tp_ms[(layer.name, c.microbatch_size)] = (forward_tp, backward_tp)
             if getattr(c, "quantize_forward_ms", None) is not None:
                 cast_ms[(layer.name, c.microbatch_size)] = (c.quantize_forward_ms, c.quantize_backward_ms or 0.0)
-            if getattr(c, "host_wait_forward_ms", None) is not None:
+            if getattr(c, "host_wait_forward_ms", None) is not None and (layer.name, c.microbatch_size) not in host_ms:
                 host_ms[(layer.name, c.microbatch_size)] = (c.host_wait_forward_ms, c.host_wait_backward_ms or 0.0)
         param_bytes = layer.param_bytes if t == 1 else layer.param_bytes_at(t)
         expert_bytes = None
@@ -311,6 +321,34 @@ def _expert_extra(cost, parts: dict, experts: ExpertGroup) -> tuple[float, float
     a2a_backward = parts["dispatch"][1] + parts["combine"][1]
     more_forward = (experts.imbalance - 1.0) * (cost.expert_forward_ms or 0.0)
     more_backward = (experts.imbalance - 1.0) * (cost.expert_backward_ms or 0.0)
-    share = (cost.backward_input_ms / cost.backward_ms) if cost.backward_input_ms is not None and cost.backward_ms \
-        else 0.5
+    share = _input_share(cost)
     return a2a_forward + more_forward, a2a_backward + more_backward, a2a_backward + share * more_backward
+
+
+def _input_share(cost) -> float:
+    """The input-gradient pass's share of a unit's backward (0.5 where the profile has no split)."""
+    return (cost.backward_input_ms / cost.backward_ms) if cost.backward_input_ms is not None and cost.backward_ms \
+        else 0.5
+
+
+def _local_expert_host_waits(cost, local_experts: int) -> Optional[tuple[float, float]]:
+    """The GPU's wait for the host in an MoE unit's forward and backward when each of its
+    ``local_experts`` (``num_experts / E``) costs the host its routed GEMMs' launches
+    (docs/analytic.md, "Host overhead"):
+
+        host' = host_ms + (local_experts - 1) x expert_host_ms,   gpu = pass_ms - host_wait_ms
+        wait' = max(host_wait_ms, host' - gpu)
+
+    (the profile's pass is ``max(gpu, host)``, so ``gpu = pass - wait`` either way; the backward's
+    wait was taken per gradient pass and is kept where larger). None where the profile does not
+    record the host's time (a measured profile, or one written before these fields)."""
+    if getattr(cost, "host_forward_ms", None) is None or getattr(cost, "expert_host_forward_ms", None) is None:
+        return None
+    more = max(0, local_experts - 1)
+    waits = []
+    for pass_ms, wait, host, per_expert in (
+            (cost.forward_ms, cost.host_wait_forward_ms, cost.host_forward_ms, cost.expert_host_forward_ms),
+            (cost.backward_ms, cost.host_wait_backward_ms, cost.host_backward_ms, cost.expert_host_backward_ms or 0.0)):
+        wait = wait or 0.0
+        waits.append(max(wait, host + more * per_expert - (pass_ms - wait)))
+    return waits[0], waits[1]

@@ -183,6 +183,18 @@ class LayerCost(_Strict):
         "Absent: the unit is GPU-bound.")
     host_wait_backward_ms: Optional[NonNegativeMs] = Field(
         default=None, description="Of backward_ms, the time the GPU waits for the host (as host_wait_forward_ms).")
+    host_forward_ms: Optional[NonNegativeMs] = Field(
+        default=None,
+        description="The host's time to launch the forward's kernels (an MoE unit's, analytic: launches x host "
+        "time per kernel), whether or not the GPU waits for it. Absent: not recorded.")
+    host_backward_ms: Optional[NonNegativeMs] = Field(
+        default=None, description="The host's time to launch the backward's kernels (as host_forward_ms).")
+    expert_host_forward_ms: Optional[NonNegativeMs] = Field(
+        default=None,
+        description="What each local expert beyond the first adds to host_forward_ms: Transformer Engine's grouped "
+        "GEMM launches one GEMM per local expert (num_experts / E of them at expert-parallel degree E).")
+    expert_host_backward_ms: Optional[NonNegativeMs] = Field(
+        default=None, description="Of the backward, as expert_host_forward_ms.")
     expert_dispatch_bytes: Optional[NonNegativeBytes] = Field(
         default=None,
         description="Bytes one rank sends to the experts per micro-batch and pass in one dispatch "

@@ -119,9 +119,11 @@ def cluster_plan_tables(plan):
     moe = any(s.expert_state_bytes is not None for s in plan.stages)
     quantized = any(s.quantized_weight_bytes is not None for s in plan.stages)
     kv = any(s.context_buffer_bytes is not None for s in plan.stages)
+    working = any(s.working_bytes for s in plan.stages)  # the loss's working memory (pipeplan.facts.loss)
     for column in ("stage", "rank", "layers", "first .. last", "fwd ms", "bwd ms", "weights",
                    *((f"{plan.settings.precision} copies",) if quantized else ()), "grads",
                    "optimizer", *(("experts",) if moe else ()), "activations", *(("of it KV chunks",) if kv else ()),
+                   *(("of it working",) if working else ()),
                    "in flight", "peak"):
         stages.add_column(column, justify="left" if column == "first .. last" else "right")
     for s in plan.stages:
@@ -133,7 +135,8 @@ def cluster_plan_tables(plan):
                                                        s.gradient_bytes, s.optimizer_bytes,
                                                        *((s.expert_state_bytes,) if moe else ()),
                                                        s.peak_activation_bytes,
-                                                       *((s.context_buffer_bytes,) if kv else ()))),
+                                                       *((s.context_buffer_bytes,) if kv else ()),
+                                                       *((s.working_bytes,) if working else ()))),
                        str(s.in_flight), format_bytes(s.peak_memory_bytes))
     ranks = Table(title="memory per GPU")
     for column in ("rank", "planned peak", "reserve", "total", "cap"):

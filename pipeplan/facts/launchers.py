@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from pipeplan.facts.loss import DEFAULT_LOSS
 from pipeplan.facts.schedules import LAUNCHER_SCHEDULES
 
 __all__ = ["LauncherFacts", "LAUNCHERS", "launcher_zero_stages", "launcher_optimizer", "DEFAULT_OPTIMIZER",
@@ -49,6 +50,9 @@ class LauncherFacts:
     batch: str
     """What its batch settings mean, as its docs and code say."""
     source: str
+    loss: str = DEFAULT_LOSS
+    """The cross-entropy it computes (a :data:`pipeplan.facts.loss.LOSS_FORMS` name): what the head's
+    working memory is costed as (pipeplan.facts.loss)."""
 
     def zero_stages(self, data: int, pipeline: int) -> tuple[int, ...]:
         """The ZeRO stages to plan at ``d = data`` replicas of ``pipeline`` ranks (0 only at d = 1)."""
@@ -81,7 +85,9 @@ LAUNCHERS = {
         batch="training.local_batch_size per data-parallel rank and step; with a pipeline, "
               "split into local_batch_size / pipeline_parallel_microbatch_size micro-batches; "
               "training.global_batch_size / (local_batch_size x dp) gradient-accumulation steps",
-        source="torchtitan 0.2.2 (config/job_config.py, train.py, distributed/pipeline_parallel.py)"),
+        source="torchtitan 0.2.2 (config/job_config.py, train.py, distributed/pipeline_parallel.py)",
+        # components/loss.py: F.cross_entropy(pred.flatten(0, 1).float(), ...), eager.
+        loss="torch-eager"),
     "deepspeed": LauncherFacts(
         name="deepspeed", schedules=LAUNCHER_SCHEDULES["deepspeed"],
         # PipelineEngine asserts zero_optimization.stage < 2 under pipeline parallelism.

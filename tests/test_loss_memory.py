@@ -130,3 +130,94 @@ def test_loss_working_bytes_by_hand():
     assert set(LOSS_FORMS) == {"vocab-parallel", "torch-eager"}
     with pytest.raises(ValueError):
         loss_working_bytes("fused", n, 2)
+
+
+# ------------------------------------------------------------------ the planner's working term
+
+SEQ, BATCH, GPT2_VOCAB = 128, 2, 50257
+
+
+@pytest.fixture(scope="module")
+def gpt2_profile(tmp_path_factory):
+    from pipeplan.analytic import analytic_profile, get_gpu
+    from pipeplan.formats.io import write_json_atomic
+
+    profile = analytic_profile("gpt2", get_gpu("h100-sxm"), seq_len=SEQ, microbatch_sizes=(BATCH,),
+                               tensor_parallel=(1, 2))
+    path = tmp_path_factory.mktemp("loss") / "gpt2.profile.json"
+    write_json_atomic(path, profile)
+    return profile, path
+
+
+def test_the_analytic_head_carries_each_loss_forms_working_bytes(gpt2_profile):
+    profile, _ = gpt2_profile
+    tokens = SEQ * BATCH
+    for layer in profile.layers:
+        for cost in layer.costs:
+            if layer.kind != "head":
+                assert cost.working_bytes is None and cost.loss_working_bytes is None, layer.name
+                continue
+            # s b V / t logits: 2 bytes each for Megatron's (the bf16 logits or their cast
+            # gradient beside the fp32 copy), 8 for torch's (two fp32 gradients); V / t rounded up.
+            n = tokens * -(-GPT2_VOCAB // cost.degree)
+            assert cost.loss_working_bytes == {"vocab-parallel": 2 * n, "torch-eager": 8 * n}
+            assert cost.working_bytes == 2 * n  # without a launcher: Megatron's (facts.loss.DEFAULT_LOSS)
+
+
+def _plan(profile, launcher):
+    from pipeplan.api import plan_any
+    from pipeplan.requests import PipelineRequest
+
+    request = PipelineRequest(stages=2, global_batch=4 * BATCH, microbatch_size=BATCH, schedule="1f1b",
+                          launcher=launcher)
+    return plan_any(profile, request, profile_sha256="0" * 64)
+
+
+def test_the_launchers_loss_is_in_the_head_stages_peak_once(gpt2_profile):
+    profile, _ = gpt2_profile
+    n = SEQ * BATCH * GPT2_VOCAB
+    plain, titan = _plan(profile, None), _plan(profile, "torchtitan")
+    assert [s.layers for s in plain.stages] == [s.layers for s in titan.stages]
+    heads = {layer.name for layer in profile.layers if layer.kind == "head"}
+    head = next(j for j, s in enumerate(plain.stages) if heads & set(s.layers))
+    for j, (a, b) in enumerate(zip(plain.stages, titan.stages)):
+        if j != head:
+            assert a.peak_memory_bytes == b.peak_memory_bytes and a.working_bytes is None is b.working_bytes
+            continue
+        assert (a.working_bytes, b.working_bytes) == (2 * n, 8 * n)
+        # Once, whatever the micro-batches in flight (a transient of one pass, not kept).
+        assert b.peak_memory_bytes - a.peak_memory_bytes == 6 * n
+        assert b.in_flight >= 1
+
+
+def test_a_stage_adds_its_largest_layers_working_bytes_not_their_sum():
+    import numpy as np
+
+    from pipeplan.plan import CostModel, layer_sums
+    from pipeplan.plan.graph import LayerGraph
+    import networkx as nx
+
+    ones = np.ones(3)
+    graph = LayerGraph(names=("a", "b", "c"), forward_ms=ones, backward_ms=2 * ones, backward_input_ms=ones,
+                       backward_weight_ms=ones, backward_split_measured=True, param_bytes=0 * ones,
+                       activation_bytes=np.array([10.0, 20.0, 30.0]), output_bytes=ones,
+                       graph=nx.path_graph(3, nx.DiGraph), chain=True, working_bytes=np.array([100.0, 0.0, 300.0]))
+    memory = CostModel().breakdown(layer_sums(graph, (0, 1, 2)), index=0, layers=(0, 1, 2), in_bytes=0, out_bytes=0,
+                                   in_flight=3, mode="none", last=True).memory
+    assert memory.working_bytes == 300.0
+    assert memory.peak_bytes == 3 * 60.0 + 300.0
+
+
+def test_show_names_the_loss_working_memory(gpt2_profile, tmp_path):
+    from cli_checks import invoke
+
+    _, path = gpt2_profile
+    out = tmp_path / "plan.json"
+    result = invoke("plan", path, "--stages", 2, "--global-batch", 4 * BATCH, "--microbatch-size", BATCH,
+                    "--schedule", "1f1b", "--launcher", "torchtitan", "-q", "-o", out)
+    assert result.exit_code == 0, result.output
+    shown = invoke("show", out)
+    assert shown.exit_code == 0, shown.output
+    assert "of it working" in shown.output
+    from pipeplan.quantities import format_bytes
+    assert format_bytes(8 * SEQ * BATCH * GPT2_VOCAB) in shown.output

@@ -119,11 +119,9 @@ def cluster_plan_tables(plan):
     moe = any(s.expert_state_bytes is not None for s in plan.stages)
     quantized = any(s.quantized_weight_bytes is not None for s in plan.stages)
     kv = any(s.context_buffer_bytes is not None for s in plan.stages)
-    working = any(s.working_bytes for s in plan.stages)  # the loss's working memory (pipeplan.facts.loss)
     for column in ("stage", "rank", "layers", "first .. last", "fwd ms", "bwd ms", "weights",
                    *((f"{plan.settings.precision} copies",) if quantized else ()), "grads",
                    "optimizer", *(("experts",) if moe else ()), "activations", *(("of it KV chunks",) if kv else ()),
-                   *(("of it working",) if working else ()),
                    "in flight", "peak"):
         stages.add_column(column, justify="left" if column == "first .. last" else "right")
     for s in plan.stages:
@@ -135,8 +133,7 @@ def cluster_plan_tables(plan):
                                                        s.gradient_bytes, s.optimizer_bytes,
                                                        *((s.expert_state_bytes,) if moe else ()),
                                                        s.peak_activation_bytes,
-                                                       *((s.context_buffer_bytes,) if kv else ()),
-                                                       *((s.working_bytes,) if working else ()))),
+                                                       *((s.context_buffer_bytes,) if kv else ()))),
                        str(s.in_flight), format_bytes(s.peak_memory_bytes))
     ranks = Table(title="memory per GPU")
     for column in ("rank", "planned peak", "reserve", "total", "cap"):
@@ -145,7 +142,11 @@ def cluster_plan_tables(plan):
         reserve = plan.reserve_bytes or 0
         ranks.add_row(str(r.rank), format_bytes(r.peak_memory_bytes), format_bytes(reserve),
                       format_bytes(r.peak_memory_bytes + reserve), format_bytes(cap) if cap else "none")
-    parts = [summary, placement, stages, ranks, *_reserve_table(plan)]
+    # The loss's working memory (pipeplan.facts.loss), a named part of the activations: a line
+    # under the table, which has no width for another column at 160 characters.
+    working = [f"stage {s.index}'s activations: of them {format_bytes(s.working_bytes)} the loss's working memory "
+               f"(docs/cost-model.md, \"The loss's working memory\")" for s in plan.stages if s.working_bytes]
+    parts = [summary, placement, stages, *working, ranks, *_reserve_table(plan)]
     if plan.alternatives:
         parts.extend(_runner_up_tables(plan))
     if plan.comparisons:

@@ -103,7 +103,7 @@ def _memory_rows(result: Diagnosis) -> list[tuple[str, ...]]:
              *((format_bytes(r.quantized_weight_bytes),) if quantized else ()),
              format_bytes(r.gradient_bytes), format_bytes(r.optimizer_bytes),
              *((format_bytes(r.expert_bytes),) if moe else ()),
-             format_bytes(r.activation_bytes), *((format_bytes(r.working_bytes),) if working else ()),
+             format_bytes(r.activation_bytes), *((format_bytes(r.working_bytes) if r.working_bytes else "-",) if working else ()),
              format_bytes(r.reserve_bytes), format_bytes(r.total_bytes),
              format_bytes(cost.cap_bytes) + (" OVER" if r.total_bytes > cost.cap_bytes else ""))
             for r in cost.memory]

@@ -27,6 +27,7 @@ from pipeplan.analytic.fit import fit_log_residuals, fittable_fields, from_log_s
     parse_fit_fields, to_log_space
 from pipeplan.plan.offload import check_cpu_offload, with_offload_note
 from pipeplan.plan.recompute import check_full_method, with_module_parts, with_selective_modules
+from pipeplan.plan.loss import with_launcher_loss
 from pipeplan.plan.torchtitan_ac import check_selective_ac_option, with_torchtitan_selective
 from pipeplan.plan.search import make_plan, with_profile_defaults
 from pipeplan.formats.limits import check_microbatch_count, check_option_range
@@ -118,6 +119,8 @@ def plan_any(profile, request: Request | PlanSettings, *, profile_sha256: str, r
     check_selective_ac_option(settings)
     # torchtitan's selective form (per op, or every N-th block) as the profile's selective fields.
     profile = with_torchtitan_selective(profile, settings)
+    # The launcher's loss as the head's working memory (pipeplan.plan.loss).
+    profile = with_launcher_loss(profile, settings.launcher)
     if settings.cpu_offload_layers is not None:
         # Megatron's CPU activation offload: its rules here, its memory and time in each layout the
         # cluster search costs (pipeplan.plan.offload.offload_view).

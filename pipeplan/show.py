@@ -59,8 +59,10 @@ def plan_tables(plan: Plan) -> Group:
     ):
         summary.add_row(key, value)
     stages = Table(title="stages")
+    # The loss's working memory (pipeplan.facts.loss), part of the peak, where a stage has it.
+    working = any(s.working_bytes for s in plan.stages)
     for column in ("stage", "rank", "layers", "first .. last", "fwd ms", "bwd ms", "xfer ms",
-                   "send", "params", "in flight", "peak memory"):
+                   "send", "params", "in flight", *(("of it working",) if working else ()), "peak memory"):
         stages.add_column(column, justify="left" if column == "first .. last" else "right")
     for s in plan.stages:
         span = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
@@ -68,7 +70,8 @@ def plan_tables(plan: Plan) -> Group:
             str(s.index), str(s.rank), str(len(s.layers)), span,
             f"{s.forward_ms:.3f}", f"{s.backward_ms:.3f}" + ((" (sel)" if s.recompute_granularity == "selective" else " (rc)") if s.recompute else ""),
             f"{s.transfer_ms:.3f}", format_bytes(s.send_bytes), format_bytes(s.param_bytes),
-            str(s.in_flight), format_bytes(s.peak_memory_bytes),
+            str(s.in_flight), *((format_bytes(s.working_bytes or 0),) if working else ()),
+            format_bytes(s.peak_memory_bytes),
         )
     parts = [summary, stages]
     if recompute_modules_table(plan) is not None:

@@ -96,8 +96,10 @@ def reference_stage(profile, b, layers, in_bytes, out_bytes, in_flight, recomput
         working = max(c.activation_bytes for c in costs)
     else:
         again, kept, working = 0.0, acts, 0
+    # A layer's own working memory (the loss's at a head), the stage's largest, once.
+    loss = max((c.working_bytes or 0) for c in costs)
     time = f + whole + again + (in_bytes + out_bytes) * ms_per_byte
-    memory = per_byte * params + in_flight * kept + working
+    memory = per_byte * params + in_flight * kept + working + loss
     return {
         "time_ms": time,
         "memory_bytes": memory,
@@ -106,7 +108,7 @@ def reference_stage(profile, b, layers, in_bytes, out_bytes, in_flight, recomput
         "backward_input_ms": b_in + again,
         "backward_weight_ms": b_w,
         "send_ms": out_bytes * ms_per_byte,
-        "static_bytes": math.ceil(per_byte * params) + math.ceil(working),
+        "static_bytes": math.ceil(per_byte * params) + math.ceil(working) + math.ceil(loss),
         "kept_bytes": kept,
     }
 
@@ -144,6 +146,7 @@ def cases(draw):
                                                                max_size=n)) if u < v})
     split_backward = draw(st.booleans())
     selective = draw(st.booleans())
+    transient = draw(st.booleans())
     sizes = draw(st.sampled_from([(1,), (1, 2)]))
     layers = []
     for i in range(n):
@@ -158,9 +161,11 @@ def cases(draw):
             if selective:
                 entry["selective_activation_bytes"] = draw(st.integers(0, entry["activation_bytes"]))
                 entry["selective_recompute_ms"] = draw(st.sampled_from([0.0, 0.25])) * f * b
+            if transient and draw(st.booleans()):
+                entry["working_bytes"] = draw(st.integers(0, 400)) * b
             entries.append(entry)
         layers.append({"name": f"l{i}", "param_bytes": draw(st.integers(0, 500)), "costs": entries})
-    data = {"schema_version": 2 if selective else 1, "model": "random", "source": "analytic", "device": {"name": "t"},
+    data = {"schema_version": 2 if selective or transient else 1, "model": "random", "source": "analytic", "device": {"name": "t"},
             "dtype": draw(st.sampled_from(["fp32", "bf16"])), "layers": layers}
     if not chain:
         data["edges"] = [[f"l{u}", f"l{v}"] for u, v in edges]
@@ -241,7 +246,7 @@ def test_every_path_costs_every_stage_alike(case, data):
         assert close(t.compute_ms + t.recompute_ms + t.transfer_ms, r["time_ms"])
         m = breakdowns[j].memory
         assert close(m.peak_bytes, r["memory_bytes"])
-        assert close(m.state_bytes + m.in_flight * m.kept_bytes + m.recompute_bytes, r["memory_bytes"])
+        assert close(m.state_bytes + m.in_flight * m.kept_bytes + m.recompute_bytes + m.working_bytes, r["memory_bytes"])
 
     # The vectorised form the chain DP uses (differences of prefix sums), at every stage.
     between = prefix_sums(problem.graph)

@@ -13,9 +13,11 @@ from pipeplan.analytic.efficiency import (DEFAULT_EFFICIENCY, EfficiencyModel, g
                                          parts_ms, pass_ms)
 from pipeplan.analytic.flops import Shape, model_flops_per_token, unit_work
 from pipeplan.facts.gpus import GpuSpec
+from pipeplan.facts.loss import DEFAULT_LOSS, loss_working_bytes_by_form
 from pipeplan.facts.precision import PRECISIONS, get_precision
 from pipeplan.formats.gpu import resolve_gpu
-from pipeplan.analytic.memory import unit_activation_bytes, unit_output_bytes, unit_routed_activation_bytes
+from pipeplan.analytic.memory import (unit_activation_bytes, unit_loss_elements, unit_output_bytes,
+                                      unit_routed_activation_bytes)
 from pipeplan.analytic.op_sac import unit_op_sac
 from pipeplan.analytic.recompute import unit_selective_modules
 from pipeplan.analytic.shapes import (check_tensor_parallel, tied_table_count, unit_active_param_count,
@@ -161,6 +163,12 @@ def _entry(cfg: ModelConfig, kind: str, index: int, shape: Shape, gpu: GpuSpec, 
     modules = unit_selective_modules(cfg, kind, index, shape, work.forward, gpu_ms)
     if modules is not None:
         fields["selective_modules"] = modules
+    logits = unit_loss_elements(cfg, kind, shape)
+    if logits:
+        # The loss's working memory per implementation (pipeplan.facts.loss); the planner takes the
+        # launcher's (pipeplan.plan.loss), the default form's without one.
+        fields["loss_working_bytes"] = loss_working_bytes_by_form(logits, shape.dtype_bytes)
+        fields["working_bytes"] = fields["loss_working_bytes"][DEFAULT_LOSS]
     op_sac = unit_op_sac(cfg, kind, index, shape, work.forward, lambda parts: parts_ms(parts, peak, bw, efficiency))
     if op_sac is not None:
         fields["selective_op_sac"] = op_sac

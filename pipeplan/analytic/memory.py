@@ -26,7 +26,7 @@ from pipeplan.analytic.shapes import kv_heads_per_rank
 from pipeplan.facts.training_state import training_state
 
 __all__ = ["QUANTIZED_INPUT_TERMS", "block_activation_terms", "unit_activation_bytes", "unit_routed_activation_bytes",
-           "unit_output_bytes",
+           "unit_output_bytes", "unit_loss_elements",
            "MEGATRON_ADAM_BYTES_PER_PARAM", "training_state_bytes", "ATTENTION_CORE_TERMS"]
 
 #: Megatron's mixed-precision Adam: 16-bit weight 2 + fp32 gradient 4 + fp32 master weight 4 +
@@ -174,6 +174,15 @@ def unit_activation_bytes(cfg: ModelConfig, kind: str, index: int, shape: Shape,
         vocab_rank = -(-cfg.vocab_size // shape.tensor_parallel)
         return int(round(e * tokens * width / shape.sp_share + 4.0 * tokens * vocab_rank))
     raise ValueError(kind)
+
+
+def unit_loss_elements(cfg: ModelConfig, kind: str, shape: Shape) -> int:
+    """Elements of one rank's logits that a unit's cross-entropy reads per micro-batch, ``s b V / t``
+    (the head's, and a multi-token-prediction block's shared head's); 0 for a unit with no loss.
+    Its working memory per loss implementation: :func:`pipeplan.facts.loss.loss_working_bytes`."""
+    if kind not in ("head", "mtp"):
+        return 0
+    return int(shape.tokens * -(-cfg.vocab_size // shape.tensor_parallel))
 
 
 #: The terms of an MoE block that scale with the tokens a rank's experts receive: the dispatched

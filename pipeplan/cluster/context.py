@@ -54,7 +54,7 @@ ATTENTION_BACKWARD_FACTOR = 2.5
 #: LayerCost fields that scale with the rank's tokens (everything but the parameters and counts).
 _TOKEN_FIELDS = ("forward_ms", "backward_ms", "activation_bytes", "output_bytes", "backward_input_ms",
                  "backward_weight_ms", "tensor_parallel_forward_bytes", "tensor_parallel_backward_bytes",
-                 "selective_activation_bytes", "selective_recompute_ms")
+                 "selective_activation_bytes", "selective_recompute_ms", "working_bytes")
 
 
 #: The fewest tokens of each sequence a rank keeps where the search tries C (``--context-parallel``
@@ -124,6 +124,10 @@ def context_profile(profile, context: int):
                 if value is None:
                     continue
                 update[name] = int(math.ceil(value / context)) if name.endswith("_bytes") else value / context
+            if getattr(cost, "loss_working_bytes", None):
+                # The loss's working memory per form, token-wise as working_bytes (pipeplan.facts.loss).
+                update["loss_working_bytes"] = {form: int(math.ceil(value / context))
+                                                for form, value in cost.loss_working_bytes.items()}
             costs.append(cost.model_copy(update=update))
         layers.append(layer.model_copy(update={"costs": costs}))
     return profile.model_copy(update={"layers": layers})

@@ -220,6 +220,8 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
         costs = []
         for c in entries:
             values = {k: getattr(c, k) for k in _V1_FIELDS}
+            # The loss's working memory at this degree (pipeplan.facts.loss), as the entry gives it.
+            values["working_bytes"] = getattr(c, "working_bytes", None)
             forward_tp = backward_tp = 0.0
             kind = getattr(c, "tensor_parallel_collective", None)
             if t > 1 and kind is not None:

@@ -143,7 +143,11 @@ def cluster_plan_tables(plan):
         reserve = plan.reserve_bytes or 0
         ranks.add_row(str(r.rank), format_bytes(r.peak_memory_bytes), format_bytes(reserve),
                       format_bytes(r.peak_memory_bytes + reserve), format_bytes(cap) if cap else "none")
-    parts = [summary, placement, stages, ranks, *_reserve_table(plan)]
+    # The loss's working memory (pipeplan.facts.loss), a named part of the activations: a line
+    # under the table, which has no width for another column at 160 characters.
+    working = [f"stage {s.index}'s activations: of them {format_bytes(s.working_bytes)} the loss's working memory "
+               f"(docs/cost-model.md, \"The loss's working memory\")" for s in plan.stages if s.working_bytes]
+    parts = [summary, placement, stages, *working, ranks, *_reserve_table(plan)]
     if plan.alternatives:
         parts.extend(_runner_up_tables(plan))
     if plan.comparisons:

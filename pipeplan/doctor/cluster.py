@@ -60,6 +60,8 @@ class RankMemory:
     """A quantized precision's weight copies (pipeplan.facts.training_state)."""
     job: object = None
     """The reserve by part (:class:`pipeplan.cluster.memory.JobMemory`)."""
+    working_bytes: int = 0
+    """Of ``activation_bytes``, the loss's working memory its stages add (pipeplan.facts.loss)."""
 
     @property
     def planned_bytes(self) -> int:
@@ -114,7 +116,8 @@ def rank_memory(plan: Plan, profile, cluster) -> tuple[RankMemory, ...]:
         job = job_memory(planned, cluster, plan.settings.launcher, _layout(plan))
         out.append(RankMemory(rank=r.rank, weight_bytes=weights + gathered, gradient_bytes=gradients,
                               optimizer_bytes=optimizer, activation_bytes=activations, expert_bytes=experts,
-                              quantized_weight_bytes=quantized, reserve_bytes=job.total_bytes, job=job))
+                              quantized_weight_bytes=quantized, reserve_bytes=job.total_bytes, job=job,
+                              working_bytes=sum(s.working_bytes or 0 for s in stages)))
     return tuple(out)
 
 

@@ -16,6 +16,7 @@ from pipeplan.doctor.evaluate import best_plan, cost_split
 from pipeplan.doctor.units import stage_positions, unit_positions
 from pipeplan.errors import BadInputError
 from pipeplan.launchers.megatron.reader import megatron_cpu_offload_layers
+from pipeplan.plan.loss import with_launcher_loss
 from pipeplan.plan.recompute import with_selective_modules
 from pipeplan.plan.torchtitan_ac import with_torchtitan_selective
 from pipeplan.formats.plan import Plan, PlanSettings
@@ -178,6 +179,8 @@ def diagnose(config: LauncherConfig, layout: Layout, profile, base_settings: Pla
         if config.settings.get("activation_checkpoint.mode") == "memory_budget":
             result.notes.append("activation_checkpoint.mode memory_budget: the compiler chooses what to keep; not "
                                 "costed (costed as no recomputation)")
+    # The launcher's loss as the head's working memory (pipeplan.plan.loss).
+    profile = with_launcher_loss(profile, config.launcher)
     selective_known = all(c.selective_activation_bytes is not None for layer in profile.layers for c in layer.costs
                           if c.degree == 1)
     mode = {"full": "all", "selective": "selective"}.get(config.recompute, "none")

@@ -86,7 +86,9 @@ def _memory_header(result: Diagnosis) -> tuple[str, ...]:
         return _MEMORY_HEADER
     quantized = ("quantized copies",) if any(r.quantized_weight_bytes for r in cost.memory) else ()
     experts = ("experts",) if any(r.expert_bytes for r in cost.memory) else ()
-    return (*_MEMORY_HEADER[:2], *quantized, *_MEMORY_HEADER[2:4], *experts, *_MEMORY_HEADER[4:])
+    working = ("of it working",) if any(r.working_bytes for r in cost.memory) else ()
+    return (*_MEMORY_HEADER[:2], *quantized, *_MEMORY_HEADER[2:4], *experts, *_MEMORY_HEADER[4:5], *working,
+            *_MEMORY_HEADER[5:])
 
 
 def _memory_rows(result: Diagnosis) -> list[tuple[str, ...]]:
@@ -96,11 +98,13 @@ def _memory_rows(result: Diagnosis) -> list[tuple[str, ...]]:
         return []
     moe = any(r.expert_bytes for r in cost.memory)
     quantized = any(r.quantized_weight_bytes for r in cost.memory)
+    working = any(r.working_bytes for r in cost.memory)  # the loss's, part of the activations
     return [(str(r.rank), format_bytes(r.weight_bytes),
              *((format_bytes(r.quantized_weight_bytes),) if quantized else ()),
              format_bytes(r.gradient_bytes), format_bytes(r.optimizer_bytes),
              *((format_bytes(r.expert_bytes),) if moe else ()),
-             format_bytes(r.activation_bytes), format_bytes(r.reserve_bytes), format_bytes(r.total_bytes),
+             format_bytes(r.activation_bytes), *((format_bytes(r.working_bytes) if r.working_bytes else "-",) if working else ()),
+             format_bytes(r.reserve_bytes), format_bytes(r.total_bytes),
              format_bytes(cost.cap_bytes) + (" OVER" if r.total_bytes > cost.cap_bytes else ""))
             for r in cost.memory]
 
@@ -163,6 +167,7 @@ def as_dict(result: Diagnosis) -> dict:
              "optimizer_bytes": r.optimizer_bytes, "activation_bytes": r.activation_bytes,
              **({"expert_bytes": r.expert_bytes} if r.expert_bytes else {}),
              **({"quantized_weight_bytes": r.quantized_weight_bytes} if r.quantized_weight_bytes else {}),
+             **({"working_bytes": r.working_bytes} if r.working_bytes else {}),
              "reserve_bytes": r.reserve_bytes, "total_bytes": r.total_bytes,
              **({"reserve_parts": dict(vars(r.job))} if getattr(r, "job", None) is not None else {})}
             for r in result.cluster_cost.memory],

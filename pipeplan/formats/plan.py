@@ -363,6 +363,10 @@ class PlanStage(_Strict):
                                   "state the stage holds (1 / (E x ETP) of them, sharded over the "
                                   "expert-data-parallel group); weight_bytes, gradient_bytes and optimizer_bytes "
                                   "are then the dense part's.")
+    working_bytes: Optional[PlanBytes] = Field(
+        default=None, description="What the stage's largest layer allocates and frees within one pass above what it "
+                                  "keeps (the loss's working memory at the head: pipeplan.facts.loss), once, part "
+                                  "of peak_memory_bytes (and of peak_activation_bytes); null: none.")
     # --- schema_version 2: full recomputation's kept bytes ---
     checkpoint_bytes: Optional[PlanBytes] = Field(
         default=None, description="Full-recompute stages: bytes kept per micro-batch in flight, every layer's "

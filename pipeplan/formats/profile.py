@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, TypeAdapter, ValidationError, field_validator, model_validator
 
+from pipeplan.facts.loss import LOSS_FORMS
 from pipeplan.facts.precision import PRECISIONS
 from pipeplan.formats.limits import (Bandwidth, Bytes, Ms, Name, NonNegativeFloat, OptionalRatio, PositiveCount,
                                      Text)
@@ -222,6 +223,20 @@ class LayerCost(_Strict):
         "checkpoint (embedding, norm, head) or one pipeplan does not cost it for (docs/cost-model.md).",
     )
 
+    working_bytes: Optional[NonNegativeBytes] = Field(
+        default=None,
+        description="Bytes this layer allocates and frees within one pass (forward or backward), above "
+        "activation_bytes, at their largest: transient working memory such as the loss's fp32 copies "
+        "of the logits (docs/cost-model.md, \"The loss's working memory\"). A stage's peak adds its "
+        "largest layer's once. Absent: 0.",
+    )
+    loss_working_bytes: Optional[dict[Literal[LOSS_FORMS], NonNegativeBytes]] = Field(
+        default=None,
+        description="A head's working_bytes per cross-entropy implementation (pipeplan.facts.loss: "
+        "vocab-parallel, Megatron-core's; torch-eager, torchtitan's F.cross_entropy(pred.float())): the "
+        "planner takes working_bytes from the launcher's (--launcher), the default form without one.",
+    )
+
     @model_validator(mode="after")
     def _backward_split_whole(self) -> "LayerCost":
         if self.expert_param_bytes is not None and self.param_bytes is not None \
@@ -264,7 +279,8 @@ _NEEDED_ABOVE_DEGREE_1 = ("param_bytes", "tensor_parallel_collective", "tensor_p
 V2_COST_FIELDS = tuple(
     name for name in LayerCost.model_fields
     if name.startswith(("tensor_parallel", "selective_")) or name in ("param_bytes", "sequence_parallel",
-                                                                       "expert_param_bytes")
+                                                                       "expert_param_bytes",
+                                                                       "working_bytes", "loss_working_bytes")
     or name.startswith(("expert_", "shared_expert_", "quantize_"))
 )
 

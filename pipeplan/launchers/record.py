@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
+from pipeplan.facts.loss import DEFAULT_LOSS
+
 __all__ = ["LauncherFacts", "LauncherSettings", "DEFAULT_OPTIMIZER"]
 
 #: The optimizer state a plan keeps without a launcher (16-bit weights and gradients, fp32 Adam).
@@ -78,6 +80,9 @@ class LauncherFacts:
     batch: str
     """What its batch settings mean, as its docs and code say."""
     source: str
+    loss: str = DEFAULT_LOSS
+    """The cross-entropy it computes (a :data:`pipeplan.facts.loss.LOSS_FORMS` name): what the head's
+    working memory is costed as (pipeplan.facts.loss)."""
 
     def zero_stages(self, data: int, pipeline: int) -> tuple[int, ...]:
         """The ZeRO stages to plan at ``d = data`` replicas of ``pipeline`` ranks (0 only at d = 1)."""

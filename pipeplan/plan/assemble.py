@@ -78,6 +78,7 @@ def plan_from_partition(profile, settings, problem: PartitionProblem, partition:
                 if b.recompute == "selective" else None,
                 checkpoint_bytes=int(math.ceil(m.kept_bytes)) if b.recompute in ("full", "block") else None,
                 peak_memory_bytes=int(math.ceil(m.peak_bytes)),
+                working_bytes=int(math.ceil(m.working_bytes)) if m.working_bytes else None,
             )
         )
     times = partition.stage_times_ms

@@ -285,6 +285,18 @@ def _range_min(values: np.ndarray):
     return query
 
 
+def _memory_window(problem: PartitionProblem, chain: _Chain, j: int, ends: np.ndarray, cap: float) -> np.ndarray:
+    """Per end ``r``, the least start ``l <= r`` whose stage ``j`` over ``l .. r - 1`` fits ``cap``
+    (``r`` where none does): O(n log n), the memory being non-increasing in ``l``."""
+    lo, hi = np.zeros_like(ends), ends.copy()
+    while (lo < hi).any():
+        mid = (lo + hi) // 2
+        memory = problem.cost.stage_memory_bytes(chain.between(mid, ends), 0.0, problem.in_flight[j], "none")
+        fits = (memory <= cap) | (mid >= ends)
+        hi, lo = np.where(fits, mid, hi), np.where(fits, lo, mid + 1)
+    return lo
+
+
 def _feasibility(problem: PartitionProblem, chain: _Chain):
     """A test ``feasible(limit) -> split or None``: is there a split with bottleneck <= limit?
 
@@ -318,6 +330,11 @@ def _feasibility(problem: PartitionProblem, chain: _Chain):
     load = cost.load_ms(prefix, "none")
     lows = []
     for j in range(k):
+        if problem.graph.working_bytes.any():
+            # A working term is a range maximum, not a prefix difference: the window's start by
+            # bisection on l for every end at once (memory still falls as l rises).
+            lows.append(_memory_window(problem, chain, j, positions, cap))
+            continue
         combined = cost.stage_memory_bytes(prefix, 0.0, problem.in_flight[j], "none")
         # Memory falls as the start l rises, so the starts that fit form a window [low, r-1].
         lows.append(np.searchsorted(combined, combined - cap, side="left"))

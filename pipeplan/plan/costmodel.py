@@ -26,7 +26,10 @@ Terms, per micro-batch of one stage (``sums`` are its layers' profile entries ad
     recompute_bytes = for "full", one layer's activations while it is recomputed, the stage's
                       largest (largest_activation_bytes: a maximum, not a sum); for "selective",
                       one layer's rebuilt attention core (selective_working_bytes); else 0
-    peak_bytes      = state_bytes + in_flight x kept_bytes + recompute_bytes
+    working_bytes   = the stage's largest layer's working_bytes: what a layer allocates and frees
+                      within one pass above what it keeps (the loss's fp32 copies of the logits at
+                      the head, pipeplan.facts.loss); one layer runs at a time, so a maximum
+    peak_bytes      = state_bytes + in_flight x kept_bytes + recompute_bytes + working_bytes
 
 The schedule's own time per action (``action_overhead_ms``) is a simulator term: the same for
 every stage, so it moves no split and the solvers leave it out.
@@ -73,6 +76,8 @@ __all__ = [
     "recompute_mode",
     "LayerSums",
     "LARGEST",
+    "WORKING",
+    "LARGEST_OF",
     "TIED",
     "tied_copy_bytes",
     "layer_sums",
@@ -134,7 +139,8 @@ class LayerSums:
     #: ``largest_activation_bytes``, the stage's largest single layer's ``activation_bytes`` (a
     #: maximum, not a sum: each solver forms it its own way).
     FIELDS: ClassVar[tuple[str, ...]] = (*LAYER_ARRAYS, "compute_ms", "largest_activation_bytes",
-                                         "tied_copy_param_bytes", *BLOCK_FIELDS, BLOCK_LARGEST)
+                                         "largest_working_bytes", "tied_copy_param_bytes", *BLOCK_FIELDS,
+                                         BLOCK_LARGEST)
 
     __slots__ = ("_get", "_values")
 
@@ -156,8 +162,11 @@ class LayerSums:
         return cls(lambda name: values[name])
 
 
-#: The one LayerSums field that is a maximum over the stage's layers.
+#: The LayerSums fields that are a maximum over the stage's layers, each of the named array:
+#: the largest layer's activations (full recomputation's working memory) and its working bytes.
 LARGEST = "largest_activation_bytes"
+WORKING = "largest_working_bytes"
+LARGEST_OF = {LARGEST: "activation_bytes", WORKING: "working_bytes"}
 #: The LayerSums field of the tied weights' copies a stage holds (neither a sum nor a maximum:
 #: a tied weight counts where the stage holds a later user of it but not its first).
 TIED = "tied_copy_param_bytes"
@@ -183,8 +192,8 @@ def layer_sums(graph, layers) -> LayerSums:
     index = list(layers)
 
     def get(name):
-        if name == LARGEST:
-            return float(graph.activation_bytes[index].max()) if index else 0.0
+        if name in LARGEST_OF:
+            return float(getattr(graph, LARGEST_OF[name])[index].max()) if index else 0.0
         if name == TIED:
             held = set(index)
             return float(tied_copy_bytes(graph, lambda v: v in held))
@@ -218,7 +227,8 @@ def prefix_sums(graph):
         # the maximum of each run of 2^k layers; two overlapping runs cover any range. Empty: 0.
         # (key BLOCK_LARGEST: of the transformer blocks' alone.)
         if key not in cache:
-            values = graph.activation_bytes * (graph.block_mask if key == BLOCK_LARGEST else 1)
+            values = (graph.activation_bytes * graph.block_mask if key == BLOCK_LARGEST
+                      else getattr(graph, LARGEST_OF[key]))
             levels = [np.asarray(values, dtype=float)]
             while 2 ** len(levels) <= len(levels[0]):
                 half = 2 ** (len(levels) - 1)
@@ -245,8 +255,8 @@ def prefix_sums(graph):
         return np.minimum(cache["block_end"][lo], hi)
 
     def get(lo, hi, name):
-        if name == LARGEST:
-            return largest(lo, hi)
+        if name in LARGEST_OF:
+            return largest(lo, hi, name)
         if name == BLOCK_LARGEST:
             return largest(lo, block_cut(lo, hi), BLOCK_LARGEST)
         if name in BLOCK_FIELDS:
@@ -312,9 +322,12 @@ class StageMemory:
     recompute_bytes: float
     """One micro-batch's activations while a recomputing stage runs its forward again."""
     peak_bytes: float
-    """``state_bytes + in_flight x kept_bytes + recompute_bytes``."""
+    """``state_bytes + in_flight x kept_bytes + recompute_bytes + working_bytes``."""
     tied_copy_param_bytes: float = 0.0
     """Parameter bytes of the tied weights' copies it holds (their state is in ``state_bytes``)."""
+    working_bytes: float = 0.0
+    """What its largest layer allocates and frees within one pass above what it keeps (the loss's
+    working memory at the head)."""
 
 
 @dataclass(frozen=True)
@@ -346,7 +359,8 @@ class StageBreakdown:
             backward_weight_ms=t.backward_weight_ms,
             full_backward_ms=t.backward_action_ms,
             send_ms=0.0 if self.last else t.send_ms,
-            static_memory_bytes=int(math.ceil(m.state_bytes) + math.ceil(m.recompute_bytes)),
+            static_memory_bytes=int(math.ceil(m.state_bytes) + math.ceil(m.recompute_bytes)
+                                    + math.ceil(m.working_bytes)),
             activation_bytes=int(math.ceil(m.kept_bytes)),
             action_overhead_ms=t.action_overhead_ms,
         )
@@ -489,10 +503,15 @@ class CostModel:
             return self.selective_working_bytes
         return 0.0
 
+    def working_bytes(self, sums: LayerSums):
+        """The working rule: the stage's largest layer's ``working_bytes``, once (its layers run
+        one at a time, each freeing its working memory before the next allocates)."""
+        return sums.largest_working_bytes
+
     def stage_memory_bytes(self, sums: LayerSums, in_bytes, in_flight, mode: str):
         """The stage's peak memory."""
         return (self.state_bytes(sums) + in_flight * self.kept_bytes(sums, in_bytes, mode)
-                + self.recompute_bytes(sums, mode))
+                + self.recompute_bytes(sums, mode) + self.working_bytes(sums))
 
     # -- one stage, in parts -----------------------------------------------------------------
 
@@ -518,6 +537,7 @@ class CostModel:
             recompute_bytes=self.recompute_bytes(sums, mode),
             peak_bytes=self.stage_memory_bytes(sums, in_bytes, in_flight, mode),
             tied_copy_param_bytes=sums.tied_copy_param_bytes,
+            working_bytes=self.working_bytes(sums),
         )
         return StageBreakdown(index=index, layers=tuple(layers), in_bytes=in_bytes, out_bytes=out_bytes,
                               recompute=mode, time=time, memory=memory, last=last)

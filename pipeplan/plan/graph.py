@@ -21,7 +21,7 @@ __all__ = ["LAYER_ARRAYS", "LayerGraph", "build_layer_graph", "is_chain", "reord
 #: them, so a new per-layer quantity is one field here and one line in :func:`build_layer_graph`.
 LAYER_ARRAYS = ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms", "param_bytes",
                 "activation_bytes", "output_bytes", "selective_activation_bytes", "selective_recompute_ms",
-                "input_bytes", "expert_param_bytes")
+                "input_bytes", "expert_param_bytes", "working_bytes")
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,10 @@ class LayerGraph:
     """Which layers are transformer blocks (profile ``kind: block``; every layer where the
     profile names no kinds): what Megatron's ``--recompute-method block`` counts and recomputes
     (its embedding, final norm and head sit outside the transformer block). Default: all."""
+    working_bytes: np.ndarray | None = None
+    """Bytes a layer allocates and frees within one pass above its kept ones (the profile's
+    ``working_bytes``: the loss's fp32 copies at the head). A stage's peak adds its largest
+    (:attr:`pipeplan.plan.costmodel.CostModel.working_bytes`). Default: 0."""
     recompute_block_layers: int = 0
     """Megatron's ``--recompute-method block --recompute-num-layers N``: the ``block`` recompute
     mode recomputes the first N blocks of each stage in full (0: no such mode)."""
@@ -96,6 +100,8 @@ class LayerGraph:
             object.__setattr__(self, "expert_param_bytes", np.zeros_like(self.param_bytes))
         if self.block_mask is None:
             object.__setattr__(self, "block_mask", np.ones(len(self.names), dtype=bool))
+        if self.working_bytes is None:
+            object.__setattr__(self, "working_bytes", np.zeros_like(self.activation_bytes))
 
     @property
     def num_layers(self) -> int:
@@ -191,6 +197,8 @@ def build_layer_graph(profile, microbatch_size: int, recompute_block_layers: int
         block_mask=np.array([layer.kind == "block" for layer in profile.layers], dtype=bool)
         if any(layer.kind for layer in profile.layers) else None,
         recompute_block_layers=int(recompute_block_layers),
+        working_bytes=np.array([getattr(c, "working_bytes", None) or 0 for c in costs], dtype=float)
+        if any(getattr(c, "working_bytes", None) for c in costs) else None,
     )
 
 

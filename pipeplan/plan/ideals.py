@@ -14,7 +14,7 @@ import networkx as nx
 import numpy as np
 
 from pipeplan.errors import BadInputError, InfeasibleError
-from pipeplan.plan.costmodel import LARGEST, TIED, LayerSums, tied_copy_bytes
+from pipeplan.plan.costmodel import LARGEST_OF, TIED, LayerSums, tied_copy_bytes
 from pipeplan.plan.problem import Partition, PartitionProblem, evaluate_split
 
 __all__ = ["enumerate_ideals", "count_ideals", "partition_ideals", "IDEALS_DP_MAX_IDEALS"]
@@ -110,10 +110,10 @@ def partition_ideals(problem: PartitionProblem) -> Partition:
         held = member.astype(bool)
         return tied_copy_bytes(g, lambda v: held[i, v] & ~held[:, v])
 
-    def largest(i):
-        # The largest layer of ideal i minus each ideal (the one maximum among the sums).
+    def largest(i, name):
+        # The largest layer of ideal i minus each ideal (the maxima among the sums).
         inside = member[i].astype(bool)[None, :] & ~member.astype(bool)
-        return np.where(inside, g.activation_bytes[None, :], 0.0).max(axis=1)
+        return np.where(inside, getattr(g, LARGEST_OF[name])[None, :], 0.0).max(axis=1)
 
     bnd = np.array([g.boundary_bytes(member[i].astype(bool)) for i in range(count)], dtype=float)
     full = count - 1
@@ -132,7 +132,7 @@ def partition_ideals(problem: PartitionProblem) -> Partition:
         for i in range(count):
             sub = contains[i]
             # Every stage ending at ideal i: ideal i minus each ideal j (valid where sub[j]).
-            sums = LayerSums(lambda name, i=i: largest(i) if name == LARGEST else tied(i) if name == TIED
+            sums = LayerSums(lambda name, i=i: largest(i, name) if name in LARGEST_OF else tied(i) if name == TIED
                              else total(name)[i] - total(name))
             time = cost.stage_time_ms(sums, bnd, bnd[i], mode)
             memory = cost.stage_memory_bytes(sums, bnd, problem.in_flight[j], mode)

@@ -29,7 +29,7 @@ import networkx as nx
 import numpy as np
 
 from pipeplan.errors import InfeasibleError, PipeplanError
-from pipeplan.plan.costmodel import LARGEST, TIED, LayerSums
+from pipeplan.plan.costmodel import LARGEST_OF, TIED, LayerSums
 from pipeplan.plan.problem import Partition, PartitionProblem, evaluate_split, trivial_lower_bound_ms
 
 
@@ -239,13 +239,14 @@ class _Model:
         share = {v: self.Y(v, s) - self.Y(v, s - 1) for v in members}
 
         def stage_sum(name):
-            if name == LARGEST:
+            if name in LARGEST_OF:
                 # The stage's largest layer: a variable at least each member's, which the memory
                 # row (its only use, with a positive coefficient) keeps at the maximum.
-                largest = prob.add_variable(f"largest_{s}", lowBound=0)
+                values = getattr(g, LARGEST_OF[name])
+                largest = prob.add_variable(f"{name}_{s}", lowBound=0)
                 for v in members:
-                    if g.activation_bytes[v] > 0:
-                        self.add(largest >= float(g.activation_bytes[v]) * share[v])
+                    if values[v] > 0:
+                        self.add(largest >= float(values[v]) * share[v])
                 return largest
             if name == TIED:
                 # Per tied weight, a share at least each later user's minus the first's (0 or 1 at

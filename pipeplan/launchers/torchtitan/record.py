@@ -63,4 +63,6 @@ TORCHTITAN = LauncherFacts(
     batch="training.local_batch_size per data-parallel rank and step; with a pipeline, "
           "split into local_batch_size / pipeline_parallel_microbatch_size micro-batches; "
           "training.global_batch_size / (local_batch_size x dp) gradient-accumulation steps",
-    source="torchtitan 0.2.2 (config/job_config.py, train.py, distributed/pipeline_parallel.py)")
+    source="torchtitan 0.2.2 (config/job_config.py, train.py, distributed/pipeline_parallel.py)",
+    # components/loss.py: F.cross_entropy(pred.flatten(0, 1).float(), ...), eager.
+    loss="torch-eager")

@@ -73,10 +73,14 @@ def commands(row: dict, workdir: Path) -> tuple[list[str], list[str]]:
     overlap = list(BRIDGE_DATA_PARALLEL_OVERLAP if dp > 1 else ())
     if row["model"] in BRIDGE_TP_COMM_OVERLAP and row["tp"] > 1:
         overlap.append("tp-comm")
+    recipe = row.get("recipe") or {}
+    if recipe.get("moe_a2a_overlap"):
+        # The recipe's moe_a2a_overlap (Megatron Bridge sets megatron-core's overlap_moe_expert_parallel_comm
+        # from it): the all-to-alls behind the other micro-batch's compute in the combined 1F1B.
+        overlap.append("moe-a2a")
     plan += ["--overlap", ",".join(overlap) or "none"]
     if dp > 1:
         plan += ["--ddp-bucket-size", str(BRIDGE_BUCKET_PARAMS)]
-    recipe = row.get("recipe") or {}
     if recipe.get("recompute_modules"):
         plan += ["--recompute-modules", ",".join(recipe["recompute_modules"])]
     if recipe.get("cpu_offloading_num_layers"):

@@ -5,7 +5,8 @@ planned with every degree, the micro-batch size and the global batch fixed as pu
 pipeplan's own command line (the commands are printed, so any row can be rerun by hand), with
 the defaults otherwise: no constant is set for a row. The communication overlap is Megatron
 Bridge's own (BRIDGE_DATA_PARALLEL_OVERLAP, BRIDGE_TP_COMM_OVERLAP: its CommOverlapConfig and
-recipes), not Megatron-LM's defaults. A row pipeplan cannot state yet (a system
+recipes), not Megatron-LM's defaults; a recorded recipe's ``recompute_modules`` and
+``moe_a2a_overlap`` (``--overlap moe-a2a``) are passed as it sets them. A row pipeplan cannot state yet (a system
 without a preset, a precision, context parallelism) is reported as not expressible with the
 command line's own reason. Results go to docs/cluster-validation.md with this command:
 

@@ -5,6 +5,7 @@ partner phase in the combined 1F1B step does not cover (docs/cluster-model.md, e
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -14,6 +15,7 @@ from pipeplan.cli import app
 from pipeplan.cluster.overlap import OVERLAPS, expert_all_to_all_exposed_ms
 from pipeplan.cluster.presets import PRESETS
 from pipeplan.cluster.profile_view import ExpertGroup, degree_view
+from pipeplan.cluster.space import recompute_families
 from pipeplan.facts.gpus import get_gpu
 from pipeplan.formats.io import dump_model, load_plan
 
@@ -111,3 +113,18 @@ def test_unknown_overlap_names_moe_a2a(moe_profile, tmp_path):
     _, path = moe_profile
     result = _plan(path, tmp_path / "x.json", "moe-a2a,bogus")
     assert result.exit_code == 2 and "moe-a2a" in result.output
+
+
+def test_no_full_recompute_under_moe_a2a(moe_profile, tmp_path):
+    # megatron-core's TransformerConfig asserts recompute_granularity != 'full' with
+    # overlap_moe_expert_parallel_comm: an explicit --recompute all is exit 2, auto recomputes nothing.
+    _, path = moe_profile
+    result = CliRunner().invoke(app, ["plan", str(path), "--gpus", "16", "--cluster", "dgx-h100", "--global-batch",
+                                      "32", "-q", "--expert-parallel", "8", "--data-parallel", "16",
+                                      "--tensor-parallel", "1", "--zero", "1", "--overlap", "moe-a2a",
+                                      "--recompute", "all", "-o", str(tmp_path / "x.json")])
+    assert result.exit_code == 2 and "moe-a2a" in result.output
+    # The search's families: auto (which may recompute layers in full) becomes none under moe-a2a.
+    auto = SimpleNamespace(recompute="auto", overlap=["grad-reduce", "moe-a2a"])
+    assert recompute_families(auto, True) == [("plain", "none"), ("selective", "none")]
+    assert recompute_families(SimpleNamespace(recompute="auto", overlap=None), True)[0] == ("plain", "auto")

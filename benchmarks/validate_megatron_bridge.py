@@ -5,7 +5,8 @@ planned with every degree, the micro-batch size and the global batch fixed as pu
 pipeplan's own command line (the commands are printed, so any row can be rerun by hand), with
 the defaults otherwise: no constant is set for a row. The communication overlap is Megatron
 Bridge's own (BRIDGE_DATA_PARALLEL_OVERLAP, BRIDGE_TP_COMM_OVERLAP: its CommOverlapConfig and
-recipes), not Megatron-LM's defaults. A row pipeplan cannot state yet (a system
+recipes), not Megatron-LM's defaults; a recorded recipe's ``recompute_modules`` and
+``moe_a2a_overlap`` (``--overlap moe-a2a``) are passed as it sets them. A row pipeplan cannot state yet (a system
 without a preset, a precision, context parallelism) is reported as not expressible with the
 command line's own reason. Results go to docs/cluster-validation.md with this command:
 
@@ -73,10 +74,14 @@ def commands(row: dict, workdir: Path) -> tuple[list[str], list[str]]:
     overlap = list(BRIDGE_DATA_PARALLEL_OVERLAP if dp > 1 else ())
     if row["model"] in BRIDGE_TP_COMM_OVERLAP and row["tp"] > 1:
         overlap.append("tp-comm")
+    recipe = row.get("recipe") or {}
+    if recipe.get("moe_a2a_overlap"):
+        # The recipe's moe_a2a_overlap (Megatron Bridge sets megatron-core's overlap_moe_expert_parallel_comm
+        # from it): the all-to-alls behind the other micro-batch's compute in the combined 1F1B.
+        overlap.append("moe-a2a")
     plan += ["--overlap", ",".join(overlap) or "none"]
     if dp > 1:
         plan += ["--ddp-bucket-size", str(BRIDGE_BUCKET_PARAMS)]
-    recipe = row.get("recipe") or {}
     if recipe.get("recompute_modules"):
         plan += ["--recompute-modules", ",".join(recipe["recompute_modules"])]
     if recipe.get("cpu_offloading_num_layers"):

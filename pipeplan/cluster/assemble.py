@@ -173,7 +173,8 @@ def _predicted(plan, parts, best, profile, settings, cluster):
         predicted = predicted.model_copy(update={"quantize_ms": round(parts.quantize_ms, 6)})
     predicted = predicted.model_copy(update={
         name: round(best.extras[name], 6) for name in ("gradient_reduce_ms", "param_gather_ms",
-                                                       "data_parallel_hidden_ms", "tensor_parallel_hidden_ms")
+                                                       "data_parallel_hidden_ms", "tensor_parallel_hidden_ms",
+                                                       "expert_all_to_all_hidden_ms")
         if best.extras.get(name) is not None})
     if parts.host_wait_ms > 0:
         predicted = predicted.model_copy(update={"host_wait_ms": round(parts.host_wait_ms, 6)})

@@ -279,14 +279,16 @@ def best_over_context(plan_at, choices):
 
 
 def context_view(profile, source, context: int, tensor: int, cluster, selective: bool, experts, num_gpus: int,
-                 tp_comm=None):
+                 tp_comm=None, moe_a2a: bool = False):
     """The profile one GPU sees at degree ``tensor`` and ``context`` (``source``: the
     :func:`context_profile` of ``profile``), collectives and the exchange timed on ``cluster``'s
-    links, the exchange's on the NVLink domain a job of ``num_gpus`` gets (``tp_comm``:
+    links, the exchange's on the NVLink domain a job of ``num_gpus`` gets (``tp_comm``, ``moe_a2a``:
     :func:`pipeplan.cluster.profile_view.degree_view`'s)."""
     if context == 1:
-        return degree_view(profile, tensor, cluster, selective=selective, experts=experts, tp_comm=tp_comm)
-    view = degree_view(source, tensor, cluster, selective=selective, experts=experts, tp_comm=tp_comm)
+        return degree_view(profile, tensor, cluster, selective=selective, experts=experts, tp_comm=tp_comm,
+                           moe_a2a=moe_a2a)
+    view = degree_view(source, tensor, cluster, selective=selective, experts=experts, tp_comm=tp_comm,
+                           moe_a2a=moe_a2a)
     return add_context_exchange(view, profile, context, cluster, cluster.domain_gpus_for(num_gpus))
 
 

@@ -30,6 +30,9 @@ defaults, :func:`pipeplan.launchers.registry.launcher_overlaps`):
 ``tp-comm``
     Tensor-parallel collectives split into chunks overlapped with their GEMMs
     (:func:`tensor_parallel_exposed_shares`).
+``moe-a2a``
+    An MoE layer's dispatch and combine all-to-alls of one micro-batch behind the compute of the
+    other micro-batch of a combined 1F1B step (:func:`expert_all_to_all_exposed_ms`).
 
 Times are the cluster model's collectives (:mod:`pipeplan.cluster.collectives`); a bucket's
 share of a rank's collective is its share of the rank's parameters (the per-call latency of
@@ -44,10 +47,10 @@ from typing import Optional, Sequence
 
 __all__ = ["OVERLAPS", "StageUnits", "buckets", "stream_exposed_ms", "prefetch_exposed_ms",
            "fsdp_microbatch_exposed_ms", "exposed_sync_ms", "tensor_parallel_exposed_shares",
-           "TE_PIPELINE_SPLITS"]
+           "expert_all_to_all_exposed_ms", "TE_PIPELINE_SPLITS"]
 
 #: The overlaps a plan can name (settings.overlap).
-OVERLAPS = ("grad-reduce", "param-gather", "tp-comm")
+OVERLAPS = ("grad-reduce", "param-gather", "tp-comm", "moe-a2a")
 
 #: Transformer Engine's userbuffers default ``num_splits`` for its "pipeline" method (the chunked
 #: GEMM + reduce-scatter of ``proj_fprop`` and ``fc2_fprop``): ``transformer_engine/pytorch/module/
@@ -272,3 +275,54 @@ def tensor_parallel_exposed_shares(overlaps, launcher: Optional[str], kind: Opti
         share = 0.5 / (tensor - 1)
         return share, share
     return 0.5 / TE_PIPELINE_SPLITS, 0.0
+
+
+def expert_all_to_all_exposed_ms(dispatch_ms: tuple[float, float], combine_ms: tuple[float, float],
+                                 attention_ms: tuple[float, float], experts_ms: tuple[float, float]
+                                 ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The exposed (forward, backward) ms of an MoE layer's dispatch and combine all-to-alls under
+    Megatron-core's expert-parallel A2A overlap (``overlap_moe_expert_parallel_comm``, Megatron
+    Bridge's ``moe_a2a_overlap``).
+
+    The combined 1F1B schedule runs the forward of one micro-batch and the backward of another
+    layer by layer, the all-to-alls on a communication stream beside the compute stream
+    (``megatron/core/models/common/model_chunk_schedule_plan.py``,
+    ``TransformerLayerSchedulePlan.run``, megatron-core 0.16.1)::
+
+        comm stream: combine_bwd | dispatch_fwd | dispatch_bwd | combine_fwd
+        comp stream: attn_fwd    | mlp_bwd (dw) | mlp_fwd      | attn_bwd
+
+    each phase waiting for both streams' previous one (an all-to-all needs the compute before it,
+    the compute after it its result), so a layer's pair takes ``sum max(comm_i, comp_i)`` and each
+    all-to-all keeps only what its partner phase's compute does not cover::
+
+        combine_bwd  exposed = max(0, combine_bwd  - attention_fwd)
+        dispatch_fwd exposed = max(0, dispatch_fwd - experts_bwd)
+        dispatch_bwd exposed = max(0, dispatch_bwd - experts_fwd)
+        combine_fwd  exposed = max(0, combine_fwd  - attention_bwd)
+
+    Parameters
+    ----------
+    dispatch_ms, combine_ms : tuple of float
+        The all-to-alls' (forward, backward) ms per micro-batch.
+    attention_ms : tuple of float
+        The layer's compute outside the routed experts (attention, router, shared experts, its
+        tensor-parallel collectives: Megatron's ``attn`` node), (forward, backward).
+    experts_ms : tuple of float
+        The routed experts' (forward, backward) ms (the ``mlp`` node; its backward with the
+        weight gradients, ``backward_dw``).
+
+    Returns
+    -------
+    tuple
+        ``((dispatch forward, dispatch backward), (combine forward, combine backward))`` exposed.
+
+    Examples
+    --------
+    >>> expert_all_to_all_exposed_ms((2.0, 2.0), (2.0, 2.0), (1.0, 1.5), (0.5, 3.0))
+    ((0.0, 1.5), (0.5, 1.0))
+    """
+    (dispatch_f, dispatch_b), (combine_f, combine_b) = dispatch_ms, combine_ms
+    (attention_f, attention_b), (experts_f, experts_b) = attention_ms, experts_ms
+    return ((max(0.0, dispatch_f - experts_b), max(0.0, dispatch_b - experts_f)),
+            (max(0.0, combine_f - attention_b), max(0.0, combine_b - attention_f)))

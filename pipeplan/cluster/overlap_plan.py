@@ -12,7 +12,7 @@ from pipeplan.cluster.profile_view import DegreeView
 from pipeplan.launchers.registry import gradient_bucket_params, launcher_overlaps, plan_overlaps
 from pipeplan.formats.plan import PlanSettings
 
-__all__ = ["SYNC_OVERLAPS", "trial_overlaps", "tp_comm_launcher", "bound_overlap", "rank_syncs", "rank_stage_units",
+__all__ = ["SYNC_OVERLAPS", "trial_overlaps", "tp_comm_launcher", "view_overlaps", "bound_overlap", "rank_syncs", "rank_stage_units",
            "overlapped_rank_sync", "overlap_parts"]
 
 #: The overlaps that hide part of the data-parallel sync (the rest, tp-comm, is the view's).
@@ -28,6 +28,13 @@ def tp_comm_launcher(settings: PlanSettings):
     """The launcher whose tensor-parallel overlap the views model (``"megatron"`` without one), or None."""
     overlaps = settings.overlap if settings.overlap is not None else launcher_overlaps(settings.launcher, 1)
     return (settings.launcher or "megatron") if "tp-comm" in overlaps else None
+
+
+def view_overlaps(settings: PlanSettings) -> dict:
+    """The overlaps the views model, as :func:`pipeplan.cluster.context.context_view`'s keywords:
+    ``tp_comm`` (:func:`tp_comm_launcher`) and ``moe_a2a`` (``moe-a2a`` given in ``--overlap``; no
+    launcher turns it on by default: megatron-core's ``overlap_moe_expert_parallel_comm`` is False)."""
+    return {"tp_comm": tp_comm_launcher(settings), "moe_a2a": "moe-a2a" in (settings.overlap or ())}
 
 
 def bound_overlap(settings: PlanSettings, trial, overlap: float) -> float:
@@ -70,13 +77,17 @@ def rank_stage_units(plan, sim, view: DegreeView, settings: PlanSettings, trial)
     return out
 
 
-def overlap_parts(parts, split, rank_end, sync, overlap: float, overlaps, tp_hidden_ms) -> dict:
+def overlap_parts(parts, split, rank_end, sync, overlap: float, overlaps, tp_hidden_ms,
+                  expert_hidden_ms=None) -> dict:
     """The trial's overlap record for the plan (``{}`` where nothing is overlapped): the exposed
     sync of the rank that ends last split into gradient reduce and parameter all-gather, what the
-    overlaps hid of that rank's sync, and the tensor-parallel collectives hidden."""
+    overlaps hid of that rank's sync, the tensor-parallel collectives hidden and the MoE
+    all-to-alls hidden (``moe-a2a``: the critical rank's)."""
     out: dict = {}
     if tp_hidden_ms is not None:
         out["tensor_parallel_hidden_ms"] = tp_hidden_ms
+    if expert_hidden_ms is not None:
+        out["expert_all_to_all_hidden_ms"] = expert_hidden_ms
     if split is None:
         return out
     last = max(range(len(rank_end)), key=lambda r: (rank_end[r] + sync[r], -r))

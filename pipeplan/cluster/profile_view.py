@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pipeplan.cluster.collectives import all_to_all_ms, tensor_parallel_ms
-from pipeplan.cluster.overlap import tensor_parallel_exposed_shares
+from pipeplan.cluster.overlap import expert_all_to_all_exposed_ms, tensor_parallel_exposed_shares
 from pipeplan.errors import BadInputError
 from pipeplan.formats.cluster import ClusterSpec
 from pipeplan.formats.profile import Layer, LayerCost
@@ -165,7 +165,7 @@ class DegreeView:
         for name in layer_names:
             twice = recompute if isinstance(recompute, bool) else name in recompute
             for part, (forward, backward) in self.expert_ms.get((name, microbatch_size), {}).items():
-                total[part] += forward * (2 if twice else 1) + backward
+                total[part] = total.get(part, 0.0) + forward * (2 if twice else 1) + backward  # and a2a_hidden under moe-a2a
         return total
 
     tensor_parallel_hidden_ms: dict = field(default_factory=dict)
@@ -192,14 +192,16 @@ class DegreeView:
 
 
 def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: bool = False,
-                experts: ExpertGroup = ExpertGroup(), tp_comm: Optional[str] = None) -> DegreeView:
+                experts: ExpertGroup = ExpertGroup(), tp_comm: Optional[str] = None,
+                moe_a2a: bool = False) -> DegreeView:
     """The profile one GPU of a ``tensor_parallel`` group sees, collectives timed on ``cluster``
     (and, for an MoE profile, one GPU of an ``experts`` group: the module docstring).
 
     ``tp_comm`` (a launcher's name, or ``"megatron"`` without one; None: off) overlaps the
     collectives with their GEMMs: each pass keeps the exposed share of
     :func:`pipeplan.cluster.overlap.tensor_parallel_exposed_shares`, and never less than what the
-    pass's own compute cannot cover (``collectives - compute``).
+    pass's own compute cannot cover (``collectives - compute``). ``moe_a2a`` overlaps each MoE
+    unit's all-to-alls with the other micro-batch's compute (:func:`_expert_parts`).
 
     Raises
     ------
@@ -245,7 +247,7 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
                 extra_backward += c.selective_recompute_ms
             extra_forward, extra_input = forward_tp, extra_backward
             if moe and layer.expert_param_bytes:
-                parts = _expert_parts(c, experts, cluster)
+                parts = _expert_parts(c, experts, cluster, moe_a2a, (forward_tp, backward_tp))
                 ep_ms[(layer.name, c.microbatch_size)] = parts
                 more_forward, more_backward, more_input = _expert_extra(c, parts, experts)
                 extra_forward += more_forward
@@ -299,20 +301,35 @@ def degree_view(profile, tensor_parallel: int, cluster: ClusterSpec, selective: 
                                     if layer.expert_param_bytes})
 
 
-def _expert_parts(cost, experts: ExpertGroup, cluster: ClusterSpec) -> dict:
+def _expert_parts(cost, experts: ExpertGroup, cluster: ClusterSpec, moe_a2a: bool = False,
+                  tensor_parallel_ms: tuple[float, float] = (0.0, 0.0)) -> dict:
     """One MoE unit's parts per micro-batch at one entry: ``{part: (forward ms, backward ms)}``.
 
     Dispatch and combine are one all-to-all each per pass (the backward runs each one's
-    transpose); the busiest rank receives ``f`` times the balanced share of tokens."""
+    transpose); the busiest rank receives ``f`` times the balanced share of tokens. With
+    ``moe_a2a`` each keeps its exposed rest behind the other micro-batch's compute
+    (:func:`pipeplan.cluster.overlap.expert_all_to_all_exposed_ms`; the unit's compute outside the
+    routed experts, its exposed tensor-parallel collectives included, is the attention node's) and
+    ``a2a_hidden`` holds what was hidden (no part of the iteration)."""
     f = experts.imbalance
     a2a = all_to_all_ms(f * (cost.expert_dispatch_bytes or 0), experts.expert, experts.ranks_per_node,
                         cluster.intra_node, cluster.inter_node)
-    return {
-        "dispatch": (a2a, a2a),
-        "experts": (f * (cost.expert_forward_ms or 0.0), f * (cost.expert_backward_ms or 0.0)),
-        "combine": (a2a, a2a),
+    routed = (f * (cost.expert_forward_ms or 0.0), f * (cost.expert_backward_ms or 0.0))
+    dispatch = combine = (a2a, a2a)
+    if moe_a2a:
+        attention = tuple(max(0.0, whole + tp - (expert or 0.0)) for whole, tp, expert in
+                          zip((cost.forward_ms, cost.backward_ms), tensor_parallel_ms,
+                              (cost.expert_forward_ms, cost.expert_backward_ms)))
+        dispatch, combine = expert_all_to_all_exposed_ms(dispatch, combine, attention, routed)
+    parts = {
+        "dispatch": dispatch,
+        "experts": routed,
+        "combine": combine,
         "shared_expert": (cost.shared_expert_forward_ms or 0.0, cost.shared_expert_backward_ms or 0.0),
     }
+    if moe_a2a:
+        parts["a2a_hidden"] = (2 * a2a - dispatch[0] - combine[0], 2 * a2a - dispatch[1] - combine[1])
+    return parts
 
 
 def _expert_extra(cost, parts: dict, experts: ExpertGroup) -> tuple[float, float, float]:

@@ -29,7 +29,7 @@ from pipeplan.cluster.context import (best_over_context, check_context_request, 
                                       context_view, largest_buffer_bytes, stage_context_ms)
 from pipeplan.cluster.dataparallel import DEFAULT_OVERLAP, data_parallel_sync
 from pipeplan.cluster.overlap_plan import (SYNC_OVERLAPS, bound_overlap, overlap_parts, overlapped_rank_sync,
-                                           tp_comm_launcher, trial_overlaps)
+                                           trial_overlaps, view_overlaps)
 from pipeplan.cluster.experts import (check_expert_request, expert_choices, expert_data_degree, expert_group,
                                       moe_rank_tails, moe_static_bytes, moe_tails_lower_bound,
                                       no_expert_layout_message, view_expert_bytes)
@@ -164,7 +164,7 @@ class _Search:
     def view(self, tensor: int, selective: bool, experts) -> DegreeView:
         """The profile one GPU sees at degree ``tensor`` (and C), collectives and exchange timed."""
         view = context_view(self.profile, self.context_source, self.context, tensor, self.cluster, selective,
-                            experts, self.settings.num_gpus, tp_comm=tp_comm_launcher(self.settings))
+                            experts, self.settings.num_gpus, **view_overlaps(self.settings))
         return offload_view(view, self.settings.cpu_offload_layers, self.cluster.gpu)
     compares: list = field(default_factory=list)
     """Each ``--compare`` layout's trials (:class:`pipeplan.cluster.runners.Compare`)."""
@@ -580,8 +580,8 @@ def _run_trial(trial: _Trial, profile, settings: PlanSettings, view: DegreeView,
     trial.status = "planned"
     trial.extras = {"layout": layout, "link": "inter" if "inter" in links else ("intra" if links else "local"),
                     "gathered": gathered, "buffers": buffers,
-                    **overlap_parts(trial.parts, split, rank_end, sync, overlap, overlaps,
-                                     rank_tp_hidden[critical] if view.tensor_parallel_hidden_ms else None)}
+                    **overlap_parts(trial.parts, split, rank_end, sync, overlap, overlaps, rank_tp_hidden[critical]
+                                    if view.tensor_parallel_hidden_ms else None, rank_moe[critical].get("a2a_hidden"))}
 
 
 

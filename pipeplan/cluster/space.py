@@ -262,10 +262,19 @@ def zero_stages(settings, d: int, p: int) -> list[int]:
 
 
 def recompute_families(settings, view_has_selective: bool) -> list[tuple[str, str]]:
-    """(view family, the pipeline planner's recompute setting)."""
+    """(view family, the pipeline planner's recompute setting).
+
+    Under ``--overlap moe-a2a`` no layer is recomputed in full: megatron-core's
+    ``TransformerConfig.__post_init__`` asserts ``recompute_granularity != 'full'`` with
+    ``overlap_moe_expert_parallel_comm`` (``--recompute all`` is exit 2; auto plans none)."""
     mode = settings.recompute
+    no_full = "moe-a2a" in (getattr(settings, "overlap", None) or ())
+    if mode == "all" and no_full:
+        raise BadInputError("--recompute: all is refused with --overlap moe-a2a (megatron-core asserts "
+                            "recompute_granularity != 'full' with overlap_moe_expert_parallel_comm); use "
+                            "selective or none")
     if mode == "selective":
         return [("selective", "none")]
     if mode in ("none", "all"):
         return [("plain", mode)]
-    return [("plain", "auto")] + ([("selective", "none")] if view_has_selective else [])
+    return [("plain", "none" if no_full else "auto")] + ([("selective", "none")] if view_has_selective else [])

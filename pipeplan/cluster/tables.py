@@ -77,6 +77,8 @@ def cluster_plan_tables(plan):
            ("  routed experts", share(p.expert_compute_ms or 0.0)),
            ("  expert combine (all-to-all)", share(p.expert_combine_ms or 0.0)),
            ("  shared experts", share(p.shared_expert_ms or 0.0))] if p.expert_dispatch_ms is not None else []),
+        *([("    all-to-alls hidden behind compute (moe-a2a, not in the iteration)",
+            f"{p.expert_all_to_all_hidden_ms:.1f} ms")] if p.expert_all_to_all_hidden_ms is not None else []),
         *([(f"  {plan.settings.precision} casts (GEMM inputs, gradients)", share(p.quantize_ms or 0.0))]
           if p.quantize_ms is not None else []),
         *([("  context-parallel exchange", share(p.context_exchange_ms))] if p.context_exchange_ms is not None

@@ -199,12 +199,13 @@ class PlanSettings(_Strict):
         default=None, ge=0, le=1,
         description="A further share of what the modelled overlaps (overlap) leave exposed of the "
                     "data-parallel sync, assumed hidden; null: 0.")
-    overlap: Optional[list[Literal["grad-reduce", "param-gather", "tp-comm"]]] = Field(
+    overlap: Optional[list[Literal["grad-reduce", "param-gather", "tp-comm", "moe-a2a"]]] = Field(
         default=None,
         description="--overlap: the communication overlapped with compute (grad-reduce: the data-parallel "
                     "gradient reduce behind the backward, bucketed; param-gather: the updated weights' "
                     "all-gather behind the next forward, or ZeRO 3's prefetch; tp-comm: tensor-parallel "
-                    "collectives chunked behind their GEMMs); [] none; null: the launcher's defaults "
+                    "collectives chunked behind their GEMMs; moe-a2a: the MoE all-to-alls of one micro-batch "
+                    "behind the other's compute in Megatron's combined 1F1B, overlap_moe_expert_parallel_comm); [] none; null: the launcher's defaults "
                     "(pipeplan.launchers.registry.launcher_overlaps).")
     ddp_bucket_size: Optional[PositiveCount] = Field(
         default=None,
@@ -407,6 +408,10 @@ class Predicted(_Strict):
     tensor_parallel_hidden_ms: Optional[PlanMs] = Field(
         default=None, description="With tp-comm: the critical rank's tensor-parallel collectives hidden behind "
                                   "their GEMMs (not part of the iteration; tensor_parallel_ms is the exposed rest).")
+    expert_all_to_all_hidden_ms: Optional[PlanMs] = Field(
+        default=None, description="With moe-a2a: the critical rank's dispatch and combine all-to-alls hidden behind "
+                                  "the other micro-batch's compute (not part of the iteration; expert_dispatch_ms "
+                                  "and expert_combine_ms are the exposed rest).")
     expert_dispatch_ms: Optional[PlanMs] = Field(
         default=None, description="Mixture of experts: the token dispatch all-to-alls (forward and backward).")
     expert_compute_ms: Optional[PlanMs] = Field(

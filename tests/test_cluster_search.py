@@ -238,8 +238,8 @@ def test_memoised_search_is_byte_identical_to_an_uncached_one(monkeypatch):
     import pipeplan.plan.memo as memo
     import pipeplan.plan.search as plan_search
 
-    kw = dict(schedule="auto", memory_cap_bytes=13 * 2**30)
-    # Every layout planned in full, so that some are infeasible and their reasons explained lazily.
+    kw = dict(schedule="auto", memory_cap_bytes=12 * 2**30)
+    # Every layout planned in full, so that some (at 12 GiB) are infeasible and their reasons explained lazily.
     monkeypatch.setattr(search_module, "PRUNE_AGAINST_BEST", False)
     cached = _plan(**kw)
     assert any("infeasible" in a.reason for a in cached.alternatives)  # the lazily explained reasons are shown

@@ -180,11 +180,9 @@ class DegreeView:
     """``{(unit name, micro-batch size): (forward ms, backward ms)}`` of a quantized precision's
     casts (the profile's ``quantize_*_ms``; empty without one)."""
 
-
     host_wait_ms: dict = field(default_factory=dict)
     """``{(unit name, micro-batch size): (forward ms, backward ms)}`` the GPU waits for the host's
     launches (the profile's ``host_wait_*_ms``; empty where every unit is GPU-bound)."""
-
 
     def stage_tensor_parallel_ms(self, layer_names, microbatch_size: int, recompute) -> float:
         """The collectives' time of a stage per micro-batch (:func:`stage_pass_ms`)."""

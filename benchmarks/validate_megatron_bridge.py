@@ -15,12 +15,12 @@ command line's own reason. Results go to docs/cluster-validation.md with this co
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from validation_rows import parse_args, validate_rows
 
 ROOT = Path(__file__).resolve().parent
 RUNS = ROOT / "data" / "megatron_bridge_runs.json"
@@ -116,22 +116,15 @@ def validate(row: dict, workdir: Path) -> dict:
     return out
 
 
+def _print_row(row: dict, result: dict) -> None:
+    shown = (f"{result['predicted_s']:.2f} s ({result['error']:+.1%})" if result["error"] is not None
+             else f"not expressible: {result['reason']}")
+    print(f"{row['id']}: measured {row['measured_iteration_s']:.2f} s, predicted {shown}", flush=True)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", action="append", help="a row id (repeatable)")
-    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
-    args = parser.parse_args(argv)
-    runs = json.loads(RUNS.read_text())["runs"]
-    rows = [r for r in runs if not args.only or r["id"] in args.only]
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for row in rows:
-            result = validate(row, Path(tmp))
-            results.append(result)
-            if not args.markdown:
-                shown = (f"{result['predicted_s']:.2f} s ({result['error']:+.1%})" if result["error"] is not None
-                         else f"not expressible: {result['reason']}")
-                print(f"{row['id']}: measured {row['measured_iteration_s']:.2f} s, predicted {shown}", flush=True)
+    args = parse_args(__doc__.splitlines()[0], argv)
+    rows, results = validate_rows(RUNS, args.only, validate, None if args.markdown else _print_row)
     if args.markdown:
         print("| run | measured s | predicted s | error |")
         print("|---|---|---|---|")

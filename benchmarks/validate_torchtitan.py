@@ -17,12 +17,12 @@ maximum reserved memory). Results go to docs/cluster-validation.md with this com
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from validation_rows import parse_args, validate_rows
 
 ROOT = Path(__file__).resolve().parent
 RUNS = ROOT / "data" / "torchtitan_runs.json"
@@ -92,19 +92,9 @@ def _line(row: dict, r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", action="append", help="a row id (repeatable)")
-    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
-    args = parser.parse_args(argv)
-    runs = json.loads(RUNS.read_text())["runs"]
-    rows = [r for r in runs if not args.only or r["id"] in args.only]
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for row in rows:
-            result = validate(row, Path(tmp))
-            results.append(result)
-            if not args.markdown:
-                print(_line(row, result), flush=True)
+    args = parse_args(__doc__.splitlines()[0], argv)
+    rows, results = validate_rows(RUNS, args.only, validate,
+                                  None if args.markdown else lambda row, r: print(_line(row, r), flush=True))
     if args.markdown:
         print("| run | AC | measured s | predicted s | error | measured GiB | predicted GiB (planned + reserve) | error |")
         print("|---|---|---|---|---|---|---|---|")

@@ -166,7 +166,8 @@ def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_i
 
     tied = tied_parameter_names(net)
     alias = {name: canonical for canonical, group in tied.items() for name in group}
-    pipe, routing = traced_split(net, example_inputs, [layers[0] for layers in stage_layers[1:]])
+    pipe, routing = _cached_split(net, example_inputs, [layers[0] for layers in stage_layers[1:]],
+                                  (model, seed, str(device), dtype, repr(sorted(options.items()))))
     _check_traced_stages(pipe, stage_layers, tied, alias)
     cls = traced_stage_class()
     modules, names, static = [], [], []
@@ -205,6 +206,56 @@ def build_rank_stages(model: str, stage_layers: Sequence[Sequence[str]], stage_i
         loss = default_loss
     return RankStages(modules=modules, builder="traced", loss=loss, param_names=names,
                       tied={c: sorted(s) for c, s in sorted(uses.items()) if len(s) > 1}, static_args=static)
+
+
+#: The traced splits made so far in this process, by (model, seed, device, dtype, options,
+#: split points, micro-batch shapes): a torchrun job's later plans of the same model and layout
+#: (``run_plans``) reuse the trace (torch.export is most of a plan's set-up on every rank).
+_SPLITS: dict[tuple, tuple[Any, Routing]] = {}
+_SPLITS_KEPT = 8
+
+
+def _cached_split(net: Any, example_inputs: Any, stage_first_units: Sequence[str],
+                  model_key: tuple) -> tuple[Any, Routing]:
+    """:func:`traced_split`, traced once per process for each model, layout and micro-batch shape.
+
+    The cache keeps an untouched copy of the split; each call gets a fresh copy of it with
+    ``net``'s current parameters and buffers copied in, so a plan starts from the weights its
+    own build made, exactly as if it had traced ``net`` itself.
+    """
+    import copy
+
+    import torch
+
+    from pipeplan.profile.loading import split_inputs
+
+    args, kwargs = split_inputs(example_inputs)
+
+    def shape(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), str(value.dtype), value.requires_grad)
+        return ("value", repr(value))
+
+    key = model_key + (tuple(stage_first_units), tuple(shape(a) for a in args),
+                       tuple((k, shape(v)) for k, v in sorted((kwargs or {}).items())))
+    if key not in _SPLITS:
+        pipe, routing = traced_split(net, example_inputs, stage_first_units)
+        if len(_SPLITS) >= _SPLITS_KEPT:
+            _SPLITS.pop(next(iter(_SPLITS)))
+        _SPLITS[key] = (copy.deepcopy(pipe), routing)
+        return pipe, routing
+    pristine, routing = _SPLITS[key]
+    pipe = copy.deepcopy(pristine)
+    state = dict(net.named_parameters(remove_duplicate=False))
+    state.update(net.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        for index in range(pipe.num_stages):
+            submod = pipe.get_stage_module(index)
+            for name, tensor in [*submod.named_parameters(remove_duplicate=False),
+                                 *submod.named_buffers(remove_duplicate=False)]:
+                if name in state:  # else a constant the trace lifted: the same in every build
+                    tensor.copy_(state[name])
+    return pipe, routing
 
 
 def split_backward_problem(module: Any, inputs: tuple, outputs: tuple) -> Optional[str]:
